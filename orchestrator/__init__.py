@@ -1,0 +1,1 @@
+"""orchestrator: prefix reuse for hybrid recurrent LLMs through llama.cpp state snapshots."""

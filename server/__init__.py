@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API (Starlette) over the orchestrator scheduler."""
