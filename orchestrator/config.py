@@ -1,0 +1,45 @@
+"""All configuration in one dataclass, filled by the CLI (flags use llama-server's spelling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+MiB = 1024 * 1024
+
+
+def default_cache_ram_mib() -> int:
+    """Default RAM budget for snapshots, in MiB: a quarter of the memory available now (psutil), at most 8 GiB.
+
+    A quarter leaves room for the model weights, the context's own KV/recurrent buffers and the OS.
+    """
+    available = psutil.virtual_memory().available
+    return int(min(available // 4, 8 * 1024 * MiB) // MiB)
+
+
+@dataclass
+class Config:
+    """Server, engine and cache settings.
+
+    Units: sizes in tokens unless the name says MiB; times in seconds.
+    """
+
+    model: Path | None = None  # GGUF path; None = the synthetic qwen3.5-0.8b preset (random weights)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx_size: int = 8192  # n_ctx of the llama.cpp context, tokens
+    batch_size: int = 512  # n_batch: the most tokens one llama_decode call takes (prefill is chunked to it)
+    threads: int = field(default_factory=lambda: max(1, psutil.cpu_count(logical=False) or 1))
+    cache_ram_mib: int = field(default_factory=default_cache_ram_mib)  # snapshot LRU budget, MiB
+    cache_enabled: bool = True  # False: every request is prefilled cold (the correctness oracle)
+    model_alias: str | None = None  # id reported by /v1/models; default: the model file's stem
+    chat_template: Path | None = None  # override the template stored in the GGUF
+    max_tokens_default: int = 512  # completion budget when a request gives none
+    use_extra_bufts: bool = False  # llama.cpp CPU weight repacking; see engine.ModelLoadOptions
+    seed: int = 0xC0FFEE  # default sampling seed when a request gives none
+
+    @property
+    def cache_ram_bytes(self) -> int:
+        return self.cache_ram_mib * MiB
