@@ -1,0 +1,91 @@
+"""Command line: `serve` (the OpenAI-compatible server) and `synth-model` (random-weight Qwen3.5 GGUFs).
+
+Flags use llama-server's spelling where one exists (--host, --port, --ctx-size, --threads, --batch-size,
+--cache-ram, --alias, --chat-template-file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .config import Config, default_cache_ram_mib
+
+
+def _serve_parser(sub) -> None:
+    d = Config()
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    p.add_argument("-m", "--model", type=Path, help="GGUF file (default: the synthetic qwen3.5-0.8b, random weights)")
+    p.add_argument("--host", default=d.host, help=f"bind address (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
+    p.add_argument("-c", "--ctx-size", type=int, default=d.ctx_size, help=f"context size in tokens (default {d.ctx_size})")
+    p.add_argument("-b", "--batch-size", type=int, default=d.batch_size,
+                   help=f"n_batch: most tokens per llama_decode; prefill is chunked to it (default {d.batch_size})")
+    p.add_argument("-t", "--threads", type=int, default=d.threads, help=f"CPU threads (default {d.threads})")
+    p.add_argument("--cache-ram", type=int, default=None, metavar="MiB",
+                   help=f"RAM budget for snapshots in MiB (default: a quarter of available memory, now "
+                        f"{default_cache_ram_mib()}); 0 disables the cache")
+    p.add_argument("--no-cache", action="store_true", help="never reuse or store state (every request cold)")
+    p.add_argument("-a", "--alias", help="model id reported by the API (default: the file name)")
+    p.add_argument("--chat-template-file", type=Path, help="Jinja2 chat template overriding the GGUF's")
+    p.add_argument("-n", "--max-tokens", type=int, default=d.max_tokens_default,
+                   help=f"completion budget when a request sets none (default {d.max_tokens_default})")
+    p.add_argument("--use-extra-bufts", action="store_true",
+                   help="enable llama.cpp CPU weight repacking (crashes Q4_K_M prefill on some CPUs; off by default)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _config(a: argparse.Namespace) -> Config:
+    cfg = Config(model=a.model, host=a.host, port=a.port, ctx_size=a.ctx_size, batch_size=a.batch_size,
+                 threads=a.threads, model_alias=a.alias, chat_template=a.chat_template_file,
+                 max_tokens_default=a.max_tokens, use_extra_bufts=a.use_extra_bufts)
+    if a.cache_ram is not None:
+        cfg.cache_ram_mib = a.cache_ram
+    cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0
+    return cfg
+
+
+def serve(cfg: Config, log_level: str = "info") -> int:
+    """Start the runtime and run uvicorn until interrupted."""
+    import uvicorn
+
+    from server.app import create_app
+
+    from .errors import OrchestratorError
+    from .runtime import Runtime
+
+    log = logging.getLogger("orchestrator")
+    log.info("snapshot RAM budget: %d MiB%s", cfg.cache_ram_mib, "" if cfg.cache_enabled else " (cache off)")
+    try:
+        rt = Runtime.start(cfg)
+    except OrchestratorError as e:
+        log.error("%s", e.message)
+        return 2
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s: the API has no authentication; anyone who can reach it can use it", cfg.host)
+    try:
+        uvicorn.run(create_app(rt), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False)
+    finally:
+        rt.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    p = sub.add_parser("synth-model", help="write a random-weight Qwen3.5-shaped GGUF (no download needed)")
+    p.add_argument("--preset", required=True, choices=["tiny", "qwen3.5-0.8b"])
+    p.add_argument("--out", type=Path, help="output GGUF (default: build once into the user cache and print its path)")
+    a = parser.parse_args(argv)
+    level = getattr(a, "log_level", "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if a.command == "serve":
+        return serve(_config(a), a.log_level)
+    from .synth import build_model, ensure_model
+
+    path = build_model(a.preset, a.out) if a.out else ensure_model(a.preset)
+    print(path)
+    return 0

@@ -1,0 +1,277 @@
+"""The only module that talks to llama.cpp (through llama-cpp-python's low-level ctypes API).
+
+One `Engine` owns a model, a context and a reusable `llama_batch`. It tokenizes, prefills in chunks of at most
+n_batch tokens (llama_decode aborts the process on more), decodes one token at a time, samples with llama.cpp's
+sampler chain, and saves/restores a sequence's state as bytes (llama_state_seq_get_data / set_data).
+
+Not thread-safe: the scheduler's single worker thread is its only caller.
+
+CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AVX-512/AMX
+CPUs, a Q4_K_M model loaded with repacking segfaults on any llama_decode of more than one token (seen for the
+synthetic Qwen3.5 and for the real Gemma 3 270M). A segfault cannot be caught, so the engine loads models with
+`use_extra_bufts=False` unless told otherwise; bench/bench_configs.py measures the choice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import llama_cpp
+import numpy as np
+
+from .errors import EngineError, ModelLoadError
+
+log = logging.getLogger("orchestrator.engine")
+
+_LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request. temperature <= 0 means greedy (llama_sampler_init_greedy)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts read from the GGUF (llama_model_meta_val_str) and the vocab."""
+
+    path: Path
+    architecture: str
+    name: str
+    n_vocab: int
+    n_ctx_train: int
+    size_bytes: int
+    n_params: int
+    chat_template: str | None
+    eos_text: str
+    eot_text: str
+    bos_text: str
+    add_bos: bool
+
+
+class Sampler:
+    """A llama.cpp sampler chain (top-k → top-p → min-p → temperature → dist, or greedy). Free with close()."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        if params.temperature <= 0:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
+            if params.top_p < 1.0:
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+        self._chain = chain
+
+    def sample(self, ctx) -> int:
+        """Sample from the logits of the last token decoded with logits on (llama_sampler_sample, idx -1)."""
+        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, -1))
+
+    def close(self) -> None:
+        if self._chain is not None:
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+class Engine:
+    """A llama.cpp model + context with one sequence per slot.
+
+    Args:
+        model_path: GGUF file.
+        n_ctx: context size in tokens (per sequence when n_seq_max > 1).
+        n_batch: most tokens per llama_decode call; also n_ubatch.
+        n_threads: CPU threads for decode and prefill.
+        use_extra_bufts: llama.cpp CPU weight repacking (see the module docstring; off by default).
+    Raises ModelLoadError when the file is missing or llama.cpp cannot load it.
+    """
+
+    def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
+                 use_extra_bufts: bool = False, n_seq_max: int = 1) -> None:
+        model_path = Path(model_path)
+        if not model_path.is_file():
+            raise ModelLoadError(f"model file not found: {model_path}")
+        self._log_cb = llama_cpp.llama_log_callback(self._on_log)
+        llama_cpp.llama_log_set(self._log_cb, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.use_extra_bufts = use_extra_bufts
+        self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
+        if not self.model:
+            raise ModelLoadError(f"llama.cpp could not load {model_path} (not a GGUF, or an unsupported "
+                                 f"architecture for llama-cpp-python {llama_cpp.__version__})")
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx * n_seq_max
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq_max
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for {model_path} "
+                                 f"(out of memory? try a smaller --ctx-size)")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx)
+        self.n_batch = llama_cpp.llama_n_batch(self.ctx)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_threads = n_threads
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
+        self.info = self._read_info(model_path)
+        self.use_extra_bufts = use_extra_bufts
+
+    # ---------------------------------------------------------------- metadata and vocab
+
+    def _on_log(self, level: int, text: bytes, _user) -> None:
+        msg = text.decode("utf-8", "replace").rstrip("\n")
+        if msg:
+            log.log(_LOG_LEVELS.get(level, logging.DEBUG), "llama.cpp: %s", msg)
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string (llama_model_meta_val_str), or None."""
+        buf = ctypes.create_string_buffer(1 << 20)
+        n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def _read_info(self, path: Path) -> ModelInfo:
+        def text(tok: int) -> str:
+            return self.piece(tok).decode("utf-8", "replace") if tok >= 0 else ""
+
+        eos = llama_cpp.llama_vocab_eos(self.vocab)
+        eot = llama_cpp.llama_vocab_eot(self.vocab)
+        bos = llama_cpp.llama_vocab_bos(self.vocab)
+        return ModelInfo(
+            path=path,
+            architecture=self.meta("general.architecture") or "unknown",
+            name=self.meta("general.name") or path.stem,
+            n_vocab=self.n_vocab,
+            n_ctx_train=llama_cpp.llama_model_n_ctx_train(self.model),
+            size_bytes=llama_cpp.llama_model_size(self.model),
+            n_params=llama_cpp.llama_model_n_params(self.model),
+            chat_template=self.meta("tokenizer.chat_template"),
+            eos_text=text(eos),
+            eot_text=text(eot if eot >= 0 else eos),
+            bos_text=text(bos),
+            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(self.vocab)),
+        )
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text` (llama_tokenize). parse_special: special-token texts become their ids."""
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise EngineError(f"llama_tokenize failed ({n}) on {len(data)} bytes")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """Bytes of one token (llama_token_to_piece, special tokens rendered as their text)."""
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            return buf.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        """End of generation (EOS, EOT and the like: llama_vocab_is_eog)."""
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    # ---------------------------------------------------------------- compute
+
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
+        """Decode `tokens` at positions pos.. for sequence `seq`, in chunks of at most n_batch tokens.
+
+        Logits are kept for the last token only (when want_logits). Raises EngineError when llama_decode fails
+        (e.g. no KV slot); the sequence's state is then unspecified and the caller must clear it.
+        """
+        b = self._batch
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            n = len(chunk)
+            for i, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = pos + start + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = 0
+            if want_logits and start + n == len(tokens):
+                b.logits[n - 1] = 1
+            b.n_tokens = n
+            rc = llama_cpp.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed with code {rc} at position {pos + start} "
+                                  f"({n} tokens; context {self.n_ctx})")
+
+    def logits(self) -> np.ndarray:
+        """Copy of the logits of the last token decoded with logits on: float32, shape (n_vocab,)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        return Sampler(params)
+
+    # ---------------------------------------------------------------- sequence state
+
+    def clear(self, seq: int) -> None:
+        """Remove every token of sequence `seq` from the memory (KV and recurrent)."""
+        llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
+
+    def save_state(self, seq: int, flags: int = 0) -> bytes:
+        """The state of sequence `seq` as bytes (llama_state_seq_get_data_ext; flags 0 = KV + recurrent).
+
+        Size: for Qwen3.5-0.8B about 19 MiB of recurrent state plus about 12 KiB of KV per token held.
+        Raises EngineError when llama.cpp writes nothing.
+        """
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
+        if n == 0:
+            raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
+        return ctypes.string_at(buf, n)
+
+    def restore_state(self, seq: int, data: bytes, flags: int = 0) -> None:
+        """Replace sequence `seq`'s state by `data` (llama_state_seq_set_data_ext). `data` is only read.
+
+        Raises EngineError when llama.cpp rejects the bytes; the sequence is then cleared.
+        """
+        self.clear(seq)
+        src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, len(data), seq, flags)
+        if n == 0:
+            self.clear(seq)
+            raise EngineError(f"llama.cpp rejected a {len(data)}-byte state for sequence {seq}")
+
+    def close(self) -> None:
+        """Free the batch, context and model."""
+        if getattr(self, "ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
+            self.ctx = None
+
+
+ProgressFn = Callable[[int], None]

@@ -1,0 +1,44 @@
+"""Exceptions a user can act on. The server turns them into HTTP errors in one place (server/errors.py)."""
+
+from __future__ import annotations
+
+
+class OrchestratorError(Exception):
+    """Base class. `status` is the HTTP status the server answers with."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(OrchestratorError):
+    """The request cannot be served as given (HTTP 400, OpenAI `invalid_request_error`)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextOverflow(InvalidRequest):
+    """The prompt (plus at least one generated token) does not fit in n_ctx."""
+
+    def __init__(self, n_prompt: int, n_ctx: int) -> None:
+        super().__init__(
+            f"the prompt is {n_prompt} tokens, but the context holds {n_ctx} (--ctx-size) and at least one "
+            f"token must be generated; shorten the messages or restart the server with a larger --ctx-size",
+            param="messages", code="context_length_exceeded")
+
+
+class EngineError(OrchestratorError):
+    """llama.cpp reported a failure (decode, state restore). The request fails; the server keeps serving."""
+
+    status = 500
+    type = "server_error"
+
+
+class ModelLoadError(OrchestratorError):
+    """The model file cannot be loaded."""

@@ -1,0 +1,295 @@
+"""Scheduler: one worker thread that owns the engine and serves queued generation jobs one at a time.
+
+Per job, as one step under the worker (so the cached_tokens reported are the tokens actually restored):
+
+  1. reuse: the deepest snapshot that prefixes the prompt and leaves at least MIN_SEGMENT tokens to prefill,
+     restored as a copy (llama_state_seq_set_data), else a cleared sequence;
+  2. prefill the rest in segments that end at each boundary, saving a snapshot at each boundary not yet stored
+     (prefill to a boundary, save, continue: no second pass over the prompt), and one at the end of the prompt;
+  3. decode token by token, streaming events;
+  4. after the result is delivered, before the next job: snapshot the state after generation by
+     restoring the end-of-prompt state and prefilling the generated tokens (plus the end-of-turn token) as one
+     batch.
+
+Why batches of at least MIN_SEGMENT (2) tokens, and why step 4 re-prefills instead of saving the decode state:
+llama.cpp computes a one-token ubatch with other kernels than a multi-token one (Gated DeltaNet's fused
+autoregressive path vs the chunked one, and batch-1 matmul paths), so a token decoded alone gets a state that
+differs in the last bits (measured: max |Δlogit| 2e-4 F16, 6e-3 Q4_K_M) from the same token prefilled in a
+batch. Multi-token batches split anywhere give bit-identical states and logits (tests/test_correctness.py). So
+every stored state is one a cold prefill reproduces exactly, and cached runs equal cold runs bit for bit.
+
+With `use_cache=False` the job is a cold run: the sequence is cleared, the whole prompt is prefilled with the
+same rules, nothing is read or stored. That is the correctness oracle the tests compare against.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .cache import SnapshotCache
+from .engine import Engine, SamplingParams
+from .errors import ContextOverflow, EngineError, OrchestratorError
+from .stops import TextStream
+
+log = logging.getLogger("orchestrator.scheduler")
+
+MIN_SEGMENT = 2  # fewest tokens per prefill ubatch; see the module docstring
+
+
+@dataclass
+class Job:
+    """One generation request, already tokenized.
+
+    prompt_tokens: the prompt (n_prompt tokens). boundaries: token offsets where snapshots are taken
+    (0 < b < n_prompt). max_tokens: completion budget. stop: stop strings. want_logits: keep the first-step
+    logits (float32, shape (n_vocab,)) in the result, for correctness checks.
+    """
+
+    prompt_tokens: list[int]
+    boundaries: Sequence[int] = ()
+    max_tokens: int = 16
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    use_cache: bool = True
+    want_logits: bool = False
+
+
+@dataclass
+class Result:
+    """What a job produced. Times in seconds."""
+
+    completion_tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" (end-of-generation token or stop string) or "length"
+    prompt_tokens: int
+    cached_tokens: int
+    restore_source: str  # "live", "snapshot" or "none"
+    restore_s: float
+    prefill_s: float
+    ttft_s: float
+    total_s: float
+    snapshots_saved: int
+    first_logits: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """Streamed to the caller: kind "text" (a delta), "done" (result set) or "error" (error set)."""
+
+    kind: str
+    text: str = ""
+    result: Result | None = None
+    error: OrchestratorError | None = None
+
+
+Sink = Callable[[Event], None]
+
+
+class Scheduler:
+    """Queue + worker thread over one engine sequence (slot 0) and one snapshot cache.
+
+    submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
+    thread-safe (the server wraps asyncio's call_soon_threadsafe). A job that fails gets an "error" event,
+    the sequence is cleared, and the worker goes on with the next job.
+    """
+
+    SEQ = 0
+
+    def __init__(self, engine: Engine, cache: SnapshotCache) -> None:
+        self.engine = engine
+        self.cache = cache
+        self._queue: queue.Queue[tuple[Job, Sink, threading.Event] | threading.Event | None] = queue.Queue()
+        self._busy = False
+        self._thread = threading.Thread(target=self._worker, name="orchestrator-worker", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+
+    def submit(self, job: Job, sink: Sink, cancel: threading.Event | None = None) -> threading.Event:
+        """Queue a job; returns its cancel flag (set it to stop the job at the next token)."""
+        if len(job.prompt_tokens) + 1 > self.engine.n_ctx:
+            raise ContextOverflow(len(job.prompt_tokens), self.engine.n_ctx)
+        if not job.prompt_tokens:
+            raise OrchestratorError("empty prompt")
+        cancel = cancel or threading.Event()
+        self._queue.put((job, sink, cancel))
+        return cancel
+
+    def run(self, job: Job) -> Result:
+        """Submit and wait (for tests, benchmarks and the CLI). Raises the job's error."""
+        done = threading.Event()
+        box: list[Event] = []
+
+        def sink(ev: Event) -> None:
+            if ev.kind in ("done", "error"):
+                box.append(ev)
+                done.set()
+
+        self.submit(job, sink)
+        done.wait()
+        if box[0].kind == "error":
+            raise box[0].error
+        return box[0].result
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every job queued before this call, and its after-generation snapshot, is done."""
+        barrier = threading.Event()
+        self._queue.put(barrier)
+        return barrier.wait(timeout)
+
+    @property
+    def queue_length(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ worker
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            job, sink, cancel = item
+            self._busy = True
+            try:
+                result, followup = self._serve(job, sink, cancel)
+                sink(Event("done", result=result))
+            except OrchestratorError as e:
+                self._reset()
+                sink(Event("error", error=e))
+            except Exception as e:  # noqa: BLE001 - the worker must survive any job
+                log.exception("job failed")
+                self._reset()
+                sink(Event("error", error=EngineError(f"internal error: {e}")))
+            else:
+                if followup is not None:
+                    try:
+                        followup()
+                    except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
+                        log.warning("after-generation snapshot failed", exc_info=True)
+                        self._reset()
+            finally:
+                self._busy = False
+
+    def _reset(self) -> None:
+        self.engine.clear(self.SEQ)
+
+    def _reuse(self, tokens: list[int], use_cache: bool) -> tuple[int, str]:
+        """Bring the sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, source)."""
+        if use_cache:
+            m = self.cache.lookup(tokens, max_tokens=len(tokens) - MIN_SEGMENT)
+            data = self.cache.get(m.snapshot_id) if m.snapshot_id is not None else None
+            if data is not None:
+                try:
+                    self.engine.restore_state(self.SEQ, data)
+                    return m.n_tokens, "snapshot"
+                except EngineError:
+                    log.warning("snapshot restore failed; prefilling cold", exc_info=True)
+        self._reset()
+        return 0, "none"
+
+    def _save(self, tokens: list[int]) -> int:
+        """Snapshot the sequence as the state after `tokens` unless one is stored; returns 1 if stored."""
+        if self.cache.contains(tokens):
+            return 0
+        return int(self.cache.put(tokens, self.engine.save_state(self.SEQ)))
+
+    def _prefill(self, tokens: list[int], start: int, boundaries: Sequence[int], use_cache: bool) -> int:
+        """Prefill tokens[start:], ending a segment (and saving) at each boundary; returns snapshots saved."""
+        n = len(tokens)
+        saved, pos = 0, start
+        for b in sorted(set(boundaries)):
+            if b - pos >= MIN_SEGMENT and n - b >= MIN_SEGMENT:
+                self.engine.decode(self.SEQ, tokens[pos:b], pos, want_logits=False)
+                pos = b
+                if use_cache:
+                    saved += self._save(tokens[:b])
+        self.engine.decode(self.SEQ, tokens[pos:], pos, want_logits=True)
+        return saved
+
+    def _serve(self, job: Job, sink: Sink, cancel: threading.Event) -> tuple[Result, Callable[[], None] | None]:
+        eng = self.engine
+        tokens = list(job.prompt_tokens)
+        n = len(tokens)
+        t0 = time.perf_counter()
+        start, source = self._reuse(tokens, job.use_cache)
+        t_restored = time.perf_counter()
+        saved = self._prefill(tokens, start, job.boundaries, job.use_cache)
+        t_prefilled = time.perf_counter()
+        first_logits = eng.logits() if job.want_logits else None
+        end_state = None
+        if job.use_cache:
+            end_state = eng.save_state(self.SEQ)
+            if not self.cache.contains(tokens):
+                saved += int(self.cache.put(tokens, end_state))
+
+        sampler = eng.sampler(job.sampling)
+        stream = TextStream(stop=job.stop)
+        out: list[int] = []
+        eog: int | None = None
+        finish = "length"
+        ttft = None
+        try:
+            while len(out) < job.max_tokens and not cancel.is_set():
+                tok = sampler.sample(eng.ctx)
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                if eng.is_eog(tok):
+                    finish, eog = "stop", tok
+                    break
+                out.append(tok)
+                delta = stream.push(eng.piece(tok))
+                if delta:
+                    sink(Event("text", text=delta))
+                if stream.stopped:
+                    finish = "stop"
+                    break
+                if len(out) >= job.max_tokens or n + len(out) >= eng.n_ctx:
+                    break
+                eng.decode(self.SEQ, [tok], n + len(out) - 1)
+        finally:
+            sampler.close()
+        tail = stream.finish()
+        if tail:
+            sink(Event("text", text=tail))
+        t_end = time.perf_counter()
+        result = Result(
+            completion_tokens=out, text=stream.text, finish_reason=finish, prompt_tokens=n, cached_tokens=start,
+            restore_source=source, restore_s=t_restored - t0, prefill_s=t_prefilled - t_restored,
+            ttft_s=ttft if ttft is not None else t_end - t0, total_s=t_end - t0, snapshots_saved=saved,
+            first_logits=first_logits)
+        followup = None
+        if end_state is not None and not cancel.is_set() and not stream.stopped:
+            generated = out + ([eog] if eog is not None else [])
+            followup = lambda: self._after_generation(tokens, generated, end_state)  # noqa: E731
+        return result, followup
+
+    def _after_generation(self, prompt: list[int], generated: list[int], end_state: bytes) -> None:
+        """Snapshot the state after prompt + generated tokens, computed as a batch (see module docstring).
+
+        Runs after the caller has its result, before the next job: always, so that what a request reports as
+        cached_tokens does not depend on timing.
+        """
+        full = prompt + generated
+        if len(generated) < MIN_SEGMENT or len(full) > self.engine.n_ctx or self.cache.contains(full):
+            return
+        self.engine.restore_state(self.SEQ, end_state)
+        self.engine.decode(self.SEQ, generated, len(prompt), want_logits=False)
+        self._save(full)

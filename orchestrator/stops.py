@@ -1,0 +1,55 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Token bytes arrive one piece at a time; UTF-8 characters may span pieces, and a stop string may span tokens.
+`TextStream.push` returns the text that is safe to emit now: complete characters, minus any tail that could
+still grow into a stop string.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TextStream:
+    """Accumulates token bytes; `stop` strings end the text (the stop string itself is not part of it)."""
+
+    stop: tuple[str, ...] = ()
+    text: str = ""  # all complete text so far (before any stop string)
+    emitted: int = 0  # characters of `text` already returned
+    stopped: bool = False
+    _decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+
+    def push(self, piece: bytes) -> str:
+        """Add one token's bytes; return the new text safe to emit (may be empty)."""
+        if self.stopped:
+            return ""
+        self.text += self._decoder.decode(piece)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Flush at the end of generation: everything not yet emitted (incomplete UTF-8 becomes U+FFFD)."""
+        if not self.stopped:
+            self.text += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if not self.stopped:
+            for s in self.stop:
+                i = self.text.find(s, max(0, self.emitted - len(s)))
+                if i >= 0:
+                    self.text = self.text[:i]
+                    self.stopped = True
+        limit = len(self.text)
+        if not final and not self.stopped:
+            for s in self.stop:  # hold back a tail that is a prefix of a stop string
+                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        limit = min(limit, len(self.text) - k)
+                        break
+        limit = max(limit, self.emitted)
+        out = self.text[self.emitted:limit]
+        self.emitted = limit
+        return out

@@ -1,0 +1,76 @@
+"""Chat templates: render a model's Jinja2 template the way Hugging Face transformers does.
+
+The template comes from the GGUF (`tokenizer.chat_template`) or from the project's templates/ folder.
+Rendering follows transformers' `apply_chat_template`: a sandboxed Jinja2 environment with trim_blocks and
+lstrip_blocks, `raise_exception`, `strftime_now`, and a `tojson` that does not HTML-escape (Jinja2's built-in
+one turns `<` into `\\u003c`, which would change the prompt's tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import InvalidRequest
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+
+
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
+            ensure_ascii: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _TemplateRaised(Exception):
+    """Raised by a template's own raise_exception()."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+class ChatTemplate:
+    """A compiled chat template.
+
+    `source` is the Jinja2 text; `bos_token` / `eos_token` are the texts the template may reference.
+    Raises ValueError if the source does not compile.
+    """
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template does not compile: {e}") from e
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_file(cls, path: Path, **kw: str) -> "ChatTemplate":
+        return cls(Path(path).read_text(encoding="utf-8"), **kw)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+               **kwargs: Any) -> str:
+        """Render `messages` (OpenAI-style dicts, tool-call arguments already parsed to objects) to prompt text.
+
+        `kwargs` are the request's chat_template_kwargs (e.g. enable_thinking). Raises InvalidRequest when the
+        template rejects the conversation (its raise_exception), so the caller answers HTTP 400.
+        """
+        try:
+            return self._template.render(
+                messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
+        except _TemplateRaised as e:
+            raise InvalidRequest(f"the chat template rejected the conversation: {e}", param="messages") from e
+        except (jinja2.TemplateError, TypeError, AttributeError, KeyError, ValueError) as e:
+            raise InvalidRequest(f"the chat template could not render the conversation: {e}",
+                                 param="messages") from e

@@ -1,0 +1,238 @@
+"""Starlette app: OpenAI-compatible routes over an orchestrator `Runtime`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+Request-level extensions: `cache_prompt` (false = cold run, the cache is neither read nor written) and
+`chat_template_kwargs` (e.g. {"enable_thinking": false}). Responses add `timings` (llama-server's name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from orchestrator.errors import ContextOverflow, InvalidRequest
+from orchestrator.parsing import StreamParser, parse_output
+from orchestrator.prompt import Prompt
+from orchestrator.runtime import Runtime
+from orchestrator.scheduler import Event, Job, Result
+
+from .errors import EXCEPTION_HANDLERS, error_body, error_response
+from .schemas import GenerationOptions, parse_chat, parse_completion
+
+log = logging.getLogger("orchestrator.server")
+
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
+
+
+def _usage(r: Result) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.completion_tokens),
+            "total_tokens": r.prompt_tokens + len(r.completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+
+def _timings(r: Result) -> dict:
+    return {"cache_source": r.restore_source, "restore_ms": round(r.restore_s * 1e3, 3),
+            "prefill_ms": round(r.prefill_s * 1e3, 3), "ttft_ms": round(r.ttft_s * 1e3, 3),
+            "total_ms": round(r.total_s * 1e3, 3), "snapshots_saved": r.snapshots_saved}
+
+
+class Api:
+    """Handlers bound to one runtime."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    def _job(self, prompt: Prompt, opts: GenerationOptions) -> Job:
+        n_ctx = self.rt.engine.n_ctx
+        n = len(prompt.tokens)
+        if n + 1 > n_ctx:
+            raise ContextOverflow(n, n_ctx)
+        max_tokens = opts.max_tokens or self.rt.config.max_tokens_default
+        return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
+                   max_tokens=min(max_tokens, n_ctx - n), sampling=opts.sampling, stop=opts.stop,
+                   use_cache=opts.cache_prompt and self.rt.config.cache_enabled)
+
+    def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        cancel = self.rt.scheduler.submit(job, sink)
+        return events, cancel
+
+    @staticmethod
+    def _log(kind: str, r: Result) -> None:
+        log.info("%s prompt=%d cached=%d source=%s restore_ms=%.1f prefill_ms=%.1f completion=%d total_ms=%.1f",
+                 kind, r.prompt_tokens, r.cached_tokens, r.restore_source, r.restore_s * 1e3, r.prefill_s * 1e3,
+                 len(r.completion_tokens), r.total_s * 1e3)
+
+    async def _collect(self, events: asyncio.Queue, cancel: threading.Event) -> Result:
+        try:
+            while True:
+                ev = await events.get()
+                if ev.kind == "done":
+                    return ev.result
+                if ev.kind == "error":
+                    raise ev.error
+        finally:
+            cancel.set()  # a no-op once done; stops the job if this handler is cancelled (client gone)
+
+    # ------------------------------------------------------------------ routes
+
+    async def chat(self, request: Request):
+        req = parse_chat(await _json_body(request))
+        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs)
+        job = self._job(prompt, req.options)
+        events, cancel = self._submit(job)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.options.stream:
+            return StreamingResponse(self._chat_stream(events, cancel, cid, created, prompt, req),
+                                     media_type="text/event-stream")
+        r = await self._collect(events, cancel)
+        self._log("chat", r)
+        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools)
+        message = {"role": "assistant", "content": out.content}
+        if out.reasoning is not None:
+            message["reasoning_content"] = out.reasoning
+        if out.tool_calls:
+            message["tool_calls"] = out.tool_calls
+        finish = "tool_calls" if out.tool_calls else r.finish_reason
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": self.rt.model_id,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": _usage(r), "timings": _timings(r)})
+
+    async def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
+                           prompt: Prompt, req) -> AsyncIterator[str]:
+        model = self.rt.model_id
+        parser = StreamParser(prompt.opens_reasoning, req.parse_tools)
+
+        def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def pieces(items) -> list[str]:
+            key = {"reasoning": "reasoning_content", "content": "content"}
+            return [chunk({key[k]: s}) for k, s in items]
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while True:
+                ev = await events.get()
+                if ev.kind == "text":
+                    for c in pieces(parser.push(ev.text)):
+                        yield c
+                elif ev.kind == "error":
+                    yield f"data: {json.dumps(error_response_body(ev.error))}\n\n"
+                    break
+                else:
+                    r = ev.result
+                    self._log("chat-stream", r)
+                    rest, calls = parser.finish()
+                    for c in pieces(rest):
+                        yield c
+                    if calls:
+                        yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]})
+                    finish = "tool_calls" if calls else r.finish_reason
+                    yield chunk({}, finish, _usage(r) if req.options.include_usage else None)
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            cancel.set()
+
+    async def completions(self, request: Request):
+        req = parse_completion(await _json_body(request))
+        prompt = await run_in_threadpool(self.rt.prompts.completion, req.prompt)
+        job = self._job(prompt, req.options)
+        events, cancel = self._submit(job)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        model = self.rt.model_id
+        if req.options.stream:
+            async def gen() -> AsyncIterator[str]:
+                try:
+                    while True:
+                        ev = await events.get()
+                        if ev.kind == "text":
+                            body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [{"index": 0, "text": ev.text, "finish_reason": None,
+                                                 "logprobs": None}]}
+                            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+                        elif ev.kind == "error":
+                            yield f"data: {json.dumps(error_response_body(ev.error))}\n\n"
+                            break
+                        else:
+                            r = ev.result
+                            self._log("completion-stream", r)
+                            body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [{"index": 0, "text": "", "finish_reason": r.finish_reason,
+                                                 "logprobs": None}]}
+                            if req.options.include_usage:
+                                body["usage"] = _usage(r)
+                            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+                            break
+                    yield "data: [DONE]\n\n"
+                finally:
+                    cancel.set()
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        r = await self._collect(events, cancel)
+        self._log("completion", r)
+        text = (req.prompt + r.text) if req.echo else r.text
+        return JSONResponse({
+            "id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": r.finish_reason, "logprobs": None}],
+            "usage": _usage(r), "timings": _timings(r)})
+
+    async def models(self, request: Request):
+        info = self.rt.engine.info
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.rt.model_id, "object": "model", "created": 0, "owned_by": "orchestrator",
+            "meta": {"name": info.name, "architecture": info.architecture, "n_ctx": self.rt.engine.n_ctx,
+                     "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params}}]})
+
+    async def health(self, request: Request):
+        s = self.rt.cache.stats()
+        return JSONResponse({"status": "ok", "slots_busy": int(self.rt.scheduler.busy),
+                             "queue_length": self.rt.scheduler.queue_length,
+                             "cache": {"entries": s.entries, "bytes": s.bytes, "budget_bytes": s.budget_bytes}})
+
+
+def error_response_body(exc: Exception) -> dict:
+    return json.loads(error_response(exc).body)
+
+
+def create_app(runtime: Runtime) -> Starlette:
+    """The Starlette app for a started runtime. The caller owns the runtime (and closes it)."""
+    api = Api(runtime)
+    routes = [
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+
+
+__all__ = ["create_app", "error_body"]

@@ -1,0 +1,229 @@
+"""Validation of OpenAI-style request bodies into plain, checked values.
+
+Every problem raises InvalidRequest naming the field (`param`, e.g. "messages[3].tool_calls[0].function.arguments"),
+which server/errors.py turns into HTTP 400 with an OpenAI-style body.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.engine import SamplingParams
+from orchestrator.errors import InvalidRequest
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class GenerationOptions:
+    """Options shared by /v1/chat/completions and /v1/completions."""
+
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    cache_prompt: bool
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    tools: list[dict] | None
+    template_kwargs: dict[str, Any]
+    options: GenerationOptions
+    parse_tools: bool = True
+
+
+@dataclass
+class CompletionRequest:
+    prompt: str
+    options: GenerationOptions
+    echo: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _bad(msg: str, param: str) -> InvalidRequest:
+    return InvalidRequest(msg, param=param)
+
+
+def _num(body: dict, key: str, lo: float, hi: float, default: float, integer: bool = False):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        kind = "an integer" if integer else "a number"
+        raise _bad(f"'{key}' must be {kind}, got {json.dumps(v)[:40]}", key)
+    if not lo <= v <= hi:
+        raise _bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+    return v
+
+
+def _options(body: dict) -> GenerationOptions:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = _num(body, key, 1, 1 << 20, None, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        stop = tuple(stop)
+    else:
+        raise _bad("'stop' must be a string or a list of at most 16 strings", "stop")
+    stop = tuple(s for s in stop if s)
+    for key in ("stream", "cache_prompt"):
+        if key in body and not isinstance(body[key], bool):
+            raise _bad(f"'{key}' must be true or false", key)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    temperature = _num(body, "temperature", 0.0, 2.0, 1.0)
+    seed = _num(body, "seed", -(2 ** 63), 2 ** 64 - 1, 0, integer=True)
+    sampling = SamplingParams(
+        temperature=float(temperature),
+        top_k=int(_num(body, "top_k", 0, 1 << 20, 0, integer=True)),
+        top_p=float(_num(body, "top_p", 0.0, 1.0, 1.0)),
+        min_p=float(_num(body, "min_p", 0.0, 1.0, 0.0)),
+        seed=int(seed),
+    )
+    return GenerationOptions(max_tokens=max_tokens, sampling=sampling, stop=stop, stream=bool(body.get("stream")),
+                             include_usage=bool(stream_options.get("include_usage")),
+                             cache_prompt=body.get("cache_prompt", True))
+
+
+def _content(content: Any, param: str, allow_none: bool) -> str | list | None:
+    if content is None:
+        if allow_none:
+            return None
+        raise _bad(f"'{param}' is required", param)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"'{param}[{j}]' must be a text part {{\"type\": \"text\", \"text\": \"...\"}} "
+                           f"(images are not supported)", f"{param}[{j}]")
+        return "".join(p["text"] for p in content)
+    raise _bad(f"'{param}' must be a string or a list of text parts", param)
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise _bad(f"'{param}' must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        p = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"'{p}.function.name' must be a non-empty string", f"{p}.function.name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise _bad(f"'{p}.function.arguments' is not valid JSON: {e}", f"{p}.function.arguments") from e
+        if not isinstance(args, dict):
+            raise _bad(f"'{p}.function.arguments' must be a JSON object", f"{p}.function.arguments")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise _bad(f"'{p}.id' must be a string", f"{p}.id")
+        # Arguments are rendered as an object: the template writes each parameter in the order given.
+        out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _messages(raw: Any) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    messages: list[dict] = []
+    open_calls: set[str] = set()
+    pending_unnamed = 0
+    for i, m in enumerate(raw):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"'{p}' must be an object", p)
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"'{p}.role' must be one of {', '.join(ROLES)}; got {json.dumps(role)[:40]}", f"{p}.role")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        has_calls = role == "assistant" and m.get("tool_calls")
+        msg["content"] = _content(m.get("content"), f"{p}.content", allow_none=bool(has_calls) or role == "assistant")
+        if role == "assistant":
+            if msg["content"] is None:
+                msg["content"] = ""
+            if isinstance(m.get("reasoning_content"), str):
+                msg["reasoning_content"] = m["reasoning_content"]
+            if has_calls:
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls")
+                open_calls = {c["id"] for c in msg["tool_calls"] if c["id"]}
+                pending_unnamed = sum(1 for c in msg["tool_calls"] if not c["id"])
+        elif role == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise _bad(f"'{p}.tool_call_id' must be a string", f"{p}.tool_call_id")
+            if call_id in open_calls:
+                open_calls.discard(call_id)
+            elif call_id is None and pending_unnamed:
+                pending_unnamed -= 1
+            else:
+                raise _bad(f"'{p}' is a tool result, but no earlier assistant message has a tool call with id "
+                           f"{json.dumps(call_id)}", f"{p}.tool_call_id")
+            msg["tool_call_id"] = call_id
+        else:
+            open_calls, pending_unnamed = set(), 0
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        messages.append(msg)
+    return messages
+
+
+def _tools(raw: Any) -> list[dict] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise _bad("'tools' must be a list", "tools")
+    for j, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise _bad(f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools[{j}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"'tools[{j}].function.name' must be a non-empty string", f"tools[{j}].function.name")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise _bad(f"'tools[{j}].function.parameters' must be a JSON schema object",
+                       f"tools[{j}].function.parameters")
+    return raw or None
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """Validate a /v1/chat/completions body. Raises InvalidRequest."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    tool_choice = body.get("tool_choice")
+    tools = _tools(body.get("tools"))
+    if tool_choice == "none":
+        tools = None
+    return ChatRequest(messages=_messages(body.get("messages")), tools=tools, template_kwargs=dict(kwargs),
+                       options=_options(body), parse_tools=tools is not None)
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """Validate a /v1/completions body. Raises InvalidRequest."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise _bad("'prompt' must be a non-empty string", "prompt")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise _bad("'echo' must be true or false", "echo")
+    return CompletionRequest(prompt=prompt, options=_options(body), echo=echo)

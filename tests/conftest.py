@@ -1,0 +1,115 @@
+"""Shared fixtures: the tiny synthetic Qwen3.5 (random weights, real vocabulary and template), an in-process
+runtime, and a live server on a free loopback port.
+
+ORCHESTRATOR_TEST_MODEL=path runs the model-level tests against another GGUF (e.g. a real Qwen3.5).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from orchestrator.config import Config
+from orchestrator.engine import SamplingParams
+from orchestrator.runtime import Runtime
+from orchestrator.scheduler import Job, Result
+from server.app import create_app
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    env = os.environ.get("ORCHESTRATOR_TEST_MODEL")
+    if env:
+        return Path(env)
+    from orchestrator.synth import ensure_model
+
+    return ensure_model("tiny")
+
+
+def make_config(model: Path, **kw) -> Config:
+    base = dict(model=model, ctx_size=16384, batch_size=256, threads=2, cache_ram_mib=2048)
+    base.update(kw)
+    return Config(**base)
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model):
+    rt = Runtime.start(make_config(tiny_model))
+    yield rt
+    rt.close()
+
+
+@dataclass
+class Turn:
+    """One chat request run in-process: the prompt's tokens and boundaries, and the result."""
+
+    tokens: list[int]
+    boundaries: object
+    result: Result
+
+
+def run_chat(rt: Runtime, messages, tools=None, use_cache=True, max_tokens=8, **template_kwargs) -> Turn:
+    prompt = rt.prompts.chat(messages, tools, template_kwargs)
+    job = Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(), max_tokens=max_tokens,
+              sampling=SamplingParams(temperature=0.0), use_cache=use_cache, want_logits=True)
+    return Turn(prompt.tokens, prompt.boundaries, rt.scheduler.run(job))
+
+
+def assert_same_as_cold(rt: Runtime, messages, tools=None, max_tokens=8, **template_kwargs) -> Turn:
+    """Run with the cache, then cold (cache off), and assert identical greedy tokens and first-step logits."""
+    warm = run_chat(rt, messages, tools, True, max_tokens, **template_kwargs)
+    cold = run_chat(rt, messages, tools, False, max_tokens, **template_kwargs)
+    assert cold.result.cached_tokens == 0
+    assert warm.result.completion_tokens == cold.result.completion_tokens
+    assert np.array_equal(warm.result.first_logits, cold.result.first_logits), (
+        f"first-step logits differ: max |Δ| = {np.abs(warm.result.first_logits - cold.result.first_logits).max()}")
+    return warm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving create_app(runtime) in a thread on 127.0.0.1:<free port>."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(rt), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def live_server(runtime):
+    srv = LiveServer(runtime)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def client(live_server):
+    with httpx.Client(base_url=live_server.url, timeout=300) as c:
+        yield c

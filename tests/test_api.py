@@ -1,0 +1,154 @@
+"""The OpenAI-compatible HTTP API on a live server (tiny model): shapes, streaming, usage, and bad input."""
+
+import json
+
+import pytest
+
+SYSTEM = "You are a helpful assistant for a hardware store. Answer briefly and name the aisle. " * 4
+
+
+def chat_body(user_text="Where are the screws?", **kw):
+    body = {"model": "tiny", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_text}],
+            "max_tokens": 6, "temperature": 0}
+    body.update(kw)
+    return body
+
+
+def sse_events(resp):
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            events.append(line[len("data: "):])
+    return events
+
+
+def test_models_and_health(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["queue_length"] == 0
+
+
+def test_chat_usage_reports_cached_tokens(client):
+    first = client.post("/v1/chat/completions", json=chat_body("Where are the screws?")).json()
+    second = client.post("/v1/chat/completions", json=chat_body("Do you sell paint?")).json()
+    for r in (first, second):
+        u = r["usage"]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        assert r["choices"][0]["message"]["role"] == "assistant"
+        assert r["object"] == "chat.completion"
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["timings"]["cache_source"] == "snapshot"
+
+
+def test_cache_prompt_false_is_a_cold_run_with_the_same_output(client):
+    body = chat_body("What is the return policy?")
+    warm1 = client.post("/v1/chat/completions", json=body).json()
+    warm2 = client.post("/v1/chat/completions", json=body).json()
+    cold = client.post("/v1/chat/completions", json={**body, "cache_prompt": False}).json()
+    assert warm2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm1["choices"][0]["message"] == warm2["choices"][0]["message"] == cold["choices"][0]["message"]
+
+
+def test_streaming_matches_non_streaming(client):
+    body = chat_body("Which aisle has hammers?", max_tokens=10)
+    full = client.post("/v1/chat/completions", json=body).json()
+    with client.stream("POST", "/v1/chat/completions",
+                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks)
+    msg = full["choices"][0]["message"]
+    assert content == msg["content"]
+    assert reasoning == (msg.get("reasoning_content") or "")
+    assert chunks[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+
+
+def test_completions_endpoint(client):
+    body = {"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0}
+    r = client.post("/v1/completions", json=body).json()
+    assert r["object"] == "text_completion" and r["usage"]["completion_tokens"] <= 5
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == r["choices"][0]["text"]
+
+
+def test_sampling_with_seed_is_reproducible(client):
+    body = chat_body("Suggest a drill.", temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=1234, max_tokens=8)
+    a = client.post("/v1/chat/completions", json=body).json()
+    b = client.post("/v1/chat/completions", json=body).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+
+
+def test_stop_string_ends_generation(client):
+    body = {"prompt": "a b c", "max_tokens": 30, "temperature": 0}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    if len(free) < 4:
+        pytest.skip("the model stopped on its own before any stop string could be tested")
+    stop = free[2:4]
+    stopped = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert stopped["text"] == free[: free.find(stop)]
+    assert stopped["finish_reason"] == "stop"
+
+
+LONG = "lorem ipsum dolor sit amet " * 4000
+
+BAD_REQUESTS = [
+    ("malformed json", b'{"messages": [', None),
+    ("body not an object", b'[1, 2]', None),
+    ("messages not a list", {"messages": "hi"}, "messages"),
+    ("empty messages", {"messages": []}, "messages"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("content wrong type", {"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
+    ("max_tokens wrong type", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, "max_tokens"),
+    ("temperature out of range", {"messages": [{"role": "user", "content": "hi"}], "temperature": 7}, "temperature"),
+    ("stream not bool", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ("tool without call", {"messages": [{"role": "user", "content": "hi"},
+                                        {"role": "tool", "tool_call_id": "nope", "content": "42"}]},
+     "messages[1].tool_call_id"),
+    ("tool args not json", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages[1].tool_calls[0].function.arguments"),
+    ("template rejects", {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]},
+     "messages"),
+    ("tools wrong shape", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools[0]"),
+    ("prompt longer than context", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,body,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_is_400_and_the_next_request_is_served_with_the_cache_intact(client, runtime, name, body, param):
+    good = chat_body("Where is the garden section?")
+    client.post("/v1/chat/completions", json=good)
+    runtime.scheduler.drain()
+    before = runtime.cache.stats()
+    if isinstance(body, bytes):
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param
+    if name == "prompt longer than context":
+        assert err["code"] == "context_length_exceeded"
+    runtime.scheduler.drain()
+    after = runtime.cache.stats()
+    assert after.inserts == before.inserts and after.entries == before.entries  # nothing written or lost
+    again = client.post("/v1/chat/completions", json=good)
+    assert again.status_code == 200
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

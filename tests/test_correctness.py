@@ -1,0 +1,177 @@
+"""Cache on equals cache off: same greedy tokens and bit-identical first-step logits, on the tiny Qwen3.5.
+
+Each scenario also checks cached_tokens exactly against the offsets the boundary detector reports.
+"""
+
+import random
+
+import numpy as np
+import pytest
+
+from orchestrator.engine import SamplingParams
+from orchestrator.scheduler import MIN_SEGMENT, Job
+
+from .conftest import assert_same_as_cold, run_chat
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather for a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "City name, e.g. Paris"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "search_files", "description": "Search the repository for files matching a glob pattern.",
+        "parameters": {"type": "object", "properties": {
+            "pattern": {"type": "string"}, "max_results": {"type": "integer", "minimum": 1}},
+            "required": ["pattern"]}}},
+]
+SYSTEM = ("You are a careful coding assistant working in a large Python monorepo. Prefer small, reviewable "
+          "changes; explain your reasoning briefly; never invent file names; ask before deleting anything. ") * 6
+
+
+def sys_msg(text=SYSTEM):
+    return {"role": "system", "content": text}
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(runtime):
+    runtime.cache.clear()
+    yield
+    runtime.cache.check()
+
+
+def test_shared_tools_and_system_prefix_different_user_tails(runtime):
+    assert_same_as_cold(runtime, [sys_msg(), user("List the test files.")], TOOLS)
+    second = assert_same_as_cold(runtime, [sys_msg(), user("What is the weather in Oslo today?")], TOOLS)
+    assert second.boundaries.system_end is not None
+    assert second.result.cached_tokens == second.boundaries.system_end
+    assert second.boundaries.tools_end < second.boundaries.system_end
+
+
+def test_byte_identical_repeat_restores_deepest_shorter_snapshot(runtime):
+    msgs = [sys_msg(), user("Summarise the module layout.")]
+    first = assert_same_as_cold(runtime, msgs, TOOLS)
+    assert first.result.cached_tokens == 0
+    again = assert_same_as_cold(runtime, msgs, TOOLS)
+    # The end-of-prompt snapshot is not usable (at least MIN_SEGMENT tokens are prefilled); the end of the
+    # last user message is the deepest boundary before it.
+    assert again.result.cached_tokens == again.boundaries.message_ends[-1]
+    assert len(again.tokens) - again.result.cached_tokens >= MIN_SEGMENT
+
+
+def test_turn_two_extension(runtime):
+    msgs = [sys_msg(), user("Hello, who are you?")]
+    assert_same_as_cold(runtime, msgs, enable_thinking=False)
+    msgs2 = msgs + [{"role": "assistant", "content": "I am a coding assistant."}, user("Great. Which files changed?")]
+    second = assert_same_as_cold(runtime, msgs2, enable_thinking=False)
+    assert second.result.cached_tokens == second.boundaries.message_ends[1]
+
+
+def test_tool_call_turn_extends_the_previous_prompt_end(runtime):
+    msgs = [sys_msg(), user("What's the weather in Paris?")]
+    first = assert_same_as_cold(runtime, msgs, TOOLS)
+    call = {"role": "assistant", "content": "", "reasoning_content": "I should call the weather tool.",
+            "tool_calls": [{"id": "call_1", "type": "function",
+                            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    msgs2 = msgs + [call, {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18, "sky": "clear"}'}]
+    second = assert_same_as_cold(runtime, msgs2, TOOLS)
+    # The assistant turn after the last user query keeps its <think> block, so the whole previous prompt
+    # (which ended with "<think>\n") is a prefix: the end-of-prompt snapshot is restored.
+    assert second.tokens[: len(first.tokens)] == first.tokens
+    assert second.result.cached_tokens == len(first.tokens)
+
+
+def test_x_then_y_then_x_again(runtime):
+    x = [sys_msg("You translate English to French. Answer with the translation only."), user("Good morning")]
+    y = [sys_msg("You are a SQL expert. Answer with one query."), user("Count the users table")]
+    assert_same_as_cold(runtime, x)
+    y1 = assert_same_as_cold(runtime, y)
+    assert y1.result.cached_tokens == 0
+    x2 = assert_same_as_cold(runtime, x)
+    assert x2.result.cached_tokens == x2.boundaries.message_ends[-1]
+
+
+def test_history_rewrite_with_thinking_hits_through_previous_user_message(runtime):
+    msgs = [sys_msg(), user("Is 97 prime?")]
+    assert_same_as_cold(runtime, msgs, enable_thinking=True)
+    answered = {"role": "assistant", "reasoning_content": "97 is not divisible by 2, 3, 5 or 7.", "content": "Yes."}
+    msgs2 = msgs + [answered, user("And 91?")]
+    second = assert_same_as_cold(runtime, msgs2, enable_thinking=True)
+    # The template drops the reasoning of the now-earlier assistant turn: the prompt diverges there.
+    assert second.result.cached_tokens == second.boundaries.message_ends[1] > 0
+
+
+def test_thinking_off_generation_prompt_is_not_in_history(runtime):
+    msgs = [sys_msg(), user("Name a prime above 90.")]
+    first = assert_same_as_cold(runtime, msgs, enable_thinking=False)
+    prompt_text = runtime.prompts.chat(msgs, None, {"enable_thinking": False}).text
+    assert prompt_text.endswith("<think>\n\n</think>\n\n")
+    msgs2 = msgs + [{"role": "assistant", "content": "97"}, user("Another one?")]
+    second = assert_same_as_cold(runtime, msgs2, enable_thinking=False)
+    assert second.tokens[: len(first.tokens)] != first.tokens
+    assert second.result.cached_tokens == second.boundaries.message_ends[1]
+
+
+def test_short_system_prompt_is_cached(runtime):
+    short = sys_msg("You are a terse assistant. Reply in one short sentence, no lists, no code, no emojis.")
+    first = assert_same_as_cold(runtime, [short, user("Hi")])
+    assert 30 <= first.boundaries.system_end <= 60
+    second = assert_same_as_cold(runtime, [short, user("What time zone is Tokyo in?")])
+    assert second.result.cached_tokens == second.boundaries.system_end
+
+
+def test_no_system_message(runtime):
+    msgs = [user("Write a haiku about caches.")]
+    first = assert_same_as_cold(runtime, msgs)
+    assert first.boundaries.system_end is None and first.boundaries.tools_end is None
+    msgs2 = msgs + [{"role": "assistant", "content": "Warm lines wait in RAM"}, user("Another, about disks.")]
+    second = assert_same_as_cold(runtime, msgs2)
+    assert second.result.cached_tokens == second.boundaries.message_ends[0]
+
+
+def test_changing_system_text_still_reuses_tools_block(runtime):
+    first = assert_same_as_cold(runtime, [sys_msg("Current time: 2026-11-29T10:00:01Z. " + SYSTEM), user("hi")],
+                                TOOLS)
+    second = assert_same_as_cold(runtime, [sys_msg("Current time: 2026-11-29T10:00:07Z. " + SYSTEM), user("hi")],
+                                 TOOLS)
+    assert second.boundaries.tools_end is not None
+    assert second.result.cached_tokens == second.boundaries.tools_end == first.boundaries.tools_end
+    # Tools without a system message share the same tools block.
+    third = assert_same_as_cold(runtime, [user("hi there")], TOOLS)
+    assert third.result.cached_tokens == third.boundaries.tools_end
+
+
+def test_random_prefill_splits_are_bit_identical(runtime):
+    """The property the cache rests on: any split into segments of >= MIN_SEGMENT tokens, with a restore at
+    any segment end, gives the logits of one cold prefill."""
+    rng = random.Random(3)
+    text = " ".join(rng.choice(["alpha", "beta", "{\"k\": 1}", "数据", "🙂", "def f(x):", "\n\n"]) for _ in range(300))
+    tokens = runtime.engine.tokenize(text)
+    cold = runtime.scheduler.run(Job(tokens, max_tokens=1, use_cache=False, want_logits=True))
+    for _ in range(3):
+        cuts = sorted(rng.sample(range(2, len(tokens) - 2), 6))
+        runtime.cache.clear()
+        warm = runtime.scheduler.run(Job(tokens, boundaries=cuts, max_tokens=1, want_logits=True))
+        assert np.array_equal(warm.first_logits, cold.first_logits)
+        again = runtime.scheduler.run(Job(tokens, boundaries=cuts, max_tokens=1, want_logits=True))
+        assert again.cached_tokens == max(c for c in cuts if len(tokens) - c >= MIN_SEGMENT)
+        assert np.array_equal(again.first_logits, cold.first_logits)
+
+
+def test_after_generation_snapshot_equals_cold_prefill(runtime):
+    """The state after generation is stored as a batch prefill, so continuing from it equals a cold run."""
+    msgs = [user("Count from one to ten.")]
+    prompt = runtime.prompts.chat(msgs, None, {})
+    first = runtime.scheduler.run(Job(prompt.tokens, prompt.snapshot_positions(), max_tokens=12,
+                                      sampling=SamplingParams(temperature=0.0)))
+    assert first.finish_reason == "length"
+    extended = prompt.tokens + first.completion_tokens + runtime.engine.tokenize("\nMore text follows here.")
+    warm = runtime.scheduler.run(Job(extended, max_tokens=4, want_logits=True))
+    cold = runtime.scheduler.run(Job(extended, max_tokens=4, use_cache=False, want_logits=True))
+    assert warm.cached_tokens == len(prompt.tokens) + len(first.completion_tokens)
+    assert warm.completion_tokens == cold.completion_tokens
+    assert np.array_equal(warm.first_logits, cold.first_logits)
