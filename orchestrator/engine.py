@@ -6,6 +6,18 @@ sampler chain, and saves/restores a sequence's state as bytes (llama_state_seq_g
 
 Not thread-safe: the scheduler's single worker thread is its only caller.
 
+Numerics (why cached equals cold, bit for bit). On the CPU backend a token's result depends on how it was
+batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-python 0.3.36:
+  * flash attention switches kernels by ubatch size (ggml-cpu ops.cpp: a tiled path for >= 64 queries
+    (GGML_FA_TILE_Q), a one-row path below, a split-KV reduction for a single query), so splitting a prefill
+    changes the logits (max |Δ| 2e-4 on tiny, 0.18 on the random 0.8b). With flash attention off, KQ and KQV
+    are plain matmuls and any split into ubatches of >= 2 tokens is bit-identical (25 random splits, 0
+    differences), at the same prefill speed (315 vs 311 tokens/s at 2,000 tokens on the 0.8b preset).
+  * a one-token ubatch still differs from the same token inside a larger ubatch (other matmul and Gated
+    DeltaNet graph paths), so `decode` never cuts a chunk of one token out of a longer run, and the scheduler
+    never stores or restores a state that came from one-token decoding.
+The engine therefore creates contexts with flash attention disabled unless told otherwise.
+
 CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AVX-512/AMX
 CPUs, a Q4_K_M model loaded with repacking segfaults on any llama_decode of more than one token (seen for the
 synthetic Qwen3.5 and for the real Gemma 3 270M). A segfault cannot be caught, so the engine loads models with
@@ -18,7 +30,7 @@ import ctypes
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import llama_cpp
 import numpy as np
@@ -96,12 +108,16 @@ class Engine:
         n_batch: most tokens per llama_decode call; also n_ubatch.
         n_threads: CPU threads for decode and prefill.
         use_extra_bufts: llama.cpp CPU weight repacking (see the module docstring; off by default).
+        flash_attn: use flash attention (off by default: see "Numerics" in the module docstring).
     Raises ModelLoadError when the file is missing or llama.cpp cannot load it.
     """
 
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
-                 use_extra_bufts: bool = False, n_seq_max: int = 1) -> None:
+                 use_extra_bufts: bool = False, n_seq_max: int = 1,
+                 flash_attn: bool = False) -> None:
         model_path = Path(model_path)
+        if n_batch < 3:
+            raise ModelLoadError("--batch-size must be at least 3 tokens")
         if not model_path.is_file():
             raise ModelLoadError(f"model file not found: {model_path}")
         self._log_cb = llama_cpp.llama_log_callback(self._on_log)
@@ -116,11 +132,13 @@ class Engine:
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx * n_seq_max
         cparams.n_batch = n_batch
-        cparams.n_ubatch = n_batch
+        cparams.n_ubatch = n_batch  # one llama_decode call = one ubatch: chunk_sizes() controls the split
         cparams.n_seq_max = n_seq_max
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
@@ -203,15 +221,15 @@ class Engine:
     # ---------------------------------------------------------------- compute
 
     def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
-        """Decode `tokens` at positions pos.. for sequence `seq`, in chunks of at most n_batch tokens.
+        """Decode `tokens` at positions pos.. for sequence `seq`, in chunks of at most n_batch tokens and, unless
+        `tokens` is a single token, at least two (see "Numerics").
 
         Logits are kept for the last token only (when want_logits). Raises EngineError when llama_decode fails
         (e.g. no KV slot); the sequence's state is then unspecified and the caller must clear it.
         """
         b = self._batch
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            n = len(chunk)
+        for start, n in chunk_sizes(len(tokens), self.n_batch):
+            chunk = tokens[start:start + n]
             for i, tok in enumerate(chunk):
                 b.token[i] = tok
                 b.pos[i] = pos + start + i
@@ -274,4 +292,20 @@ class Engine:
             self.ctx = None
 
 
-ProgressFn = Callable[[int], None]
+def chunk_sizes(n_tokens: int, n_batch: int) -> list[tuple[int, int]]:
+    """(start, size) chunks covering n_tokens, each <= n_batch and >= 2 tokens unless n_tokens == 1.
+
+    >>> chunk_sizes(513, 512)
+    [(0, 511), (511, 2)]
+    """
+    if n_batch < 3:
+        raise ValueError("n_batch must be at least 3 tokens")
+    chunks = []
+    start = 0
+    while start < n_tokens:
+        size = min(n_batch, n_tokens - start)
+        if n_tokens - start - size == 1:  # never leave a one-token tail
+            size -= 1
+        chunks.append((start, size))
+        start += size
+    return chunks

@@ -11,12 +11,12 @@ Per job, as one step under the worker (so the cached_tokens reported are the tok
      restoring the end-of-prompt state and prefilling the generated tokens (plus the end-of-turn token) as one
      batch.
 
-Why batches of at least MIN_SEGMENT (2) tokens, and why step 4 re-prefills instead of saving the decode state:
-llama.cpp computes a one-token ubatch with other kernels than a multi-token one (Gated DeltaNet's fused
-autoregressive path vs the chunked one, and batch-1 matmul paths), so a token decoded alone gets a state that
-differs in the last bits (measured: max |Δlogit| 2e-4 F16, 6e-3 Q4_K_M) from the same token prefilled in a
-batch. Multi-token batches split anywhere give bit-identical states and logits (tests/test_correctness.py). So
-every stored state is one a cold prefill reproduces exactly, and cached runs equal cold runs bit for bit.
+Why segments of at least MIN_SEGMENT (2) tokens, and why step 4 re-prefills instead of saving the decode state:
+with the engine's settings (flash attention off; see "Numerics" in engine.py) any split of a prefill into
+ubatches of two or more tokens gives bit-identical states and logits, but a token computed alone (a one-token
+ubatch, as in decoding) does not (measured max |Δlogit| 2e-4 on tiny F16, 0.18 on the random 0.8b Q4_K_M). So
+every stored state is one a cold prefill reproduces exactly, and cached runs equal cold runs bit for bit
+(tests/test_correctness.py).
 
 With `use_cache=False` the job is a cold run: the sequence is cleared, the whole prompt is prefilled with the
 same rules, nothing is read or stored. That is the correctness oracle the tests compare against.

@@ -117,7 +117,8 @@ def test_thinking_off_generation_prompt_is_not_in_history(runtime):
 
 
 def test_short_system_prompt_is_cached(runtime):
-    short = sys_msg("You are a terse assistant. Reply in one short sentence, no lists, no code, no emojis.")
+    short = sys_msg("You are a terse assistant for a bicycle shop. Reply in one short sentence: no lists, "
+                    "no code, no emojis, and never more than twenty words.")
     first = assert_same_as_cold(runtime, [short, user("Hi")])
     assert 30 <= first.boundaries.system_end <= 60
     second = assert_same_as_cold(runtime, [short, user("What time zone is Tokyo in?")])
