@@ -12,7 +12,7 @@ from typing import Any
 
 from .boundaries import Boundaries, BoundaryDetector, detect
 from .engine import Engine
-from .template import TEMPLATES_DIR, ChatTemplate
+from .template import ChatTemplate, templates_dir
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def load_template(engine: Engine, override_path=None) -> ChatTemplate:
     elif info.chat_template:
         source = info.chat_template
     else:
-        source = (TEMPLATES_DIR / "qwen3.5.jinja").read_text(encoding="utf-8")
+        source = (templates_dir() / "qwen3.5.jinja").read_text(encoding="utf-8")
     return ChatTemplate(source, bos_token=info.bos_text, eos_token=info.eos_text)
 
 

@@ -76,6 +76,7 @@ class Result:
     ttft_s: float
     total_s: float
     snapshots_saved: int
+    snapshot_s: float = 0.0  # part of prefill_s (and ttft_s) spent saving snapshots
     first_logits: np.ndarray | None = None
 
 
@@ -105,6 +106,7 @@ class Scheduler:
     def __init__(self, engine: Engine, cache: SnapshotCache) -> None:
         self.engine = engine
         self.cache = cache
+        self._snapshot_s = 0.0  # seconds spent saving snapshots in the current job
         self._queue: queue.Queue[tuple[Job, Sink, threading.Event] | threading.Event | None] = queue.Queue()
         self._busy = False
         self._thread = threading.Thread(target=self._worker, name="orchestrator-worker", daemon=True)
@@ -209,7 +211,10 @@ class Scheduler:
         """Snapshot the sequence as the state after `tokens` unless one is stored; returns 1 if stored."""
         if self.cache.contains(tokens):
             return 0
-        return int(self.cache.put(tokens, self.engine.save_state(self.SEQ)))
+        t = time.perf_counter()
+        stored = self.cache.put(tokens, self.engine.save_state(self.SEQ))
+        self._snapshot_s += time.perf_counter() - t
+        return int(stored)
 
     def _prefill(self, tokens: list[int], start: int, boundaries: Sequence[int], use_cache: bool) -> int:
         """Prefill tokens[start:], ending a segment (and saving) at each boundary; returns snapshots saved."""
@@ -229,6 +234,7 @@ class Scheduler:
         tokens = list(job.prompt_tokens)
         n = len(tokens)
         t0 = time.perf_counter()
+        self._snapshot_s = 0.0
         start, source = self._reuse(tokens, job.use_cache)
         t_restored = time.perf_counter()
         saved = self._prefill(tokens, start, job.boundaries, job.use_cache)
@@ -236,9 +242,11 @@ class Scheduler:
         first_logits = eng.logits() if job.want_logits else None
         end_state = None
         if job.use_cache:
+            t = time.perf_counter()
             end_state = eng.save_state(self.SEQ)
             if not self.cache.contains(tokens):
                 saved += int(self.cache.put(tokens, end_state))
+            self._snapshot_s += time.perf_counter() - t
 
         sampler = eng.sampler(job.sampling)
         stream = TextStream(stop=job.stop)
@@ -274,7 +282,7 @@ class Scheduler:
             completion_tokens=out, text=stream.text, finish_reason=finish, prompt_tokens=n, cached_tokens=start,
             restore_source=source, restore_s=t_restored - t0, prefill_s=t_prefilled - t_restored,
             ttft_s=ttft if ttft is not None else t_end - t0, total_s=t_end - t0, snapshots_saved=saved,
-            first_logits=first_logits)
+            snapshot_s=self._snapshot_s, first_logits=first_logits)
         followup = None
         if end_state is not None and not cancel.is_set() and not stream.stopped:
             generated = out + ([eog] if eog is not None else [])

@@ -477,8 +477,10 @@ def _load_vocabulary(p: _Progress) -> Vocabulary:
 # --------------------------------------------------------------------------------------------------------------
 
 def chat_template_path() -> Path:
-    """The real Qwen3.5 chat template shipped with the project: ``<repo>/templates/qwen3.5.jinja``."""
-    return Path(__file__).resolve().parent.parent / "templates" / "qwen3.5.jinja"
+    """The real Qwen3.5 chat template shipped with the project: ``templates/qwen3.5.jinja``."""
+    from .template import templates_dir
+
+    return templates_dir() / "qwen3.5.jinja"
 
 
 def _read_chat_template() -> str:

@@ -9,6 +9,7 @@ one turns `<` into `\\u003c`, which would change the prompt's tokens).
 from __future__ import annotations
 
 import json
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import InvalidRequest
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+
+
+def templates_dir() -> Path:
+    """The project's templates/ folder: beside the package in a source checkout (editable install), else where
+    pyproject's data-files put it (<prefix>/share/orchestrator/templates)."""
+    source = Path(__file__).resolve().parent.parent / "templates"
+    return source if source.is_dir() else Path(sys.prefix) / "share" / "orchestrator" / "templates"
 
 
 def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,

@@ -49,7 +49,8 @@ def _usage(r: Result) -> dict:
 
 def _timings(r: Result) -> dict:
     return {"cache_source": r.restore_source, "restore_ms": round(r.restore_s * 1e3, 3),
-            "prefill_ms": round(r.prefill_s * 1e3, 3), "ttft_ms": round(r.ttft_s * 1e3, 3),
+            "prefill_ms": round(r.prefill_s * 1e3, 3), "snapshot_ms": round(r.snapshot_s * 1e3, 3),
+            "ttft_ms": round(r.ttft_s * 1e3, 3),
             "total_ms": round(r.total_s * 1e3, 3), "snapshots_saved": r.snapshots_saved}
 
 
