@@ -151,7 +151,6 @@ class Engine:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._piece_buf = ctypes.create_string_buffer(256)
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
@@ -206,13 +205,16 @@ class Engine:
         return list(buf[:n])
 
     def piece(self, token: int) -> bytes:
-        """Bytes of one token (llama_token_to_piece, special tokens rendered as their text)."""
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, True)
+        """Bytes of one token (llama_token_to_piece, special tokens rendered as their text).
+
+        Thread-safe (a buffer per call): the server tokenizes prompts while the worker decodes.
+        """
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-            return buf.raw[:n]
-        return self._piece_buf.raw[:n]
+        return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
         """End of generation (EOS, EOT and the like: llama_vocab_is_eog)."""
