@@ -1,139 +1,291 @@
-"""Snapshot cache: a radix tree of token prefixes over a byte-bounded LRU of snapshot bytes.
+"""Snapshot cache: a radix tree of token prefixes over a byte-bounded RAM tier that spills to a disk tier.
 
-Knows tokens and bytes, nothing of llama.cpp or HTTP. The engine produces the bytes
-(llama_state_seq_get_data) and consumes them (llama_state_seq_set_data).
+Knows tokens and bytes, nothing of llama.cpp or HTTP. Entries come in two kinds (see radix.py):
+"rec" (a recurrent checkpoint: llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and "kv"
+(the attention KV of a prefix, stored where a branch ends). A restore of position p needs a "rec" entry at p
+and KV covering p: a "kv" entry at or below p in the tree, or the live sequence when it holds tokens[:p].
+
+    plan = cache.plan(tokens, max_tokens, live_tokens)   # deepest restorable position, and from what
+    parts = cache.load(plan)                            # bytes of both parts (copies; entries stay)
+
+RAM tier: resident bytes never exceed `budget_bytes`, checked before an insert. When an entry must go, the
+`EvictionPolicy` picks it and it spills to the disk tier (if any), where a later hit is promoted back to RAM.
+Thread-safe: one lock guards the tree and the tiers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import logging
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from .radix import Match, RadixTree
+from .policy import EvictionPolicy
+from .radix import KV, REC, RadixTree, common_len
+
+log = logging.getLogger("orchestrator.cache")
+
+RAM, DISK = "ram", "disk"
+_DISK_KIND = {KV: "full", REC: "recurrent"}  # the disk tier's names for the two kinds
+_FROM_DISK_KIND = {v: k for k, v in _DISK_KIND.items()}
 
 
 @dataclass(frozen=True)
-class CacheStats:
-    """Counters since start. Bytes are snapshot payload bytes resident in RAM."""
+class RestorePlan:
+    """How to restore the deepest reusable prefix of a prompt.
 
-    entries: int
-    bytes: int
-    budget_bytes: int
-    hits: int
-    misses: int
-    inserts: int
-    evictions: int
-    rejected_too_large: int
+    n_tokens: prompt tokens restored (0: nothing). rec_id: the recurrent checkpoint at n_tokens. kv_id: the
+    stored KV entry covering n_tokens, or None when the live sequence's own KV is used. tier: where the
+    slowest part comes from ("ram", "disk", "live" for live KV + RAM checkpoint, or "none").
+    """
+
+    n_tokens: int = 0
+    rec_id: int | None = None
+    kv_id: int | None = None
+    tier: str = "none"
+
+
+@dataclass
+class _Meta:
+    kind: str
+    nbytes: int
+    tier: str
+    last_used: int
+    key: str  # disk key: kind + hash of the tokens (stable across restarts)
+
+
+@dataclass
+class CacheStats:
+    """Counters since start, and what each tier holds now (bytes are snapshot payload bytes)."""
+
+    ram_entries: int = 0
+    ram_bytes: int = 0
+    ram_budget_bytes: int = 0
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_budget_bytes: int = 0
+    entries_by_kind: dict = field(default_factory=dict)
+    inserts: int = 0
+    evictions: int = 0  # entries leaving RAM (spilled or dropped)
+    spills: int = 0  # evictions that reached the disk tier
+    promotions: int = 0  # disk hits copied back to RAM
+    dropped: int = 0  # entries lost (no disk tier, disk full, or corrupt on disk)
+    rejected_too_large: int = 0
+
+    # Compatibility names used by the server's health endpoint.
+    @property
+    def entries(self) -> int:
+        return self.ram_entries + self.disk_entries
+
+    @property
+    def bytes(self) -> int:
+        return self.ram_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.ram_budget_bytes
+
+
+def disk_key(kind: str, tokens: Sequence[int]) -> str:
+    h = hashlib.blake2b(b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=16).hexdigest()
+    return f"{kind}-{len(tokens)}-{h}"
 
 
 class SnapshotCache:
-    """Prefix cache of sequence-state snapshots, bounded by `budget_bytes`, least recently used out first.
+    """Prefix cache of state snapshots: radix tree + RAM tier (`budget_bytes`) + optional disk tier.
 
-    * `lookup(tokens, max_tokens)` returns the deepest stored prefix (a `Match`) and marks it used.
-    * `get(snapshot_id)` returns the bytes; restoring copies them, the entry stays (never consumed).
-    * `put(tokens, data)` stores a snapshot of the state after exactly `tokens`. The budget is checked before
-      the insert: LRU entries are evicted until the new one fits, and a snapshot larger than the whole
-      budget is not kept (`put` returns False). Resident bytes never exceed the budget.
-
-    Thread-safe: one lock guards the tree and the LRU.
+    `disk` is a DiskTier (orchestrator.disk) or None; its entries are indexed at construction, so a restarted
+    server keeps its cache.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, disk=None, policy: EvictionPolicy | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError("cache budget must be >= 0 bytes")
         self.budget_bytes = budget_bytes
+        self.disk = disk
+        self.policy = policy or EvictionPolicy()
         self._tree = RadixTree()
-        self._data: OrderedDict[int, bytes] = OrderedDict()  # LRU order: first = least recently used
-        self._bytes = 0
+        self._meta: dict[int, _Meta] = {}
+        self._ram: dict[int, bytes] = {}
+        self._ram_bytes = 0
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._hits = self._misses = self._inserts = self._evictions = self._too_large = 0
+        self._tick = 0
+        self._lock = threading.RLock()
+        self._stats = CacheStats()
+        if disk is not None:
+            self._index_disk()
 
-    def lookup(self, tokens: Sequence[int], max_tokens: int | None = None) -> Match:
-        """Deepest snapshot whose tokens are a prefix of `tokens` and cover at most `max_tokens` tokens."""
+    # ------------------------------------------------------------------ lookup
+
+    def plan(self, tokens: Sequence[int], max_tokens: int, live_tokens: Sequence[int] = ()) -> RestorePlan:
+        """The deepest position p <= max_tokens with a checkpoint at tokens[:p] and KV covering p.
+
+        `live_tokens`: tokens whose KV the live sequence holds, computed by prefill (usable KV source).
+        """
         with self._lock:
-            m = self._tree.match(tokens, max_tokens)
-            if m.snapshot_id is None:
-                self._misses += 1
-            else:
-                self._hits += 1
-                self._data.move_to_end(m.snapshot_id)
-            return m
+            self._tick += 1
+            live = common_len(live_tokens, tokens)
+            for node in reversed(self._tree.path(tokens, max_tokens)):
+                if node.rec is None:
+                    continue
+                if node.depth <= live:
+                    kv_id, tier = None, "live"
+                else:
+                    kv_id = node.kv if node.kv is not None else self._tree.kv_covering(tokens, node.depth)
+                    if kv_id is None:
+                        continue
+                    tier = DISK if self._meta[kv_id].tier == DISK else RAM
+                if self._meta[node.rec].tier == DISK:
+                    tier = DISK
+                return RestorePlan(node.depth, node.rec, kv_id, tier)
+            return RestorePlan()
 
-    def get(self, snapshot_id: int) -> bytes | None:
-        """Bytes of a snapshot, or None if it was evicted since the lookup."""
+    def load(self, plan: RestorePlan) -> tuple[bytes | None, bytes] | None:
+        """(kv bytes or None for live KV, checkpoint bytes) of a plan, promoting disk entries to RAM.
+
+        Returns None if a part is gone (evicted, or corrupt on disk); that part is then dropped from the index
+        and the caller plans again.
+        """
         with self._lock:
-            data = self._data.get(snapshot_id)
-            if data is not None:
-                self._data.move_to_end(snapshot_id)
-            return data
+            pinned = {i for i in (plan.rec_id, plan.kv_id) if i is not None}
+            rec = self._fetch(plan.rec_id, pinned)
+            kv = self._fetch(plan.kv_id, pinned) if plan.kv_id is not None else None
+            if rec is None or (plan.kv_id is not None and kv is None):
+                return None
+            return kv, rec
 
-    def contains(self, tokens: Sequence[int]) -> bool:
-        """Whether a snapshot of exactly `tokens` is stored (lets the engine skip a redundant save)."""
+    def _fetch(self, eid: int, pinned: set[int]) -> bytes | None:
+        meta = self._meta.get(eid)
+        if meta is None:
+            return None
+        meta.last_used = self._tick
+        if meta.tier == RAM:
+            return self._ram[eid]
+        got = self.disk.get(meta.key) if self.disk is not None else None
+        if got is None:
+            self._forget(eid)
+            self._stats.dropped += 1
+            return None
+        data = got[2]
+        self._stats.promotions += 1
+        if self._make_room(len(data), pinned):
+            self._ram[eid] = data
+            self._ram_bytes += len(data)
+            meta.tier = RAM
+        return data
+
+    def contains(self, tokens: Sequence[int], kind: str = REC) -> bool:
+        """Whether an entry of `kind` for exactly `tokens` is stored (in any tier)."""
         with self._lock:
-            return self._tree.find(tokens) is not None
+            return self._tree.find(tokens, kind) is not None
 
-    def put(self, tokens: Sequence[int], data: bytes) -> bool:
-        """Store the state after exactly `tokens`; replaces one stored at the same prefix.
+    # ------------------------------------------------------------------ insert and evict
 
-        Returns False (and stores nothing) if `data` alone exceeds the budget. Raises ValueError for an
-        empty prefix.
+    def put(self, tokens: Sequence[int], kind: str, data: bytes) -> bool:
+        """Store an entry of `kind` for exactly `tokens` in RAM (replacing one at the same prefix).
+
+        Returns False, storing nothing, if `data` alone exceeds the RAM budget. Raises ValueError for an empty
+        prefix or an unknown kind.
         """
         nbytes = len(data)
         with self._lock:
             if nbytes > self.budget_bytes:
-                self._too_large += 1
+                self._stats.rejected_too_large += 1
                 return False
-            old = self._tree.find(tokens)
+            old = self._tree.find(tokens, kind)
             if old is not None:
-                self._drop(old)
-            while self._bytes + nbytes > self.budget_bytes:
-                victim = next(iter(self._data))
-                self._drop(victim)
-                self._evictions += 1
-            sid = next(self._ids)
-            self._tree.insert(tokens, sid)
-            self._data[sid] = data
-            self._bytes += nbytes
-            self._inserts += 1
+                self._forget(old)
+            if not self._make_room(nbytes, set()):
+                return False
+            if kind == KV:  # KV is prefix-closed: shallower KV entries on this path are now redundant
+                for node in self._tree.path(tokens, len(tokens) - 1):
+                    if node.kv is not None:
+                        self._forget(node.kv)
+            eid = next(self._ids)
+            self._tree.insert(tokens, kind, eid)
+            self._meta[eid] = _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens))
+            self._ram[eid] = data
+            self._ram_bytes += nbytes
+            self._stats.inserts += 1
             return True
 
-    def _drop(self, sid: int) -> None:
-        self._bytes -= len(self._data.pop(sid))
-        self._tree.remove(sid)
+    def _make_room(self, nbytes: int, pinned: set[int]) -> bool:
+        """Evict RAM entries (policy order, never `pinned`) until `nbytes` more fit; False if impossible."""
+        if nbytes > self.budget_bytes:
+            return False
+        while self._ram_bytes + nbytes > self.budget_bytes:
+            candidates = {e: (self._meta[e].nbytes, self._meta[e].last_used) for e in self._ram if e not in pinned}
+            if not candidates:
+                return False
+            self._evict(self.policy.victim(self._tree, candidates, self._tick))
+        return True
+
+    def _evict(self, eid: int) -> None:
+        meta = self._meta[eid]
+        data = self._ram.pop(eid)
+        self._ram_bytes -= meta.nbytes
+        self._stats.evictions += 1
+        if self.disk is not None and self.disk.put(meta.key, self._tree.tokens_of(eid), _DISK_KIND[meta.kind], data):
+            meta.tier = DISK
+            self._stats.spills += 1
+        else:
+            self._tree.remove(eid)
+            del self._meta[eid]
+            self._stats.dropped += 1
+
+    def _forget(self, eid: int) -> None:
+        meta = self._meta.pop(eid)
+        if meta.tier == RAM:
+            self._ram_bytes -= len(self._ram.pop(eid))
+        elif self.disk is not None:
+            self.disk.delete(meta.key)
+        self._tree.remove(eid)
+
+    def _index_disk(self) -> None:
+        n = 0
+        for info in self.disk.entries():
+            kind = _FROM_DISK_KIND.get(info.kind)
+            if kind is None or not info.tokens or self._tree.find(info.tokens, kind) is not None:
+                continue
+            eid = next(self._ids)
+            self._tree.insert(info.tokens, kind, eid)
+            self._meta[eid] = _Meta(kind, info.nbytes, DISK, 0, info.key)
+            n += 1
+        if n:
+            log.info("snapshot cache: indexed %d entries from the disk tier", n)
+
+    # ------------------------------------------------------------------ inspection
 
     def clear(self) -> None:
-        """Forget every snapshot."""
+        """Forget every entry in every tier."""
         with self._lock:
-            for sid in list(self._data):
-                self._drop(sid)
+            for eid in list(self._meta):
+                self._forget(eid)
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(
-                entries=len(self._data),
-                bytes=self._bytes,
-                budget_bytes=self.budget_bytes,
-                hits=self._hits,
-                misses=self._misses,
-                inserts=self._inserts,
-                evictions=self._evictions,
-                rejected_too_large=self._too_large,
-            )
+            s = self._stats
+            s.ram_entries = len(self._ram)
+            s.ram_bytes = self._ram_bytes
+            s.ram_budget_bytes = self.budget_bytes
+            s.disk_entries = sum(1 for m in self._meta.values() if m.tier == DISK)
+            s.disk_bytes = self.disk.bytes if self.disk is not None else 0
+            s.disk_budget_bytes = self.disk.budget_bytes if self.disk is not None else 0
+            s.entries_by_kind = {k: sum(1 for m in self._meta.values() if m.kind == k) for k in (REC, KV)}
+            return CacheStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})
 
-    def prefixes(self) -> list[tuple[int, ...]]:
-        """Token prefixes stored, least recently used first (for tests and diagnostics)."""
+    def entries(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(kind, tier, tokens) of every entry (for tests and diagnostics)."""
         with self._lock:
-            return [self._tree.tokens_of(sid) for sid in self._data]
+            return [(m.kind, m.tier, self._tree.tokens_of(e)) for e, m in self._meta.items()]
 
     def check(self) -> None:
-        """Recount bytes and entries from scratch and compare with the tree (for tests)."""
+        """Recount from scratch and compare with the incremental counters (for tests)."""
         with self._lock:
             self._tree.check()
-            assert self._bytes == sum(len(d) for d in self._data.values())
-            assert len(self._tree) == len(self._data)
-            assert all(sid in self._tree for sid in self._data)
-            assert self._bytes <= self.budget_bytes
+            assert set(self._meta) == set(self._tree.ids())
+            assert set(self._ram) == {e for e, m in self._meta.items() if m.tier == RAM}
+            assert self._ram_bytes == sum(len(d) for d in self._ram.values()) <= self.budget_bytes
+

@@ -33,6 +33,9 @@ class Config:
     batch_size: int = 512  # n_batch: the most tokens one llama_decode call takes (prefill is chunked to it)
     threads: int = field(default_factory=lambda: max(1, psutil.cpu_count(logical=False) or 1))
     cache_ram_mib: int = field(default_factory=default_cache_ram_mib)  # snapshot LRU budget, MiB
+    checkpoint_interval: int = 512  # tokens between recurrent checkpoints inside long messages (0 = off)
+    cache_disk_dir: Path | None = None  # disk tier directory; None = no disk tier
+    cache_disk_mib: int = 4096  # disk tier budget, MiB
     cache_enabled: bool = True  # False: every request is prefilled cold (the correctness oracle)
     model_alias: str | None = None  # id reported by /v1/models; default: the model file's stem
     chat_template: Path | None = None  # override the template stored in the GGUF

@@ -39,6 +39,8 @@ from .errors import EngineError, ModelLoadError
 
 log = logging.getLogger("orchestrator.engine")
 
+PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+_HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and PARTIAL_ONLY states
 _LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
 
 
@@ -154,6 +156,7 @@ class Engine:
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
+        self.split_layout = self._check_split_layout()
 
     # ---------------------------------------------------------------- metadata and vocab
 
@@ -273,17 +276,64 @@ class Engine:
             raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
         return ctypes.string_at(buf, n)
 
-    def restore_state(self, seq: int, data: bytes, flags: int = 0) -> None:
-        """Replace sequence `seq`'s state by `data` (llama_state_seq_set_data_ext). `data` is only read.
+    def save_checkpoint(self, seq: int) -> bytes:
+        """Recurrent-only checkpoint of `seq` (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): no KV, fixed size."""
+        return self.save_state(seq, PARTIAL)
 
-        Raises EngineError when llama.cpp rejects the bytes; the sequence is then cleared.
+    def save_parts(self, seq: int) -> tuple[bytes, bytes]:
+        """(kv, checkpoint) of `seq` from one full save: the attention KV alone, and the recurrent checkpoint.
+
+        llama.cpp writes a full state as header + attention part + recurrent part, and a PARTIAL_ONLY state as
+        the same header + the recurrent part (llama_memory_hybrid::state_write); `split_layout` is checked on
+        this build at start. Without it, `kv` is the whole full state.
         """
-        self.clear(seq)
+        full = self.save_state(seq)
+        if not self.split_layout:
+            return full, self.save_checkpoint(seq)
+        body = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL) - _HEADER
+        return full[_HEADER:len(full) - body], full[:_HEADER] + full[len(full) - body:]
+
+    def restore(self, seq: int, n_tokens: int, kv: bytes | None, checkpoint: bytes) -> None:
+        """Bring sequence `seq` to the state after its first `n_tokens` tokens.
+
+        kv: stored attention KV covering at least n_tokens (from save_parts), or None to keep the sequence's own
+        KV (it must hold those tokens). checkpoint: the recurrent checkpoint taken at n_tokens. Order matters on
+        a hybrid memory: load the KV, then the checkpoint, then truncate the KV with llama_memory_seq_rm(seq,
+        n_tokens, -1), which fails before the checkpoint is loaded. Raises EngineError (sequence cleared).
+        """
+        if kv is not None:
+            full = checkpoint[:_HEADER] + kv + checkpoint[_HEADER:] if self.split_layout else kv
+            self._set(seq, full, 0, clear=True)
+        self._set(seq, checkpoint, PARTIAL, clear=False)
+        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
+            self.clear(seq)
+            raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")
+
+    def restore_state(self, seq: int, data: bytes, flags: int = 0) -> None:
+        """Replace sequence `seq`'s state by a full state `data` (llama_state_seq_set_data_ext)."""
+        self._set(seq, data, flags, clear=True)
+
+    def _set(self, seq: int, data: bytes, flags: int, clear: bool) -> None:
+        if clear:
+            self.clear(seq)
         src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
         n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, len(data), seq, flags)
         if n == 0:
             self.clear(seq)
             raise EngineError(f"llama.cpp rejected a {len(data)}-byte state for sequence {seq}")
+
+    def pos_max(self, seq: int) -> int:
+        """Last position held by `seq` (llama_memory_seq_pos_max), -1 when empty."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
+
+    def _check_split_layout(self) -> bool:
+        """Whether a full state is header + KV part + the checkpoint's body (see save_parts)."""
+        try:
+            self.decode(0, [max(self.bos_id, 0)] * 2, 0, want_logits=False)
+            full, rec = self.save_state(0), self.save_checkpoint(0)
+            return len(rec) > _HEADER and full[:_HEADER] == rec[:_HEADER] and full.endswith(rec[_HEADER:])
+        finally:
+            self.clear(0)
 
     def close(self) -> None:
         """Free the batch, context and model."""

@@ -1,35 +1,32 @@
-"""Token-level radix tree that indexes snapshots by the token prefix they hold.
+"""Token-level radix tree that indexes snapshot entries by the token prefix they hold.
 
-The tree knows tokens and snapshot ids only; bytes live in the store (`orchestrator.store`).
+The tree knows tokens and entry ids only; bytes live in the tiers (`orchestrator.cache`).
 
-    root ──[151644, 8948, 198 ... 13]──▶ A (snapshot 1, depth 1834: end of the tools block)
-                                        ├──[8948 ... 151645, 198]──▶ B (snapshot 2, depth 1901: end of system)
-                                        └──[ 42 ... ]──▶ C (snapshot 3, depth 2210)
+    root ──[248045, 8678, 198 ... 29]──▶ A depth 1834 {rec}          (end of the tools block)
+                                        ├──[ ... 248046, 198]──▶ B depth 1901 {rec}   (end of system)
+                                        │                         └──[...]──▶ D depth 2210 {rec, kv}
+                                        └──[ 42 ... ]──▶ C depth 2050 {rec, kv}
 
-Each edge holds a run of tokens; a node's depth is the number of tokens from the root to it. A node holds at
-most one snapshot id: the state after exactly its `depth` tokens.
+A node's depth is the number of tokens from the root to it. A node holds at most one entry per kind:
+  * "rec": a recurrent checkpoint, the recurrent state after exactly `depth` tokens;
+  * "kv":  the attention KV of those `depth` tokens. KV is a prefix-closed quantity: the KV of D covers every
+           position of B and A too, so a checkpoint at any ancestor plus a KV entry in its subtree restores
+           that ancestor (load KV, load checkpoint, truncate the KV).
 
 Invariants (checked by `check()`):
   * children are keyed by the first token of their edge, and every edge is non-empty;
-  * a non-root node has a snapshot or at least one child (no dead leaves);
-  * `_by_id[sid].snapshot_id == sid` for every id.
+  * a non-root node has an entry or at least one child (no dead leaves);
+  * node.kv_below == number of "kv" entries in the node's subtree, itself included;
+  * `_nodes[eid]` is the node that holds entry eid.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
-
-@dataclass(frozen=True)
-class Match:
-    """Result of a lookup: the deepest snapshot whose tokens prefix the query.
-
-    n_tokens: tokens the snapshot covers (0 and snapshot_id None on a miss).
-    """
-
-    n_tokens: int = 0
-    snapshot_id: int | None = None
+REC, KV = "rec", "kv"
+KINDS = (REC, KV)
 
 
 @dataclass(eq=False)
@@ -38,10 +35,22 @@ class _Node:
     parent: "_Node | None"
     depth: int
     children: dict[int, "_Node"] = field(default_factory=dict)
-    snapshot_id: int | None = None
+    entries: dict[str, int] = field(default_factory=dict)
+    kv_below: int = 0
 
 
-def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+@dataclass(frozen=True)
+class PathNode:
+    """A node on the matched path of a query: its depth (tokens) and entry ids by kind."""
+
+    depth: int
+    rec: int | None
+    kv: int | None
+    kv_below: int  # KV entries in this node's subtree (0: no stored KV covers this depth)
+
+
+def common_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -50,25 +59,32 @@ def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class RadixTree:
-    """Radix tree over token ids mapping prefixes to snapshot ids. Not thread-safe; the caller locks."""
+    """Radix tree over token ids holding entry ids per node. Not thread-safe; the caller locks."""
 
     def __init__(self) -> None:
         self._root = _Node(edge=(), parent=None, depth=0)
-        self._by_id: dict[int, _Node] = {}
+        self._nodes: dict[int, _Node] = {}
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self._nodes)
 
-    def insert(self, tokens: Sequence[int], snapshot_id: int) -> int | None:
-        """Attach `snapshot_id` to the node for exactly `tokens` (splitting an edge if needed).
+    def __contains__(self, eid: int) -> bool:
+        return eid in self._nodes
 
-        Returns the id this replaces at the same prefix, or None. Raises ValueError for an empty prefix
-        (a state after zero tokens is never worth storing) or an id already in the tree.
+    # ------------------------------------------------------------------ updates
+
+    def insert(self, tokens: Sequence[int], kind: str, eid: int) -> int | None:
+        """Attach entry `eid` of `kind` to the node for exactly `tokens`, splitting an edge if needed.
+
+        Returns the id of the entry of the same kind it replaces there, or None. Raises ValueError for an empty
+        prefix, an unknown kind or an id already in the tree.
         """
         if not tokens:
             raise ValueError("cannot store a snapshot of an empty prefix")
-        if snapshot_id in self._by_id:
-            raise ValueError(f"snapshot id {snapshot_id} is already in the tree")
+        if kind not in KINDS:
+            raise ValueError(f"unknown entry kind {kind!r}")
+        if eid in self._nodes:
+            raise ValueError(f"entry id {eid} is already in the tree")
         node = self._root
         i = 0
         while i < len(tokens):
@@ -78,77 +94,43 @@ class RadixTree:
                 node.children[tokens[i]] = leaf
                 node = leaf
                 break
-            k = _common_len(child.edge, tokens[i:])
+            k = common_len(child.edge, tokens[i:])
             if k < len(child.edge):
                 child = self._split(child, k)
             node = child
             i += k
-        replaced = node.snapshot_id
+        replaced = node.entries.get(kind)
         if replaced is not None:
-            del self._by_id[replaced]
-        node.snapshot_id = snapshot_id
-        self._by_id[snapshot_id] = node
+            del self._nodes[replaced]
+        elif kind == KV:
+            self._add_kv(node, +1)
+        node.entries[kind] = eid
+        self._nodes[eid] = node
         return replaced
 
+    def _add_kv(self, node: _Node | None, delta: int) -> None:
+        while node is not None:
+            node.kv_below += delta
+            node = node.parent
+
     def _split(self, child: _Node, k: int) -> _Node:
-        """Split `child`'s edge after k tokens; returns the new middle node (depth = parent depth + k)."""
         parent = child.parent
         assert parent is not None and 0 < k < len(child.edge)
-        mid = _Node(edge=child.edge[:k], parent=parent, depth=parent.depth + k)
+        mid = _Node(edge=child.edge[:k], parent=parent, depth=parent.depth + k, kv_below=child.kv_below)
         parent.children[mid.edge[0]] = mid
         child.edge = child.edge[k:]
         child.parent = mid
         mid.children[child.edge[0]] = child
         return mid
 
-    def match(self, tokens: Sequence[int], max_tokens: int | None = None) -> Match:
-        """Deepest snapshot whose prefix equals tokens[:depth], with depth <= max_tokens (default len(tokens))."""
-        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        best = Match()
-        node = self._root
-        i = 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                break
-            k = _common_len(child.edge, tokens[i:])
-            if k < len(child.edge) or child.depth > limit:
-                break
-            node = child
-            i += k
-            if node.snapshot_id is not None:
-                best = Match(node.depth, node.snapshot_id)
-        return best
-
-    def tokens_of(self, snapshot_id: int) -> tuple[int, ...]:
-        """The token prefix a snapshot id is stored under. Raises KeyError for an unknown id."""
-        node = self._by_id[snapshot_id]
-        parts = []
-        while node.parent is not None:
-            parts.append(node.edge)
-            node = node.parent
-        return tuple(t for edge in reversed(parts) for t in edge)
-
-    def depth_of(self, snapshot_id: int) -> int:
-        """Tokens covered by a snapshot id. Raises KeyError for an unknown id."""
-        return self._by_id[snapshot_id].depth
-
-    def __contains__(self, snapshot_id: int) -> bool:
-        return snapshot_id in self._by_id
-
-    def find(self, tokens: Sequence[int]) -> int | None:
-        """The snapshot id stored at exactly `tokens`, or None."""
-        m = self.match(tokens)
-        return m.snapshot_id if m.n_tokens == len(tokens) and tokens else None
-
-    def remove(self, snapshot_id: int) -> None:
-        """Detach a snapshot id and prune nodes left without purpose. Raises KeyError for an unknown id."""
-        node = self._by_id.pop(snapshot_id)
-        node.snapshot_id = None
-        self._prune(node)
-
-    def _prune(self, node: _Node) -> None:
-        while node.parent is not None and node.snapshot_id is None:
+    def remove(self, eid: int) -> None:
+        """Detach an entry and prune nodes left without purpose. Raises KeyError for an unknown id."""
+        node = self._nodes.pop(eid)
+        kind = next(k for k, v in node.entries.items() if v == eid)
+        del node.entries[kind]
+        if kind == KV:
+            self._add_kv(node, -1)
+        while node.parent is not None and not node.entries:
             parent = node.parent
             if not node.children:
                 del parent.children[node.edge[0]]
@@ -161,20 +143,122 @@ class RadixTree:
                 return
             node = parent
 
+    # ------------------------------------------------------------------ queries
+
+    def path(self, tokens: Sequence[int], max_tokens: int | None = None) -> list[PathNode]:
+        """Nodes with entries whose whole prefix equals tokens[:depth], depth <= max_tokens, shallow first."""
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        out: list[PathNode] = []
+        node = self._root
+        i = 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            k = common_len(child.edge, tokens[i:])
+            if k < len(child.edge) or child.depth > limit:
+                break
+            node = child
+            i += k
+            if node.entries:
+                out.append(PathNode(node.depth, node.entries.get(REC), node.entries.get(KV), node.kv_below))
+        return out
+
+    def kv_covering(self, tokens: Sequence[int], depth: int) -> int | None:
+        """Id of the shallowest KV entry whose prefix extends tokens[:depth] (so its KV covers `depth`)."""
+        node = self._node_at(tokens, depth)
+        if node is None or node.kv_below == 0:
+            return None
+        while KV not in node.entries:  # descend towards the shallowest KV below
+            node = min((c for c in node.children.values() if c.kv_below), key=lambda c: c.depth)
+        return node.entries[KV]
+
+    def _node_at(self, tokens: Sequence[int], depth: int) -> _Node | None:
+        node = self._root
+        i = 0
+        while i < depth:
+            child = node.children.get(tokens[i])
+            if child is None:
+                return None
+            k = common_len(child.edge, tokens[i:depth])
+            if k < min(len(child.edge), depth - i):
+                return None
+            if i + len(child.edge) > depth:  # depth falls inside this edge: the child's subtree covers it
+                return child
+            node = child
+            i += k
+        return node
+
+    def find(self, tokens: Sequence[int], kind: str) -> int | None:
+        """The entry of `kind` stored at exactly `tokens`, or None."""
+        node = self._node_at(tokens, len(tokens)) if tokens else None
+        return node.entries.get(kind) if node is not None and node.depth == len(tokens) else None
+
+    def tokens_of(self, eid: int) -> tuple[int, ...]:
+        """The token prefix an entry is stored under. Raises KeyError for an unknown id."""
+        node = self._nodes[eid]
+        parts = []
+        while node.parent is not None:
+            parts.append(node.edge)
+            node = node.parent
+        return tuple(t for edge in reversed(parts) for t in edge)
+
+    def depth_of(self, eid: int) -> int:
+        return self._nodes[eid].depth
+
+    def kind_of(self, eid: int) -> str:
+        node = self._nodes[eid]
+        return next(k for k, v in node.entries.items() if v == eid)
+
+    def covered(self, eid: int) -> bool:
+        """A KV entry with another KV entry deeper in its subtree: the deeper one covers every position."""
+        node = self._nodes[eid]
+        return self.kind_of(eid) == KV and node.kv_below > 1
+
+    def recompute_tokens(self, eid: int) -> int:
+        """Tokens to prefill again if this entry were lost: a checkpoint's from the nearest ancestor checkpoint;
+        a KV entry's whole prefix (KV can be rebuilt only by prefilling from the start)."""
+        node = self._nodes[eid]
+        kind = self.kind_of(eid)
+        if kind == KV:
+            return node.depth
+        anc = node.parent
+        while anc is not None and kind not in anc.entries:
+            anc = anc.parent
+        return node.depth - (anc.depth if anc is not None else 0)
+
+    def branches_below(self, eid: int) -> int:
+        """Leaves in the subtree of an entry's node: how many distinct continuations share its prefix."""
+        stack, leaves = [self._nodes[eid]], 0
+        while stack:
+            n = stack.pop()
+            if not n.children:
+                leaves += 1
+            stack.extend(n.children.values())
+        return leaves
+
+    def ids(self) -> Iterator[int]:
+        return iter(self._nodes)
+
     def check(self) -> None:
         """Assert the invariants in the module docstring (for tests)."""
         seen = 0
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
+
+        def visit(node: _Node) -> int:
+            nonlocal seen
             if node.parent is not None:
                 assert node.edge, "empty edge"
                 assert node.depth == node.parent.depth + len(node.edge)
-                assert node.snapshot_id is not None or node.children, "dead leaf"
-            if node.snapshot_id is not None:
-                assert self._by_id[node.snapshot_id] is node
+                assert node.entries or node.children, "dead leaf"
+            for eid in node.entries.values():
+                assert self._nodes[eid] is node
                 seen += 1
+            kv = int(KV in node.entries)
             for first, child in node.children.items():
                 assert child.edge[0] == first and child.parent is node
-                stack.append(child)
-        assert seen == len(self._by_id)
+                kv += visit(child)
+            assert node.kv_below == kv, "kv_below out of date"
+            return kv
+
+        visit(self._root)
+        assert seen == len(self._nodes)

@@ -51,7 +51,7 @@ class Runtime:
         log.info("snapshot cache: %d MiB of RAM%s", cfg.cache_ram_mib, "" if cfg.cache_enabled else " (disabled)")
         template = load_template(engine, cfg.chat_template)
         return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template),
-                   scheduler=Scheduler(engine, cache), model_id=cfg.model_alias or path.stem)
+                   scheduler=Scheduler(engine, cache, cfg.checkpoint_interval), model_id=cfg.model_alias or path.stem)
 
     def close(self) -> None:
         self.scheduler.close()

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .cache import SnapshotCache
+from .radix import KV, REC
 from .engine import Engine, SamplingParams
 from .errors import ContextOverflow, EngineError, OrchestratorError
 from .stops import TextStream
@@ -103,9 +104,11 @@ class Scheduler:
 
     SEQ = 0
 
-    def __init__(self, engine: Engine, cache: SnapshotCache) -> None:
+    def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0) -> None:
         self.engine = engine
         self.cache = cache
+        self.checkpoint_interval = checkpoint_interval  # tokens between interval checkpoints (0 = off)
+        self._live: list[int] = []  # tokens whose KV the sequence holds, computed by prefill
         self._snapshot_s = 0.0  # seconds spent saving snapshots in the current job
         self._queue: queue.Queue[tuple[Job, Sink, threading.Event] | threading.Event | None] = queue.Queue()
         self._busy = False
@@ -192,42 +195,74 @@ class Scheduler:
 
     def _reset(self) -> None:
         self.engine.clear(self.SEQ)
+        self._live = []
 
     def _reuse(self, tokens: list[int], use_cache: bool) -> tuple[int, str]:
-        """Bring the sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, source)."""
+        """Bring the sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, tier)."""
         if use_cache:
-            m = self.cache.lookup(tokens, max_tokens=len(tokens) - MIN_SEGMENT)
-            data = self.cache.get(m.snapshot_id) if m.snapshot_id is not None else None
-            if data is not None:
+            for _attempt in range(3):  # a part that vanished (evicted, corrupt on disk) is dropped: plan again
+                plan = self.cache.plan(tokens, len(tokens) - MIN_SEGMENT, self._live)
+                if plan.n_tokens == 0:
+                    break
+                parts = self.cache.load(plan)
+                if parts is None:
+                    continue
+                kv, checkpoint = parts
                 try:
-                    self.engine.restore_state(self.SEQ, data)
-                    return m.n_tokens, "snapshot"
+                    self.engine.restore(self.SEQ, plan.n_tokens, kv, checkpoint)
                 except EngineError:
                     log.warning("snapshot restore failed; prefilling cold", exc_info=True)
+                    break
+                self._live = tokens[: plan.n_tokens]
+                return plan.n_tokens, plan.tier
         self._reset()
         return 0, "none"
 
-    def _save(self, tokens: list[int]) -> int:
-        """Snapshot the sequence as the state after `tokens` unless one is stored; returns 1 if stored."""
-        if self.cache.contains(tokens):
+    def _timed_put(self, tokens: list[int], parts: dict[str, Callable[[], bytes]]) -> int:
+        """Store the entries of `parts` ({kind: producer}) missing for `tokens`; returns how many were stored."""
+        missing = [k for k in parts if not self.cache.contains(tokens, k)]
+        if not missing:
             return 0
         t = time.perf_counter()
-        stored = self.cache.put(tokens, self.engine.save_state(self.SEQ))
+        if len(missing) == 2:
+            kv, rec = self.engine.save_parts(self.SEQ)
+            data = {KV: kv, REC: rec}
+        else:
+            data = {missing[0]: parts[missing[0]]()}
+        stored = sum(self.cache.put(tokens, k, d) for k, d in data.items())
         self._snapshot_s += time.perf_counter() - t
-        return int(stored)
+        return stored
+
+    def _checkpoint(self, tokens: list[int]) -> int:
+        return self._timed_put(tokens, {REC: lambda: self.engine.save_checkpoint(self.SEQ)})
+
+    def _branch_end(self, tokens: list[int]) -> int:
+        """Store the KV and checkpoint of the deepest point of a request (where a radix-tree branch ends)."""
+        return self._timed_put(tokens, {KV: lambda: self.engine.save_parts(self.SEQ)[0],
+                                        REC: lambda: self.engine.save_checkpoint(self.SEQ)})
 
     def _prefill(self, tokens: list[int], start: int, boundaries: Sequence[int], use_cache: bool) -> int:
-        """Prefill tokens[start:], ending a segment (and saving) at each boundary; returns snapshots saved."""
+        """Prefill tokens[start:], ending a segment (and saving a checkpoint) at each boundary; returns how
+        many entries were stored."""
         n = len(tokens)
         saved, pos = 0, start
         for b in sorted(set(boundaries)):
             if b - pos >= MIN_SEGMENT and n - b >= MIN_SEGMENT:
+                self._live = tokens[:pos]  # a half-prefilled segment is never recorded as held
                 self.engine.decode(self.SEQ, tokens[pos:b], pos, want_logits=False)
+                self._live = tokens[:b]
                 pos = b
                 if use_cache:
-                    saved += self._save(tokens[:b])
+                    saved += self._checkpoint(tokens[:b])
+        self._live = tokens[:pos]
         self.engine.decode(self.SEQ, tokens[pos:], pos, want_logits=True)
+        self._live = list(tokens)
         return saved
+
+    def _positions(self, job: Job, n: int) -> list[int]:
+        """Snapshot positions: the template boundaries, plus every `checkpoint_interval` tokens."""
+        extra = range(self.checkpoint_interval, n, self.checkpoint_interval) if self.checkpoint_interval else ()
+        return sorted(set(job.boundaries) | set(extra))
 
     def _serve(self, job: Job, sink: Sink, cancel: threading.Event) -> tuple[Result, Callable[[], None] | None]:
         eng = self.engine
@@ -237,16 +272,11 @@ class Scheduler:
         self._snapshot_s = 0.0
         start, source = self._reuse(tokens, job.use_cache)
         t_restored = time.perf_counter()
-        saved = self._prefill(tokens, start, job.boundaries, job.use_cache)
+        saved = self._prefill(tokens, start, self._positions(job, n), job.use_cache)
         t_prefilled = time.perf_counter()
         first_logits = eng.logits() if job.want_logits else None
-        end_state = None
         if job.use_cache:
-            t = time.perf_counter()
-            end_state = eng.save_state(self.SEQ)
-            if not self.cache.contains(tokens):
-                saved += int(self.cache.put(tokens, end_state))
-            self._snapshot_s += time.perf_counter() - t
+            saved += self._checkpoint(tokens)
 
         sampler = eng.sampler(job.sampling)
         stream = TextStream(stop=job.stop)
@@ -284,20 +314,40 @@ class Scheduler:
             ttft_s=ttft if ttft is not None else t_end - t0, total_s=t_end - t0, snapshots_saved=saved,
             snapshot_s=self._snapshot_s, first_logits=first_logits)
         followup = None
-        if end_state is not None and not cancel.is_set() and not stream.stopped:
+        if job.use_cache:
             generated = out + ([eog] if eog is not None else [])
-            followup = lambda: self._after_generation(tokens, generated, end_state)  # noqa: E731
+            if cancel.is_set() or stream.stopped or len(generated) < MIN_SEGMENT:
+                followup = lambda: self._end_of_prompt(tokens)  # noqa: E731
+            else:
+                followup = lambda: self._after_generation(tokens, generated)  # noqa: E731
         return result, followup
 
-    def _after_generation(self, prompt: list[int], generated: list[int], end_state: bytes) -> None:
-        """Snapshot the state after prompt + generated tokens, computed as a batch (see module docstring).
+    def _end_of_prompt(self, prompt: list[int]) -> None:
+        """The prompt is the deepest point of this request: store its KV there (from a batch-computed state)."""
+        if not self.cache.contains(prompt, KV) and self._rewind(prompt):
+            self._branch_end(prompt)
+
+    def _after_generation(self, prompt: list[int], generated: list[int]) -> None:
+        """Store the state after prompt + generated tokens, computed as a batch (see module docstring).
 
         Runs after the caller has its result, before the next job: always, so that what a request reports as
         cached_tokens does not depend on timing.
         """
         full = prompt + generated
-        if len(generated) < MIN_SEGMENT or len(full) > self.engine.n_ctx or self.cache.contains(full):
+        if len(full) > self.engine.n_ctx:
+            return self._end_of_prompt(prompt)
+        if self.cache.contains(full, KV) or not self._rewind(prompt):
             return
-        self.engine.restore_state(self.SEQ, end_state)
         self.engine.decode(self.SEQ, generated, len(prompt), want_logits=False)
-        self._save(full)
+        self._live = full
+        self._branch_end(full)
+
+    def _rewind(self, prompt: list[int]) -> bool:
+        """Drop the decoded tokens: back to the state after `prompt` (its checkpoint + the live KV)."""
+        plan = self.cache.plan(prompt, len(prompt), prompt)
+        parts = self.cache.load(plan) if plan.n_tokens == len(prompt) else None
+        if parts is None or parts[0] is not None:
+            return False
+        self.engine.restore(self.SEQ, len(prompt), None, parts[1])
+        self._live = list(prompt)
+        return True

@@ -38,7 +38,7 @@ def test_chat_usage_reports_cached_tokens(client):
         assert r["choices"][0]["message"]["role"] == "assistant"
         assert r["object"] == "chat.completion"
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert second["timings"]["cache_source"] == "snapshot"
+    assert second["timings"]["cache_source"] in ("live", "ram")
 
 
 def test_cache_prompt_false_is_a_cold_run_with_the_same_output(client):

@@ -1,44 +1,50 @@
-"""Radix tree and snapshot LRU, with fake snapshots (bytes whose length is the cost) and exact orders."""
+"""Radix tree, eviction policy and snapshot cache, with fake snapshots (bytes whose length is the cost),
+exact orders, and a recount of every counter after each operation."""
 
 import random
 
 import pytest
 
 from orchestrator.cache import SnapshotCache
-from orchestrator.radix import RadixTree
+from orchestrator.policy import EvictionPolicy
+from orchestrator.radix import KV, REC, RadixTree
 
 
-def test_radix_deepest_prefix_wins_and_respects_limit():
+def test_radix_path_and_kv_covering():
     t = RadixTree()
-    t.insert([1, 2, 3], 10)
-    t.insert([1, 2, 3, 4, 5], 11)
-    t.insert([1, 2, 9], 12)
+    t.insert([1, 2, 3], REC, 10)
+    t.insert([1, 2, 3, 4, 5], REC, 11)
+    t.insert([1, 2, 3, 4, 5, 6, 7], KV, 12)
+    t.insert([1, 2, 9], REC, 13)
     t.check()
-    assert t.match([1, 2, 3, 4, 5, 6]).snapshot_id == 11
-    assert t.match([1, 2, 3, 4, 5, 6]).n_tokens == 5
-    # A byte-identical repeat must leave at least one token to prefill: the limit excludes depth 5.
-    assert t.match([1, 2, 3, 4, 5], max_tokens=4).snapshot_id == 10
-    assert t.match([1, 2, 3, 4, 7]).snapshot_id == 10
-    assert t.match([1, 2, 9, 9]).snapshot_id == 12
-    assert t.match([1, 2]).snapshot_id is None
-    assert t.match([7]).n_tokens == 0
-    assert t.tokens_of(12) == (1, 2, 9)
+    assert [(p.depth, p.rec, p.kv) for p in t.path([1, 2, 3, 4, 5, 6, 7, 8])] == \
+        [(3, 10, None), (5, 11, None), (7, None, 12)]
+    assert [p.depth for p in t.path([1, 2, 3, 4, 5, 6, 7], max_tokens=5)] == [3, 5]
+    # KV at depth 7 covers depths 3 and 5 (its prefix), not the [1, 2, 9] branch.
+    assert t.kv_covering([1, 2, 3, 4, 5], 5) == 12
+    assert t.kv_covering([1, 2, 3], 3) == 12
+    assert t.kv_covering([1, 2, 9], 3) is None
+    assert t.kv_covering([1, 2, 3, 4, 9], 4) == 12  # depth 4 lies inside an edge below which the KV sits
+    assert t.tokens_of(13) == (1, 2, 9)
+    assert t.find([1, 2, 3], REC) == 10 and t.find([1, 2, 3], KV) is None and t.find([1, 2], REC) is None
 
 
-def test_radix_replace_and_remove_prune():
+def test_radix_remove_prunes_and_keeps_kv_counts():
     t = RadixTree()
-    t.insert([1, 2, 3], 1)
-    assert t.insert([1, 2, 3], 2) == 1
-    t.insert([1, 2, 3, 4], 3)
+    t.insert([1, 2, 3], REC, 1)
+    assert t.insert([1, 2, 3], REC, 2) == 1
+    t.insert([1, 2, 3, 4], KV, 3)
+    t.insert([1, 2, 3, 4, 5], KV, 4)
+    assert t.covered(3) and not t.covered(4)
+    t.remove(4)
+    t.check()
+    assert not t.covered(3)
     t.remove(2)
-    t.check()
-    assert t.match([1, 2, 3, 4, 5]).snapshot_id == 3
-    assert t.match([1, 2, 3, 5]).snapshot_id is None
     t.remove(3)
     t.check()
     assert len(t) == 0
     with pytest.raises(ValueError):
-        t.insert([], 5)
+        t.insert([], REC, 5)
     with pytest.raises(KeyError):
         t.remove(3)
 
@@ -46,57 +52,90 @@ def test_radix_replace_and_remove_prune():
 def test_radix_random_against_bruteforce():
     rng = random.Random(7)
     t = RadixTree()
-    stored: dict[int, tuple[int, ...]] = {}
-    for sid in range(1, 400):
+    stored: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for eid in range(1, 500):
         if stored and rng.random() < 0.3:
             victim = rng.choice(list(stored))
             t.remove(victim)
             del stored[victim]
         else:
+            kind = rng.choice([REC, KV])
             toks = tuple(rng.choice([1, 2, 3]) for _ in range(rng.randint(1, 8)))
-            replaced = t.insert(toks, sid)
+            replaced = t.insert(toks, kind, eid)
             if replaced is not None:
-                assert stored.pop(replaced) == toks
-            stored[sid] = toks
+                assert stored.pop(replaced) == (kind, toks)
+            stored[eid] = (kind, toks)
         t.check()
         q = [rng.choice([1, 2, 3]) for _ in range(rng.randint(1, 10))]
         limit = rng.randint(0, len(q))
-        best = max(
-            ((len(v), k) for k, v in stored.items() if len(v) <= limit and tuple(q[: len(v)]) == v),
-            default=(0, None),
-        )
-        m = t.match(q, limit)
-        assert (m.n_tokens, m.snapshot_id) == best
+        want = sorted((len(v), k, e) for e, (k, v) in stored.items() if len(v) <= limit and tuple(q[: len(v)]) == v)
+        got = sorted((p.depth, kind, e) for p in t.path(q, limit) for kind, e in ((REC, p.rec), (KV, p.kv)) if e)
+        assert got == want
+        d = rng.randint(1, len(q))
+        covering = [e for e, (k, v) in stored.items() if k == KV and len(v) >= d and v[:d] == tuple(q[:d])]
+        found = t.kv_covering(q, d)
+        assert (found is None) == (not covering) and (found is None or found in covering)
 
 
-def test_lru_budget_checked_before_insert_and_exact_eviction_order():
+def test_policy_evicts_covered_kv_first_then_cheap_per_byte_then_unshared():
+    t = RadixTree()
+    shared = [7] * 100  # a prefix (tools block) with three conversations below
+    t.insert(shared, REC, 1)
+    for i, tail in enumerate(([1] * 50, [2] * 50, [3] * 50)):
+        t.insert(shared + tail, REC, 10 + i)
+    t.insert(shared + [1] * 30, KV, 20)
+    t.insert(shared + [1] * 50, KV, 21)
+    p = EvictionPolicy()
+    same = {e: (1000, 0) for e in (1, 10, 11, 12, 20, 21)}
+    assert p.victim(t, same, now=0) == 20  # covered by KV 21
+    del same[20]
+    # Equal size and age: the turn checkpoints (50 tokens, one branch) go before the shared prefix.
+    assert p.victim(t, same, now=0) in (10, 11, 12)
+    assert p.value(t, 1, 1000, 0, 0) > p.value(t, 10, 1000, 0, 0)
+    # A checkpoint a few tokens after another is cheap to recompute per byte.
+    t.insert(shared + [2] * 52, REC, 30)
+    assert p.value(t, 30, 1000, 0, 0) < p.value(t, 11, 1000, 0, 0)
+    # Unused entries lose value with age.
+    assert p.value(t, 1, 1000, 0, 1000) < p.value(t, 1, 1000, 1000, 1000)
+
+
+def test_cache_budget_checked_before_insert_and_never_exceeded():
     c = SnapshotCache(budget_bytes=100)
-    assert c.put([1], b"a" * 40)
-    assert c.put([2], b"b" * 40)
-    c.lookup([1, 5])  # touch [1]: now [2] is least recently used
-    assert c.put([3], b"c" * 40)  # needs 20 more bytes: evicts [2] only
-    assert c.prefixes() == [(1,), (3,)]
-    assert c.stats().bytes == 80 and c.stats().evictions == 1
+    assert c.put([1, 2], REC, b"a" * 40)
+    assert c.put([1, 3], REC, b"b" * 40)
+    assert c.put([1, 4], REC, b"c" * 40)  # evicts one (no disk tier: dropped)
     c.check()
-    assert not c.put([4], b"d" * 101)  # larger than the whole budget: not kept, nothing evicted
-    assert c.prefixes() == [(1,), (3,)]
-    assert c.stats().rejected_too_large == 1
+    s = c.stats()
+    assert s.ram_bytes == 80 and s.evictions == 1 and s.dropped == 1
+    assert not c.put([5], REC, b"d" * 101)  # larger than the whole budget: not kept, nothing evicted
+    assert c.stats().rejected_too_large == 1 and c.stats().ram_entries == 2
+    c.check()
 
 
-def test_restore_copies_never_consumes():
-    c = SnapshotCache(budget_bytes=1000)
-    c.put([1, 2, 3], b"state")
-    for _ in range(3):
-        m = c.lookup([1, 2, 3, 4])
-        assert m.n_tokens == 3
-        assert c.get(m.snapshot_id) == b"state"
-    assert c.stats().entries == 1 and c.stats().hits == 3
+def test_plan_needs_kv_covering_the_checkpoint_or_live_tokens():
+    c = SnapshotCache(budget_bytes=10_000)
+    a = list(range(100, 130))
+    c.put(a[:10], REC, b"r10")
+    c.put(a[:20], REC, b"r20")
+    c.put(a[:30], REC, b"r30")
+    prompt = a[:25] + [999] * 5
+    assert c.plan(prompt, len(prompt) - 2).n_tokens == 0  # checkpoints, but no KV anywhere
+    plan = c.plan(prompt, len(prompt) - 2, live_tokens=a[:15])
+    assert (plan.n_tokens, plan.kv_id, plan.tier) == (10, None, "live")
+    c.put(a, KV, b"kv30")
+    plan = c.plan(prompt, len(prompt) - 2)
+    assert plan.n_tokens == 20 and plan.tier == "ram"
+    kv, rec = c.load(plan)
+    assert (kv, rec) == (b"kv30", b"r20")
+    assert c.load(plan) == (b"kv30", b"r20")  # restoring copies, never consumes
+    assert c.plan(a, len(a) - 2).n_tokens == 20  # at least two tokens left to prefill
 
 
-def test_put_same_prefix_replaces_without_leaking_bytes():
-    c = SnapshotCache(budget_bytes=1000)
-    c.put([1, 2], b"x" * 10)
-    c.put([1, 2], b"y" * 30)
-    assert c.stats().bytes == 30 and c.stats().entries == 1
-    assert c.get(c.lookup([1, 2, 3]).snapshot_id) == b"y" * 30
+def test_deeper_kv_replaces_shallower_kv_on_the_same_path():
+    c = SnapshotCache(budget_bytes=10_000)
+    c.put([1, 2, 3], KV, b"k3")
+    c.put([1, 2, 3, 4, 5], KV, b"k5")
+    c.put([1, 2, 9], KV, b"k9")
+    kinds = sorted((k, t) for k, _tier, t in c.entries())
+    assert kinds == [(KV, (1, 2, 3, 4, 5)), (KV, (1, 2, 9))]
     c.check()

@@ -1,0 +1,556 @@
+"""Disk tier of the snapshot cache: snapshot bytes in files under one directory, bounded by a byte budget, LRU out first.
+
+The RAM tier spills evicted snapshots here (`put`) and promotes hits back (`get`); at start, the RAM index is rebuilt
+from `entries()`. Knows keys, tokens and bytes, nothing of llama.cpp or of the radix tree.
+
+Storage is a `diskcache.Cache` owned by this process (a lock file keeps out a second server). Each snapshot is one
+file, written whole before its SQLite row commits, so a process killed mid-write leaves at most an unreferenced file
+(swept at the next open) and never a row pointing at half a snapshot. A file torn some other way (power loss, disk
+error, an outside writer) fails the length or CRC-32 check and is deleted on read. Nothing is pickled, in either
+direction: `_SnapshotDisk` writes only snapshot blobs and integers and refuses to unpickle.
+
+One snapshot file, little-endian throughout (`nbytes` = file size = 59 + 4 * n_tokens + payload bytes):
+
+    offset    size  field
+         0       8  magic b"ORCSNAP\\0"
+         8       2  format version, u16 (FORMAT_VERSION)
+        10      32  fingerprint of model and state layout (refused if not the tier's own)
+        42       1  kind, u8: 0 "full" (KV + recurrent state), 1 "recurrent" checkpoint
+        43       4  n_tokens, u32
+        47       8  payload length in bytes, u64
+        55       4  CRC-32 of bytes [0, 55) + token ids + payload, u32
+        59  4 * n   token ids of the prefix the snapshot holds, u32 each
+    59 + 4n    len  payload: the sequence-state bytes, opaque here
+
+LRU order survives restarts: every put and every hit stores a use number, from one counter that only goes up, in a
+second diskcache row beside the snapshot (key: the snapshot key as UTF-8 bytes; diskcache keeps str and bytes keys
+apart). At open, entries are ordered by it; a snapshot without one counts as least recently used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import io
+import itertools
+import logging
+import os
+import sqlite3
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator, Sequence
+
+import diskcache
+import numpy as np
+from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
+
+from .errors import OrchestratorError
+
+log = logging.getLogger("orchestrator.disk")
+
+MAGIC = b"ORCSNAP\0"
+FORMAT_VERSION = 1
+FINGERPRINT_BYTES = 32
+KINDS = ("full", "recurrent")  # index = the kind byte on disk
+
+_HEADER = struct.Struct("<8sH32sBIQI")  # magic, version, fingerprint, kind, n_tokens, payload bytes, crc32
+_CHECKED = _HEADER.size - 4  # header bytes covered by the checksum: all but the checksum itself
+_TOKEN = np.dtype("<u4")
+_LOCK_NAME = "orchestrator.lock"
+_SUFFIX = ".val"  # diskcache's file suffix
+
+# What a failing disk raises: OSError (ENOSPC, EIO, EACCES), SQLite errors ("database or disk is full") and
+# diskcache.Timeout (the database stayed locked).
+_DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One stored snapshot as `entries()` lists it. `nbytes` is its file size (header + tokens + payload)."""
+
+    key: str
+    kind: str
+    tokens: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """Counters since open. Bytes are file bytes (header + tokens + payload) of the snapshots stored."""
+
+    entries: int
+    bytes: int
+    budget_bytes: int
+    hits: int
+    misses: int
+    inserts: int
+    evictions: int
+    rejected_too_large: int
+    rejected_invalid: int
+    disabled: bool
+
+
+class DiskTier:
+    """Snapshots on disk under `directory`, at most `budget_bytes` of files, least recently used out first.
+
+    * `put(key, tokens, kind, payload)` stores a snapshot. The budget is checked before writing: LRU entries are
+      evicted until the new one fits; one larger than the whole budget is not stored (False). A failing disk logs
+      one warning, disables the tier (`disabled`: puts return False until the next open; gets and deletes still
+      work) and returns False. Never raises for disk trouble.
+    * `get(key)` returns (kind, tokens, payload) after checking magic, version, fingerprint, lengths and CRC-32,
+      and marks the entry used. An entry that fails a check is deleted, logged, and reported as a miss (None).
+    * `entries()` lists what is stored, least recently used first, reading only headers and token ids.
+
+    Opening validates every header (entries of another fingerprint or format are deleted), sweeps files no row
+    refers to, restores the LRU order and evicts until the budget holds, so a smaller budget after a restart
+    takes effect at once. One process per directory; raises OrchestratorError if another holds it or the
+    directory cannot be used.
+
+    Thread-safe: one lock guards the index and serialises disk I/O.
+    """
+
+    def __init__(self, directory: Path | str, budget_bytes: int, fingerprint: bytes) -> None:
+        if budget_bytes < 0:
+            raise ValueError("disk cache budget must be >= 0 bytes")
+        if len(fingerprint) != FINGERPRINT_BYTES:
+            raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+        self.directory = Path(directory)
+        self._budget = budget_bytes
+        self._fingerprint = bytes(fingerprint)
+        self._lru: OrderedDict[str, int] = OrderedDict()  # key -> nbytes; first = least recently used
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._disabled = False
+        self._closed = False
+        self._hits = self._misses = self._inserts = self._evictions = self._too_large = self._invalid = 0
+        self._lock_fd = _lock_directory(self.directory)
+        try:
+            self._cache = diskcache.Cache(
+                str(self.directory), disk=_SnapshotDisk, eviction_policy="none", cull_limit=0,
+                statistics=0, tag_index=0, disk_min_file_size=0)
+            self._uses = itertools.count(self._load())
+        except _DISK_ERRORS as e:
+            self._release()
+            raise OrchestratorError(
+                f"cannot open the snapshot disk cache at {self.directory}: {e}; fix the directory's permissions "
+                f"or free space, or point the disk cache elsewhere") from e
+        except BaseException:
+            self._release()
+            raise
+
+    # -- public API ------------------------------------------------------------------------------------------
+
+    @property
+    def budget_bytes(self) -> int:
+        """Most file bytes the tier keeps."""
+        return self._budget
+
+    @property
+    def bytes(self) -> int:
+        """File bytes stored now (header + tokens + payload of every snapshot; SQLite's own file not counted)."""
+        return self._bytes
+
+    @property
+    def disabled(self) -> bool:
+        """True after a write failed (full or failing disk): puts return False until the tier is reopened."""
+        return self._disabled
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lru
+
+    def put(self, key: str, tokens: Sequence[int], kind: str, payload: bytes) -> bool:
+        """Store the snapshot of the state after exactly `tokens` under `key`, replacing one stored there.
+
+        `payload` is any bytes-like object; the file holds 59 + 4 * len(tokens) + len(payload) bytes. Returns False,
+        storing nothing, if that exceeds the whole budget, if the tier is disabled, or if the disk fails (one
+        warning, then the tier disables itself). Raises TypeError for a key that is not a str, ValueError for an
+        unknown `kind`, a token id outside [0, 2**32), or a closed tier.
+        """
+        if not isinstance(key, str):
+            raise TypeError(f"snapshot keys are str, got {type(key).__name__}")
+        if kind not in KINDS:
+            raise ValueError(f"snapshot kind must be one of {KINDS}, got {kind!r}")
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF)):
+            raise ValueError("tokens must be a flat sequence of token ids in [0, 2**32)")
+        token_bytes = ids.astype(_TOKEN).tobytes()
+        payload_nbytes = memoryview(payload).nbytes
+        checked = _HEADER.pack(MAGIC, FORMAT_VERSION, self._fingerprint, KINDS.index(kind), ids.size,
+                               payload_nbytes, 0)[:_CHECKED]
+        crc = zlib.crc32(payload, zlib.crc32(token_bytes, zlib.crc32(checked)))
+        blob = _Blob((checked + struct.pack("<I", crc), token_bytes, payload))
+        nbytes = _HEADER.size + len(token_bytes) + payload_nbytes
+        with self._lock:
+            self._check_open()
+            if self._disabled:
+                return False
+            if nbytes > self._budget:
+                self._too_large += 1
+                return False
+            try:
+                if key in self._lru:
+                    self._remove(key)
+                while self._bytes + nbytes > self._budget:
+                    self._remove(next(iter(self._lru)))
+                    self._evictions += 1
+                with self._cache.transact():
+                    self._cache.set(key, blob)
+                    self._cache.set(_use_key(key), next(self._uses))
+            except _DISK_ERRORS as e:
+                self._fail(f"writing snapshot {key!r} ({nbytes} bytes)", e)
+                return False
+            self._lru[key] = nbytes
+            self._bytes += nbytes
+            self._inserts += 1
+            return True
+
+    def get(self, key: str) -> tuple[str, tuple[int, ...], bytes] | None:
+        """(kind, tokens, payload) of the snapshot under `key`, or None if absent or invalid.
+
+        Checks magic, version, fingerprint, kind, lengths and the CRC-32 over the whole file before returning; an
+        entry that fails one, or cannot be read, is deleted and logged with the reason. Marks a hit most recently
+        used. Raises ValueError once closed, never for bad data.
+        """
+        with self._lock:
+            self._check_open()
+            if key not in self._lru:
+                self._misses += 1
+                return None
+            try:
+                with self._open_value(key) as f:
+                    kind, n_tokens, payload_nbytes, crc, checked = _read_header(f, self._fingerprint)
+                    token_bytes = _read_exact(f, 4 * n_tokens, "token ids")
+                    payload = _read_exact(f, payload_nbytes, "payload")
+                if zlib.crc32(payload, zlib.crc32(token_bytes, zlib.crc32(checked))) != crc:
+                    raise _Invalid("CRC-32 mismatch: the file is corrupt")
+            except _Invalid as e:
+                self._reject(key, str(e))
+                self._misses += 1
+                return None
+            except _DISK_ERRORS as e:
+                self._reject(key, f"unreadable ({e})")
+                self._misses += 1
+                return None
+            self._touch(key)
+            self._hits += 1
+            return kind, tuple(np.frombuffer(token_bytes, dtype=_TOKEN).tolist()), payload
+
+    def delete(self, key: str) -> bool:
+        """Forget the snapshot under `key`. Returns whether one was stored. Disk errors disable the tier."""
+        with self._lock:
+            self._check_open()
+            if key not in self._lru:
+                return False
+            self._remove_quietly(key)
+            return True
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Every stored snapshot, least recently used first, for rebuilding the RAM index at start.
+
+        Reads each file's header and token ids only (not the payload): the header is checked (an invalid one is
+        deleted and logged, and skipped), the CRC-32 is left to `get`. Does not change the LRU order. Entries
+        put or evicted while iterating may or may not appear.
+        """
+        with self._lock:
+            keys = list(self._lru)
+        for key in keys:
+            with self._lock:
+                self._check_open()
+                if key not in self._lru:
+                    continue
+                try:
+                    with self._open_value(key) as f:
+                        kind, n_tokens, _, _, _ = _read_header(f, self._fingerprint)
+                        token_bytes = _read_exact(f, 4 * n_tokens, "token ids")
+                except _Invalid as e:
+                    self._reject(key, str(e))
+                    continue
+                except _DISK_ERRORS as e:
+                    self._reject(key, f"unreadable ({e})")
+                    continue
+                info = EntryInfo(key, kind, tuple(np.frombuffer(token_bytes, dtype=_TOKEN).tolist()),
+                                 self._lru[key])
+            yield info
+
+    def keys(self) -> list[str]:
+        """Keys stored, least recently used first (for tests and diagnostics)."""
+        with self._lock:
+            return list(self._lru)
+
+    def stats(self) -> DiskStats:
+        with self._lock:
+            return DiskStats(
+                entries=len(self._lru), bytes=self._bytes, budget_bytes=self._budget, hits=self._hits,
+                misses=self._misses, inserts=self._inserts, evictions=self._evictions,
+                rejected_too_large=self._too_large, rejected_invalid=self._invalid, disabled=self._disabled)
+
+    def close(self) -> None:
+        """Close the database and release the directory. Idempotent; other calls raise ValueError afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.suppress(*_DISK_ERRORS):
+                self._cache.close()
+            self._release()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals (called with self._lock held) ---------------------------------------------------------------
+
+    def _load(self) -> int:
+        """Index what the directory holds, oldest use first, and evict to the budget. Returns the next use number.
+
+        Deletes rows that are not valid snapshots of this fingerprint and format, use numbers without a snapshot,
+        and snapshot files no row refers to (left by a process killed mid-write).
+        """
+        sizes: dict[str, int] = {}
+        uses: dict[str, int] = {}
+        files: set[str] = set()
+        other_fingerprint = 0
+        for dkey in list(self._cache):  # rowid order: the order entries were first stored
+            if isinstance(dkey, bytes):
+                try:
+                    use = self._cache.get(dkey)
+                except _Invalid:
+                    use = None
+                if type(use) is int:
+                    uses[dkey.decode("utf-8", "surrogatepass")] = use
+                else:
+                    self._cache.delete(dkey)
+                continue
+            if not isinstance(dkey, str):  # int or float key: not ours
+                self._cache.delete(dkey)
+                continue
+            try:
+                with self._open_value(dkey) as f:
+                    _read_header(f, self._fingerprint)
+                    sizes[dkey] = f.seek(0, io.SEEK_END)
+                    if isinstance(f, io.BufferedReader):
+                        files.add(os.path.realpath(f.name))
+            except _OtherFingerprint:
+                other_fingerprint += 1
+                self._cache.delete(dkey)
+            except (_Invalid, OSError) as e:
+                log.warning("snapshot %r in %s rejected at open: %s; deleted", dkey, self.directory, e)
+                self._invalid += 1
+                self._cache.delete(dkey)
+        if other_fingerprint:
+            log.warning("%d snapshots in %s were written for another model or state layout (fingerprint "
+                        "mismatch); deleted", other_fingerprint, self.directory)
+            self._invalid += other_fingerprint
+        for key in uses.keys() - sizes.keys():
+            self._cache.delete(_use_key(key))
+        self._sweep_unreferenced(files)
+        for key in sorted(sizes, key=lambda k: uses.get(k, -1)):  # stable: rowid order among equal uses
+            self._lru[key] = sizes[key]
+            self._bytes += sizes[key]
+        evicted = 0
+        while self._bytes > self._budget:
+            self._remove(next(iter(self._lru)))
+            evicted += 1
+        if evicted:
+            log.info("snapshot disk cache %s: evicted %d snapshots to fit the budget of %d bytes",
+                     self.directory, evicted, self._budget)
+        return max(uses.values(), default=-1) + 1
+
+    def _sweep_unreferenced(self, referenced: set[str]) -> None:
+        """Delete snapshot files that no row refers to (a write that never committed)."""
+        for dirpath, _, names in os.walk(self.directory):
+            for name in names:
+                path = os.path.realpath(os.path.join(dirpath, name))
+                if name.endswith(_SUFFIX) and path not in referenced:
+                    log.info("deleting %s: a snapshot file no entry refers to (interrupted write)", path)
+                    self._cache.disk.remove(os.path.relpath(path, os.path.realpath(self.directory)))
+
+    def _open_value(self, key: str) -> BinaryIO:
+        """The stored value of `key` as a binary file, positioned at 0. Raises _Invalid if absent or not bytes."""
+        value = self._cache.get(key, read=True)
+        if value is None:
+            raise _Invalid("its file is missing")
+        if isinstance(value, bytes):  # a blob kept inside SQLite, written by something other than put
+            return io.BytesIO(value)
+        if not isinstance(value, io.BufferedReader):
+            raise _Invalid(f"the stored value is a {type(value).__name__}, not snapshot bytes")
+        return value
+
+    def _remove(self, key: str) -> None:
+        """Delete `key`'s snapshot and use number from disk, then from the index. Raises on disk errors."""
+        with self._cache.transact():
+            self._cache.delete(key)
+            self._cache.delete(_use_key(key))
+        self._bytes -= self._lru.pop(key)
+
+    def _remove_quietly(self, key: str) -> None:
+        """`_remove` that never raises: on a disk error the tier is disabled and the key dropped from the index
+        (its file then stays on disk, uncounted, until the next open)."""
+        try:
+            self._remove(key)
+        except _DISK_ERRORS as e:
+            self._fail(f"deleting snapshot {key!r}", e)
+            self._bytes -= self._lru.pop(key, 0)
+
+    def _reject(self, key: str, reason: str) -> None:
+        log.warning("snapshot %r in %s rejected: %s; deleted", key, self.directory, reason)
+        self._invalid += 1
+        self._remove_quietly(key)
+
+    def _touch(self, key: str) -> None:
+        """Mark `key` most recently used, in the index and (unless disabled) on disk."""
+        self._lru.move_to_end(key)
+        use = next(self._uses)
+        if not self._disabled:
+            try:
+                self._cache.set(_use_key(key), use)
+            except _DISK_ERRORS as e:
+                self._fail(f"recording the use of snapshot {key!r}", e)
+
+    def _fail(self, what: str, error: BaseException) -> None:
+        """A write failed: warn once, disable the tier, and drop the connection (and any half-open transaction)."""
+        if not self._disabled:
+            self._disabled = True
+            hint = " (disk full)" if isinstance(error, OSError) and error.errno == errno.ENOSPC else ""
+            log.warning("snapshot disk cache %s disabled after an error %s%s: %s; snapshots stay in RAM only "
+                        "until restart; free disk space or lower the disk cache budget", self.directory, what,
+                        hint, error)
+        else:
+            log.debug("snapshot disk cache %s: error %s: %s", self.directory, what, error)
+        with contextlib.suppress(*_DISK_ERRORS):
+            self._cache.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"snapshot disk cache {self.directory} is closed")
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
+
+
+class _Invalid(Exception):
+    """A stored value is not a valid snapshot of this tier; the message says why."""
+
+
+class _OtherFingerprint(_Invalid):
+    """A valid snapshot header, but for another model or state layout."""
+
+
+@dataclass(frozen=True)
+class _Blob:
+    """A snapshot file's bytes in parts (header, token ids, payload), written one after another without joining."""
+
+    parts: tuple[bytes | memoryview, ...]
+
+
+class _SnapshotDisk(diskcache.Disk):
+    """diskcache serialisation that never pickles: snapshot blobs go to files, use numbers to SQLite integers.
+
+    Any other value is refused (TypeError); pickled or text values read back are reported invalid, not loaded.
+    """
+
+    def store(self, value, read, key=UNKNOWN):
+        if isinstance(value, _Blob):
+            filename, full_path = self.filename(key, value)
+            try:
+                size = _write_parts(full_path, value.parts)
+            except BaseException:
+                self.remove(filename)  # no half-written file left behind
+                raise
+            return size, MODE_BINARY, filename, None
+        if type(value) is int:
+            return 0, MODE_RAW, None, value
+        raise TypeError(f"the snapshot disk cache stores snapshot blobs and integers only, not {type(value).__name__}")
+
+    def fetch(self, mode, filename, value, read):
+        if mode not in (MODE_RAW, MODE_BINARY):
+            raise _Invalid(f"diskcache value mode {mode} (pickled or text), not snapshot bytes; not loaded")
+        return super().fetch(mode, filename, value, read)
+
+    def get(self, key, raw):
+        if not raw:
+            raise OrchestratorError(
+                f"the snapshot disk cache at {self._directory} holds pickled keys, so something else wrote it; "
+                f"give the disk cache a directory of its own")
+        return super().get(key, raw)
+
+
+def _write_parts(path: str, parts: Sequence[bytes | memoryview]) -> int:
+    """Write `parts` one after another to a new file at `path`. Returns the bytes written. Raises OSError."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "xb") as f:
+        for part in parts:
+            f.write(part)
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def _read_header(f: BinaryIO, fingerprint: bytes) -> tuple[str, int, int, int, bytes]:
+    """Read and check a header at the start of `f`, including that the file has exactly the length it announces.
+
+    Returns (kind, n_tokens, payload bytes, crc32, the checksummed header bytes). Leaves `f` at the token ids.
+    Raises _OtherFingerprint or _Invalid with the reason.
+    """
+    raw = f.read(_HEADER.size)
+    if len(raw) < _HEADER.size:
+        raise _Invalid(f"truncated header ({len(raw)} of {_HEADER.size} bytes)")
+    magic, version, fp, kind, n_tokens, payload_nbytes, crc = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise _Invalid(f"bad magic {magic!r}, not a snapshot file")
+    if version != FORMAT_VERSION:
+        raise _Invalid(f"format version {version}, this build reads version {FORMAT_VERSION}")
+    if fp != fingerprint:
+        raise _OtherFingerprint("written for another model or state layout (fingerprint mismatch)")
+    if kind >= len(KINDS):
+        raise _Invalid(f"unknown kind byte {kind}")
+    expected = _HEADER.size + 4 * n_tokens + payload_nbytes
+    size = f.seek(0, io.SEEK_END)
+    f.seek(_HEADER.size)
+    if size != expected:
+        raise _Invalid(f"{size} bytes, but the header announces {expected} (truncated or torn write)")
+    return KINDS[kind], n_tokens, payload_nbytes, crc, raw[:_CHECKED]
+
+
+def _read_exact(f: BinaryIO, nbytes: int, what: str) -> bytes:
+    data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise _Invalid(f"{what} truncated ({len(data)} of {nbytes} bytes)")
+    return data
+
+
+def _use_key(key: str) -> bytes:
+    """diskcache key of `key`'s use number: its UTF-8 bytes (a bytes key never equals a str key in diskcache)."""
+    return key.encode("utf-8", "surrogatepass")
+
+
+def _lock_directory(directory: Path) -> int:
+    """Create `directory` if needed and take an exclusive flock on its lock file. Returns the descriptor.
+
+    Raises OrchestratorError if the directory cannot be used or another process holds it.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise OrchestratorError(
+            f"cannot use {directory} for the snapshot disk cache: {e}; fix its permissions or point the disk "
+            f"cache elsewhere") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        raise OrchestratorError(
+            f"the snapshot disk cache at {directory} is in use by another process (lock {_LOCK_NAME}); stop the "
+            f"other server or give this one its own disk cache directory") from e
+    return fd
