@@ -173,7 +173,7 @@ class SnapshotCache:
         if self._make_room(len(data), pinned):
             self._ram[eid] = data
             self._ram_bytes += len(data)
-            meta.tier = RAM
+            meta.tier, meta.nbytes = RAM, len(data)
         return data
 
     def contains(self, tokens: Sequence[int], kind: str = REC) -> bool:
@@ -219,13 +219,13 @@ class SnapshotCache:
             candidates = {e: (self._meta[e].nbytes, self._meta[e].last_used) for e in self._ram if e not in pinned}
             if not candidates:
                 return False
-            self._evict(self.policy.victim(self._tree, candidates, self._tick))
+            self._evict(self.policy.victim(self._tree, candidates))
         return True
 
     def _evict(self, eid: int) -> None:
         meta = self._meta[eid]
         data = self._ram.pop(eid)
-        self._ram_bytes -= meta.nbytes
+        self._ram_bytes -= len(data)
         self._stats.evictions += 1
         if self.disk is not None and self.disk.put(meta.key, self._tree.tokens_of(eid), _DISK_KIND[meta.kind], data):
             meta.tier = DISK
@@ -239,7 +239,7 @@ class SnapshotCache:
         meta = self._meta.pop(eid)
         if meta.tier == RAM:
             self._ram_bytes -= len(self._ram.pop(eid))
-        elif self.disk is not None:
+        if self.disk is not None:  # a promoted entry keeps its disk copy: delete it too
             self.disk.delete(meta.key)
         self._tree.remove(eid)
 
@@ -270,7 +270,7 @@ class SnapshotCache:
             s.ram_entries = len(self._ram)
             s.ram_bytes = self._ram_bytes
             s.ram_budget_bytes = self.budget_bytes
-            s.disk_entries = sum(1 for m in self._meta.values() if m.tier == DISK)
+            s.disk_entries = len(self.disk) if self.disk is not None else 0
             s.disk_bytes = self.disk.bytes if self.disk is not None else 0
             s.disk_budget_bytes = self.disk.budget_bytes if self.disk is not None else 0
             s.entries_by_kind = {k: sum(1 for m in self._meta.values() if m.kind == k) for k in (REC, KV)}

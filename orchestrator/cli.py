@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from platformdirs import user_cache_dir
+
 from .config import Config, default_cache_ram_mib
 
 
@@ -28,6 +30,13 @@ def _serve_parser(sub) -> None:
                    help=f"RAM budget for snapshots in MiB (default: a quarter of available memory, now "
                         f"{default_cache_ram_mib()}); 0 disables the cache")
     p.add_argument("--no-cache", action="store_true", help="never reuse or store state (every request cold)")
+    p.add_argument("--cache-disk-dir", type=Path, default=Path(user_cache_dir("orchestrator")) / "snapshots",
+                   help="disk tier for snapshots evicted from RAM; kept across restarts (default: %(default)s)")
+    p.add_argument("--cache-disk", type=int, default=d.cache_disk_mib, metavar="MiB",
+                   help=f"disk tier budget in MiB (default {d.cache_disk_mib}); 0 disables the disk tier")
+    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval, metavar="N",
+                   help=f"recurrent checkpoint every N tokens inside long messages (default "
+                        f"{d.checkpoint_interval}; 0 = only at template boundaries)")
     p.add_argument("-a", "--alias", help="model id reported by the API (default: the file name)")
     p.add_argument("--chat-template-file", type=Path, help="Jinja2 chat template overriding the GGUF's")
     p.add_argument("-n", "--max-tokens", type=int, default=d.max_tokens_default,
@@ -40,7 +49,9 @@ def _serve_parser(sub) -> None:
 def _config(a: argparse.Namespace) -> Config:
     cfg = Config(model=a.model, host=a.host, port=a.port, ctx_size=a.ctx_size, batch_size=a.batch_size,
                  threads=a.threads, model_alias=a.alias, chat_template=a.chat_template_file,
-                 max_tokens_default=a.max_tokens, use_extra_bufts=a.use_extra_bufts)
+                 max_tokens_default=a.max_tokens, use_extra_bufts=a.use_extra_bufts,
+                 cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk,
+                 checkpoint_interval=a.checkpoint_interval)
     if a.cache_ram is not None:
         cfg.cache_ram_mib = a.cache_ram
     cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0

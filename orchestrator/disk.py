@@ -1,4 +1,4 @@
-"""Disk tier of the snapshot cache: snapshot bytes in files under one directory, bounded by a byte budget, LRU out first.
+"""Disk tier of the snapshot cache: snapshot files under one directory, bounded by a byte budget, LRU out first.
 
 The RAM tier spills evicted snapshots here (`put`) and promotes hits back (`get`); at start, the RAM index is rebuilt
 from `entries()`. Knows keys, tokens and bytes, nothing of llama.cpp or of the radix tree.
@@ -137,8 +137,8 @@ class DiskTier:
         except _DISK_ERRORS as e:
             self._release()
             raise OrchestratorError(
-                f"cannot open the snapshot disk cache at {self.directory}: {e}; fix the directory's permissions "
-                f"or free space, or point the disk cache elsewhere") from e
+                f"cannot open the snapshot disk cache at {self.directory}: {e}; fix the directory (permissions, free "
+                f"space; a corrupt cache.db goes away with the directory) or point the disk cache elsewhere") from e
         except BaseException:
             self._release()
             raise

@@ -152,6 +152,8 @@ class Engine:
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_threads = n_threads
+        self.n_seq_max = n_seq_max
+        self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)

@@ -1,22 +1,27 @@
 """Eviction policy for the RAM tier: which snapshot entry to spill first.
 
-Cost-aware, not plain LRU. An entry's value per byte is
+Least recently used first, with a bonus for what is expensive to recompute and widely shared:
 
-    value = recompute_tokens × (1 + shared) / nbytes × 0.5 ** (age / half_life)
+    priority = last_used + bonus_ticks × log2(1 + value / reference)      (lowest priority goes first)
+    value    = recompute_tokens × (1 + shared) / nbytes                    (tokens per byte)
 
-  * recompute_tokens: tokens that must be prefilled again if the entry is gone (a checkpoint: from the
-    nearest ancestor checkpoint, so one 64 tokens after another is cheap and the tools block is not; a KV
-    entry: its whole prefix);
-  * shared: how many distinct continuations (leaves) its prefix has, so a prefix shared by many conversations
-    (the tools block, a common system prompt) outlives their individual turns;
-  * age: lookups since the entry was last used; half_life in lookups (default 64) lets unused entries go.
+  * recompute_tokens: tokens that must be prefilled again if the entry is gone — a checkpoint's, from the
+    nearest ancestor checkpoint (one 64 tokens after another is cheap, the tools block is not); a KV entry's,
+    only those no other KV entry covers (the KV of a dead branch that shares all but its last few tokens with a
+    live one is cheap);
+  * shared: how many distinct continuations (leaves) the entry's prefix has, so a prefix shared by many
+    conversations (the tools block, a common system prompt) outlives their individual turns;
+  * last_used: the lookup tick of the entry's last use; every doubling of value buys `bonus_ticks` lookups.
 
 A KV entry with a deeper KV entry on the same path is *covered* (the deeper one restores every position it
-does): value 0, evicted first. The lowest value goes first; ties go least recently used first.
+does) and goes before everything else. Recency stays the main key because an agent's next request almost
+always continues one of the most recent conversations; the bonus keeps the shared prefix and long, expensive
+prefixes alive across many turns of others.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .radix import RadixTree
@@ -24,18 +29,23 @@ from .radix import RadixTree
 
 @dataclass(frozen=True)
 class EvictionPolicy:
-    half_life: float = 64.0  # lookups
+    bonus_ticks: float = 4.0  # lookups of extra life per doubling of value
+    reference: float = 1 / 65536  # value (tokens per byte) that earns one doubling: 1 token per 64 KiB
 
-    def value(self, tree: RadixTree, eid: int, nbytes: int, last_used: int, now: int) -> float:
-        """Value per byte of keeping entry `eid` (higher = keep). `last_used`/`now` are lookup ticks."""
+    def value(self, tree: RadixTree, eid: int, nbytes: int) -> float:
+        """Tokens of prefill saved per byte held by entry `eid` (0 for covered KV)."""
         if tree.covered(eid):
             return 0.0
-        age = max(0, now - last_used)
-        return tree.recompute_tokens(eid) * (1 + tree.branches_below(eid)) / max(nbytes, 1) \
-            * 0.5 ** (age / self.half_life)
+        return tree.recompute_tokens(eid) * (1 + tree.branches_below(eid)) / max(nbytes, 1)
 
-    def victim(self, tree: RadixTree, candidates: dict[int, tuple[int, int]], now: int) -> int:
+    def priority(self, tree: RadixTree, eid: int, nbytes: int, last_used: int) -> tuple[int, float]:
+        """Sort key: lower is evicted first."""
+        if tree.covered(eid):
+            return 0, float(last_used)
+        return 1, last_used + self.bonus_ticks * math.log2(1 + self.value(tree, eid, nbytes) / self.reference)
+
+    def victim(self, tree: RadixTree, candidates: dict[int, tuple[int, int]]) -> int:
         """The entry to evict among `candidates` ({eid: (nbytes, last_used)}). Raises ValueError if empty."""
         if not candidates:
             raise ValueError("nothing to evict")
-        return min(candidates, key=lambda e: (self.value(tree, e, *candidates[e], now), candidates[e][1]))
+        return min(candidates, key=lambda e: self.priority(tree, e, *candidates[e]))

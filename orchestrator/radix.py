@@ -216,12 +216,16 @@ class RadixTree:
         return self.kind_of(eid) == KV and node.kv_below > 1
 
     def recompute_tokens(self, eid: int) -> int:
-        """Tokens to prefill again if this entry were lost: a checkpoint's from the nearest ancestor checkpoint;
-        a KV entry's whole prefix (KV can be rebuilt only by prefilling from the start)."""
+        """Tokens to prefill again if this entry were lost: a checkpoint's, from the nearest ancestor checkpoint;
+        a KV entry's, those of its prefix that no other KV entry covers (from the deepest ancestor where
+        another KV branch leaves its path)."""
         node = self._nodes[eid]
         kind = self.kind_of(eid)
-        if kind == KV:
-            return node.depth
+        if kind == KV:  # only the part no other KV entry covers: beyond where another KV branch leaves
+            anc = node.parent
+            while anc is not None and anc.kv_below < 2:
+                anc = anc.parent
+            return node.depth - (anc.depth if anc is not None else 0)
         anc = node.parent
         while anc is not None and kind not in anc.entries:
             anc = anc.parent

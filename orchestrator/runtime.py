@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import llama_cpp
+
 from .cache import SnapshotCache
+from .disk import DiskTier
+from .errors import OrchestratorError
 from .config import MiB, Config
 from .engine import Engine
 from .prompt import PromptBuilder, load_template
 from .scheduler import Scheduler
 
 log = logging.getLogger("orchestrator")
+
+
+def state_fingerprint(model_path: Path, engine: Engine) -> bytes:
+    """32 bytes that change whenever a stored state could not be loaded into this engine as it is.
+
+    Covers the model file (size, and hashes of its first and last MiB, where GGUF metadata and the last
+    tensors live), the llama-cpp-python / llama.cpp version, and the context parameters that shape the state
+    layout: n_ctx, sequences, flash attention, and the split layout of saved states.
+    """
+    h = hashlib.blake2b(digest_size=32)
+    size = model_path.stat().st_size
+    with open(model_path, "rb") as f:
+        h.update(f.read(MiB))
+        f.seek(max(0, size - MiB))
+        h.update(f.read(MiB))
+    for part in (size, llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.split_layout):
+        h.update(repr(part).encode())
+    return h.digest()
 
 
 def resolve_model(cfg: Config) -> Path:
@@ -47,8 +70,17 @@ class Runtime:
                  engine.n_batch, engine.n_threads)
         if "random" in info.name.lower():
             log.warning("model %r has RANDOM weights: output text is meaningless", info.name)
-        cache = SnapshotCache(cfg.cache_ram_bytes if cfg.cache_enabled else 0)
-        log.info("snapshot cache: %d MiB of RAM%s", cfg.cache_ram_mib, "" if cfg.cache_enabled else " (disabled)")
+        disk = None
+        if cfg.cache_enabled and cfg.cache_disk_dir is not None and cfg.cache_disk_mib > 0:
+            try:
+                disk = DiskTier(cfg.cache_disk_dir, cfg.cache_disk_mib * MiB, state_fingerprint(path, engine))
+                log.info("snapshot disk tier: %s, %d MiB, %d entries found", cfg.cache_disk_dir,
+                         cfg.cache_disk_mib, len(disk))
+            except OrchestratorError as e:
+                log.warning("snapshot disk tier unavailable, caching in RAM only: %s", e.message)
+        cache = SnapshotCache(cfg.cache_ram_bytes if cfg.cache_enabled else 0, disk)
+        log.info("snapshot cache: %d MiB of RAM%s, checkpoints every %d tokens", cfg.cache_ram_mib,
+                 "" if cfg.cache_enabled else " (disabled)", cfg.checkpoint_interval)
         template = load_template(engine, cfg.chat_template)
         return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template),
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval), model_id=cfg.model_alias or path.stem)
@@ -56,3 +88,5 @@ class Runtime:
     def close(self) -> None:
         self.scheduler.close()
         self.engine.close()
+        if self.cache.disk is not None:
+            self.cache.disk.close()

@@ -1,6 +1,7 @@
 """Starlette app: OpenAI-compatible routes over an orchestrator `Runtime`.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus),
+GET /v1/cache/stats (JSON).
 Request-level extensions: `cache_prompt` (false = cold run, the cache is neither read nor written) and
 `chat_template_kwargs` (e.g. {"enable_thinking": false}). Responses add `timings` (llama-server's name).
 """
@@ -8,6 +9,7 @@ Request-level extensions: `cache_prompt` (false = cold run, the cache is neither
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -18,7 +20,8 @@ from typing import AsyncIterator
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from orchestrator.errors import ContextOverflow, InvalidRequest
@@ -28,6 +31,7 @@ from orchestrator.runtime import Runtime
 from orchestrator.scheduler import Event, Job, Result
 
 from .errors import EXCEPTION_HANDLERS, error_body, error_response
+from .metrics import Metrics
 from .schemas import GenerationOptions, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
@@ -59,6 +63,7 @@ class Api:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
+        self.metrics = Metrics(runtime.cache)
 
     def _job(self, prompt: Prompt, opts: GenerationOptions) -> Job:
         n_ctx = self.rt.engine.n_ctx
@@ -80,9 +85,9 @@ class Api:
         cancel = self.rt.scheduler.submit(job, sink)
         return events, cancel
 
-    @staticmethod
-    def _log(kind: str, r: Result) -> None:
-        log.info("%s prompt=%d cached=%d source=%s restore_ms=%.1f prefill_ms=%.1f completion=%d total_ms=%.1f",
+    def _log(self, kind: str, r: Result) -> None:
+        self.metrics.observe(r)
+        log.info("%s prompt=%d cached=%d tier=%s restore_ms=%.1f prefill_ms=%.1f completion=%d total_ms=%.1f",
                  kind, r.prompt_tokens, r.cached_tokens, r.restore_source, r.restore_s * 1e3, r.prefill_s * 1e3,
                  len(r.completion_tokens), r.total_s * 1e3)
 
@@ -213,6 +218,14 @@ class Api:
             "meta": {"name": info.name, "architecture": info.architecture, "n_ctx": self.rt.engine.n_ctx,
                      "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params}}]})
 
+    async def prometheus(self, request: Request):
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def cache_stats(self, request: Request):
+        s = self.rt.cache.stats()
+        return JSONResponse({**dataclasses.asdict(s), "checkpoint_interval": self.rt.scheduler.checkpoint_interval,
+                             "split_layout": self.rt.engine.split_layout})
+
     async def health(self, request: Request):
         s = self.rt.cache.stats()
         return JSONResponse({"status": "ok", "slots_busy": int(self.rt.scheduler.busy),
@@ -232,6 +245,8 @@ def create_app(runtime: Runtime) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.prometheus, methods=["GET"]),
+        Route("/v1/cache/stats", api.cache_stats, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
 

@@ -77,26 +77,31 @@ def test_radix_random_against_bruteforce():
         assert (found is None) == (not covering) and (found is None or found in covering)
 
 
-def test_policy_evicts_covered_kv_first_then_cheap_per_byte_then_unshared():
+def test_policy_covered_kv_first_then_recency_with_a_bonus_for_expensive_and_shared():
     t = RadixTree()
-    shared = [7] * 100  # a prefix (tools block) with three conversations below
+    shared = [7] * 1000  # a prefix (tools block) with three conversations below
     t.insert(shared, REC, 1)
     for i, tail in enumerate(([1] * 50, [2] * 50, [3] * 50)):
         t.insert(shared + tail, REC, 10 + i)
     t.insert(shared + [1] * 30, KV, 20)
     t.insert(shared + [1] * 50, KV, 21)
     p = EvictionPolicy()
-    same = {e: (1000, 0) for e in (1, 10, 11, 12, 20, 21)}
-    assert p.victim(t, same, now=0) == 20  # covered by KV 21
-    del same[20]
-    # Equal size and age: the turn checkpoints (50 tokens, one branch) go before the shared prefix.
-    assert p.victim(t, same, now=0) in (10, 11, 12)
-    assert p.value(t, 1, 1000, 0, 0) > p.value(t, 10, 1000, 0, 0)
+    fresh = {e: (100_000, 10) for e in (1, 10, 11, 12, 20, 21)}
+    assert p.victim(t, fresh) == 20  # covered by KV 21
+    del fresh[20]
+    t.remove(20)
+    # Same size and age: a turn's checkpoint (50 tokens, one branch) goes before the shared prefix.
+    assert p.victim(t, fresh) in (10, 11, 12)
+    assert p.priority(t, 1, 100_000, 10) > p.priority(t, 10, 100_000, 10)
+    # The shared prefix outlives a turn used a little later, but not forever.
+    assert p.priority(t, 1, 100_000, 10) > p.priority(t, 10, 100_000, 14)
+    assert p.priority(t, 1, 100_000, 10) < p.priority(t, 10, 100_000, 200)
     # A checkpoint a few tokens after another is cheap to recompute per byte.
     t.insert(shared + [2] * 52, REC, 30)
-    assert p.value(t, 30, 1000, 0, 0) < p.value(t, 11, 1000, 0, 0)
-    # Unused entries lose value with age.
-    assert p.value(t, 1, 1000, 0, 1000) < p.value(t, 1, 1000, 1000, 1000)
+    assert p.value(t, 30, 100_000) < p.value(t, 11, 100_000)
+    # A KV entry whose path another KV branch shares almost to its end holds few unique tokens.
+    t.insert(shared + [1] * 48 + [9, 9, 9], KV, 31)
+    assert t.recompute_tokens(31) == 3 and t.recompute_tokens(21) == 2
 
 
 def test_cache_budget_checked_before_insert_and_never_exceeded():

@@ -23,7 +23,8 @@ def test_serve_cli_answers_and_logs_each_request(tiny_model, tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "serve", "--model", str(tiny_model),
-                             "--port", str(port), "--ctx-size", "4096", "--threads", "2", "--cache-ram", "256"],
+                             "--port", str(port), "--ctx-size", "4096", "--threads", "2", "--cache-ram", "256",
+                             "--cache-disk-dir", str(tmp_path / "snapshots")],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,76 @@
+"""Prometheus metrics (prometheus-client), one registry per app: GET /metrics.
+
+Request-level counters and histograms are recorded per finished request; cache sizes and eviction counters
+are read from the cache's own stats at scrape time (a custom collector), so they never drift.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from orchestrator.cache import SnapshotCache
+from orchestrator.scheduler import Result
+
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _CacheCollector:
+    def __init__(self, cache: SnapshotCache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        s = self.cache.stats()
+        entries = GaugeMetricFamily("orchestrator_cache_entries", "Snapshot entries held, per tier", labels=["tier"])
+        entries.add_metric(["ram"], s.ram_entries)
+        entries.add_metric(["disk"], s.disk_entries)
+        yield entries
+        size = GaugeMetricFamily("orchestrator_cache_bytes", "Snapshot bytes held, per tier", labels=["tier"])
+        size.add_metric(["ram"], s.ram_bytes)
+        size.add_metric(["disk"], s.disk_bytes)
+        yield size
+        budget = GaugeMetricFamily("orchestrator_cache_budget_bytes", "Snapshot byte budget, per tier",
+                                   labels=["tier"])
+        budget.add_metric(["ram"], s.ram_budget_bytes)
+        budget.add_metric(["disk"], s.disk_budget_bytes)
+        yield budget
+        for name, value, doc in (
+                ("evictions", s.evictions, "Entries that left the RAM tier"),
+                ("spills", s.spills, "Evicted entries written to the disk tier"),
+                ("promotions", s.promotions, "Disk-tier hits copied back to RAM"),
+                ("dropped", s.dropped, "Entries lost (no room on disk, or corrupt)"),
+                ("inserts", s.inserts, "Entries stored")):
+            c = CounterMetricFamily(f"orchestrator_cache_{name}", doc)
+            c.add_metric([], value)
+            yield c
+
+
+class Metrics:
+    """Counters and histograms of one server."""
+
+    def __init__(self, cache: SnapshotCache) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("orchestrator_prompt_tokens", "Prompt tokens received", registry=r)
+        self.cached_tokens = Counter("orchestrator_cached_tokens", "Prompt tokens restored instead of computed",
+                                     registry=r)
+        self.requests = Counter("orchestrator_requests", "Finished requests by where their prefix came from "
+                                "(live, ram, disk; none = miss)", ["cache_tier"], registry=r)
+        self.restore = Histogram("orchestrator_restore_seconds", "Time to restore a snapshot", buckets=_SECONDS,
+                                 registry=r)
+        self.prefill = Histogram("orchestrator_prefill_seconds", "Time to prefill the uncached part of a prompt",
+                                 buckets=_SECONDS, registry=r)
+        self.ttft = Histogram("orchestrator_ttft_seconds", "Time to first token", buckets=_SECONDS, registry=r)
+        r.register(_CacheCollector(cache))
+
+    def observe(self, r: Result) -> None:
+        self.prompt_tokens.inc(r.prompt_tokens)
+        self.cached_tokens.inc(r.cached_tokens)
+        self.requests.labels(r.restore_source).inc()
+        if r.cached_tokens:
+            self.restore.observe(r.restore_s)
+        self.prefill.observe(r.prefill_s)
+        self.ttft.observe(r.ttft_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
