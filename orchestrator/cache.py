@@ -54,6 +54,7 @@ class _Meta:
     tier: str
     last_used: int
     key: str  # disk key: kind + hash of the tokens (stable across restarts)
+    boundary: bool = True  # a checkpoint at a template boundary or interval (False: end of a request)
 
 
 @dataclass
@@ -183,8 +184,11 @@ class SnapshotCache:
 
     # ------------------------------------------------------------------ insert and evict
 
-    def put(self, tokens: Sequence[int], kind: str, data: bytes) -> bool:
+    def put(self, tokens: Sequence[int], kind: str, data: bytes, boundary: bool = True) -> bool:
         """Store an entry of `kind` for exactly `tokens` in RAM (replacing one at the same prefix).
+
+        boundary: False for checkpoints at the end of a request (end of prompt, after generation), which
+        `_drop_superseded` may drop with their branch; True for template boundaries and interval checkpoints.
 
         Returns False, storing nothing, if `data` alone exceeds the RAM budget. Raises ValueError for an empty
         prefix or an unknown kind.
@@ -199,17 +203,34 @@ class SnapshotCache:
                 self._forget(old)
             if not self._make_room(nbytes, set()):
                 return False
-            if kind == KV:  # KV is prefix-closed: shallower KV entries on this path are now redundant
-                for node in self._tree.path(tokens, len(tokens) - 1):
-                    if node.kv is not None:
-                        self._forget(node.kv)
+            if kind == KV:
+                self._drop_superseded(tokens)
             eid = next(self._ids)
             self._tree.insert(tokens, kind, eid)
-            self._meta[eid] = _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens))
+            self._meta[eid] = _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens), boundary)
             self._ram[eid] = data
             self._ram_bytes += nbytes
             self._stats.inserts += 1
             return True
+
+    def _drop_superseded(self, tokens: Sequence[int]) -> None:
+        """Before storing KV for `tokens`: drop the KV entries it supersedes.
+
+        KV is prefix-closed, so a KV entry on the same path is covered outright. A KV entry E on another branch
+        is superseded when every *boundary* checkpoint on E's path lies on the shared part: what E alone covers
+        is then only the end of a previous request (its end-of-prompt and generated tokens, which the next
+        prompt typically renders differently). E goes, with the end checkpoints in its tail, which no KV would
+        cover any more; should that branch come back, it is prefilled from its last boundary checkpoint.
+        """
+        for eid in [e for e, m in self._meta.items() if m.kind == KV]:
+            other = self._tree.tokens_of(eid)
+            branch = common_len(other, tokens)
+            tail = [n.rec for n in self._tree.path(other) if n.depth > branch and n.rec is not None]
+            if any(self._meta[r].boundary for r in tail):
+                continue
+            for r in tail:
+                self._forget(r)
+            self._forget(eid)
 
     def _make_room(self, nbytes: int, pinned: set[int]) -> bool:
         """Evict RAM entries (policy order, never `pinned`) until `nbytes` more fit; False if impossible."""

@@ -218,7 +218,7 @@ class Scheduler:
         self._reset()
         return 0, "none"
 
-    def _timed_put(self, tokens: list[int], parts: dict[str, Callable[[], bytes]]) -> int:
+    def _timed_put(self, tokens: list[int], parts: dict[str, Callable[[], bytes]], boundary: bool) -> int:
         """Store the entries of `parts` ({kind: producer}) missing for `tokens`; returns how many were stored."""
         missing = [k for k in parts if not self.cache.contains(tokens, k)]
         if not missing:
@@ -229,17 +229,17 @@ class Scheduler:
             data = {KV: kv, REC: rec}
         else:
             data = {missing[0]: parts[missing[0]]()}
-        stored = sum(self.cache.put(tokens, k, d) for k, d in data.items())
+        stored = sum(self.cache.put(tokens, k, d, boundary) for k, d in data.items())
         self._snapshot_s += time.perf_counter() - t
         return stored
 
-    def _checkpoint(self, tokens: list[int]) -> int:
-        return self._timed_put(tokens, {REC: lambda: self.engine.save_checkpoint(self.SEQ)})
+    def _checkpoint(self, tokens: list[int], boundary: bool = True) -> int:
+        return self._timed_put(tokens, {REC: lambda: self.engine.save_checkpoint(self.SEQ)}, boundary)
 
     def _branch_end(self, tokens: list[int]) -> int:
         """Store the KV and checkpoint of the deepest point of a request (where a radix-tree branch ends)."""
         return self._timed_put(tokens, {KV: lambda: self.engine.save_parts(self.SEQ)[0],
-                                        REC: lambda: self.engine.save_checkpoint(self.SEQ)})
+                                        REC: lambda: self.engine.save_checkpoint(self.SEQ)}, boundary=False)
 
     def _prefill(self, tokens: list[int], start: int, boundaries: Sequence[int], use_cache: bool) -> int:
         """Prefill tokens[start:], ending a segment (and saving a checkpoint) at each boundary; returns how
@@ -276,7 +276,7 @@ class Scheduler:
         t_prefilled = time.perf_counter()
         first_logits = eng.logits() if job.want_logits else None
         if job.use_cache:
-            saved += self._checkpoint(tokens)
+            saved += self._checkpoint(tokens, boundary=False)
 
         sampler = eng.sampler(job.sampling)
         stream = TextStream(stop=job.stop)

@@ -152,3 +152,23 @@ def test_bad_input_is_400_and_the_next_request_is_served_with_the_cache_intact(c
     again = client.post("/v1/chat/completions", json=good)
     assert again.status_code == 200
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_metrics_and_cache_stats(client):
+    client.post("/v1/chat/completions", json=chat_body("Where are the ladders?"))
+    client.post("/v1/chat/completions", json=chat_body("Where are the light bulbs?"))
+    text = client.get("/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["orchestrator_prompt_tokens_total"] >= values["orchestrator_cached_tokens_total"] > 0
+    assert values['orchestrator_cache_bytes{tier="ram"}'] > 0
+    assert values['orchestrator_cache_entries{tier="ram"}'] > 0
+    assert values["orchestrator_prefill_seconds_count"] >= 2
+    assert any(k.startswith("orchestrator_requests_total{cache_tier=") for k in values)
+    stats = client.get("/v1/cache/stats").json()
+    assert stats["ram_bytes"] == values['orchestrator_cache_bytes{tier="ram"}']
+    assert stats["entries_by_kind"]["rec"] > 0 and stats["entries_by_kind"]["kv"] > 0
+    assert stats["ram_bytes"] <= stats["ram_budget_bytes"]

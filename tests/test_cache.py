@@ -136,11 +136,32 @@ def test_plan_needs_kv_covering_the_checkpoint_or_live_tokens():
     assert c.plan(a, len(a) - 2).n_tokens == 20  # at least two tokens left to prefill
 
 
-def test_deeper_kv_replaces_shallower_kv_on_the_same_path():
+def test_new_kv_drops_a_superseded_branch_with_its_end_checkpoints():
     c = SnapshotCache(budget_bytes=10_000)
+    turn1 = list(range(1000, 1100)) + [7] * 10  # a boundary at 100, then end of prompt and generated tokens
+    c.put(turn1[:100], REC, b"r100")
+    c.put(turn1[:104], REC, b"r104", boundary=False)
+    c.put(turn1, REC, b"r110", boundary=False)
+    c.put(turn1, KV, b"k110")
+    other = list(range(1000, 1100)) + [5] * 4  # another conversation: a boundary of its own after the fork
+    c.put(other, REC, b"r104b")
+    c.put(other + [6] * 6, REC, b"r110b", boundary=False)
+    c.put(other + [6] * 6, KV, b"k110b")
+    turn2 = list(range(1000, 1100)) + [8] * 50  # the next turn of turn1's conversation
+    c.put(turn2, REC, b"r150", boundary=False)
+    c.put(turn2, KV, b"k150")
+    left = sorted((k, len(t), t[100]) for k, _tier, t in c.entries() if len(t) > 100) + \
+        [(k, len(t), None) for k, _tier, t in c.entries() if len(t) == 100]
+    # turn1's branch held only end checkpoints beyond the fork: it went. The other conversation has a
+    # boundary checkpoint of its own after the fork: kept. The shared boundary checkpoint is kept.
+    assert sorted(left, key=str) == sorted([(KV, 110, 5), (REC, 104, 5), (REC, 110, 5), (KV, 150, 8),
+                                            (REC, 150, 8), (REC, 100, None)], key=str)
+    c.check()
+
+
+def test_deeper_kv_replaces_shallower_kv_on_the_same_path():
+    c = SnapshotCache(budget_bytes=100_000)
     c.put([1, 2, 3], KV, b"k3")
     c.put([1, 2, 3, 4, 5], KV, b"k5")
-    c.put([1, 2, 9], KV, b"k9")
-    kinds = sorted((k, t) for k, _tier, t in c.entries())
-    assert kinds == [(KV, (1, 2, 3, 4, 5)), (KV, (1, 2, 9))]
+    assert [(k, t) for k, _tier, t in c.entries()] == [(KV, (1, 2, 3, 4, 5))]
     c.check()

@@ -50,4 +50,4 @@ def test_serve_cli_answers_and_logs_each_request(tiny_model, tmp_path):
     text = (tmp_path / "serve.log").read_text()
     assert "snapshot RAM budget: 256 MiB" in text
     assert "RANDOM" in text  # the synthetic model's random weights are announced
-    assert "cached=0" in text and "prompt=" in text
+    assert "cached=0" in text and "prompt=" in text and "tier=" in text and "restore_ms=" in text
