@@ -46,7 +46,7 @@ def main() -> None:
         role = "user" if i % 2 == 0 else "assistant"
         msgs.append({"role": role, "content": " ".join(rng.choice(WORDS) for _ in range(a.words))})
     results = {}
-    for interval in (0, 512):
+    for interval in (0, 512, 128):
         rt = Runtime.start(Config(model=a.model, ctx_size=16384, batch_size=512, threads=a.threads,
                                   cache_ram_mib=16384, checkpoint_interval=interval))
         eng = rt.engine
@@ -81,7 +81,7 @@ def main() -> None:
             "prefill_tokens_per_s": n_prefilled / t_prefill, "snapshot_s": snapshot_s,
         }
         rt.close()
-    r0, r1 = results[0], results[512]
+    r0, r1 = results[0], results[128]
     save_ms = 1e3 * r1["snapshot_s"] / max(1, r1["held_entries"].get(REC, 1))
     tradeoff = []
     for interval in (128, 256, 512, 1024, 2048):

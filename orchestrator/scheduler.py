@@ -260,9 +260,20 @@ class Scheduler:
         return saved
 
     def _positions(self, job: Job, n: int) -> list[int]:
-        """Snapshot positions: the template boundaries, plus every `checkpoint_interval` tokens."""
-        extra = range(self.checkpoint_interval, n, self.checkpoint_interval) if self.checkpoint_interval else ()
-        return sorted(set(job.boundaries) | set(extra))
+        """Snapshot positions: the template boundaries, plus a checkpoint every `checkpoint_interval` tokens
+        inside any stretch between two boundaries that is longer than that (a long tool output or document).
+
+        Interval positions count from the boundary before them, so two prompts that share that boundary and
+        diverge inside the long message share their interval checkpoints too.
+        """
+        bounds = sorted(set(job.boundaries))
+        step = self.checkpoint_interval
+        if not step:
+            return bounds
+        extra = []
+        for lo, hi in zip([0] + bounds, bounds + [n]):
+            extra.extend(range(lo + step, hi, step))
+        return sorted(set(bounds) | set(extra))
 
     def _serve(self, job: Job, sink: Sink, cancel: threading.Event) -> tuple[Result, Callable[[], None] | None]:
         eng = self.engine
