@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -102,6 +102,31 @@ class Api:
         finally:
             cancel.set()  # a no-op once done; stops the job if this handler is cancelled (client gone)
 
+    async def _sse(self, events: asyncio.Queue, cancel: threading.Event, kind: str,
+                   on_text: Callable[[str], list[dict]], on_done: Callable[[Result], list[dict]]) -> AsyncIterator[str]:
+        """Server-sent events: one `data:` line per payload from on_text / on_done, an error body if the job
+        fails, then `data: [DONE]`. Leaving early (client gone) cancels the job at its next token."""
+        def line(payload: dict) -> str:
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        try:
+            while True:
+                ev = await events.get()
+                if ev.kind == "text":
+                    for payload in on_text(ev.text):
+                        yield line(payload)
+                elif ev.kind == "error":
+                    yield line(error_response_body(ev.error))
+                    break
+                else:
+                    self._log(kind, ev.result)
+                    for payload in on_done(ev.result):
+                        yield line(payload)
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            cancel.set()
+
     # ------------------------------------------------------------------ routes
 
     async def chat(self, request: Request):
@@ -127,46 +152,36 @@ class Api:
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": _usage(r), "timings": _timings(r)})
 
-    async def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
-                           prompt: Prompt, req) -> AsyncIterator[str]:
-        model = self.rt.model_id
+    def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
+                     prompt: Prompt, req) -> AsyncIterator[str]:
         parser = StreamParser(prompt.opens_reasoning, req.parse_tools)
+        keys = {"reasoning": "reasoning_content", "content": "content"}
 
-        def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
-            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+        def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> dict:
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.rt.model_id,
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
             if usage is not None:
                 body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            return body
 
-        def pieces(items) -> list[str]:
-            key = {"reasoning": "reasoning_content", "content": "content"}
-            return [chunk({key[k]: s}) for k, s in items]
+        def on_text(text: str) -> list[dict]:
+            return [chunk({keys[k]: piece}) for k, piece in parser.push(text)]
 
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                ev = await events.get()
-                if ev.kind == "text":
-                    for c in pieces(parser.push(ev.text)):
-                        yield c
-                elif ev.kind == "error":
-                    yield f"data: {json.dumps(error_response_body(ev.error))}\n\n"
-                    break
-                else:
-                    r = ev.result
-                    self._log("chat-stream", r)
-                    rest, calls = parser.finish()
-                    for c in pieces(rest):
-                        yield c
-                    if calls:
-                        yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]})
-                    finish = "tool_calls" if calls else r.finish_reason
-                    yield chunk({}, finish, _usage(r) if req.options.include_usage else None)
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            cancel.set()
+        def on_done(r: Result) -> list[dict]:
+            rest, calls = parser.finish()
+            out = [chunk({keys[k]: piece}) for k, piece in rest]
+            if calls:
+                out.append(chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
+            out.append(chunk({}, "tool_calls" if calls else r.finish_reason,
+                             _usage(r) if req.options.include_usage else None))
+            return out
+
+        async def gen() -> AsyncIterator[str]:
+            yield f"data: {json.dumps(chunk({'role': 'assistant', 'content': ''}))}\n\n"
+            async for line in self._sse(events, cancel, "chat-stream", on_text, on_done):
+                yield line
+
+        return gen()
 
     async def completions(self, request: Request):
         req = parse_completion(await _json_body(request))
@@ -176,33 +191,18 @@ class Api:
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         model = self.rt.model_id
         if req.options.stream:
-            async def gen() -> AsyncIterator[str]:
-                try:
-                    while True:
-                        ev = await events.get()
-                        if ev.kind == "text":
-                            body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [{"index": 0, "text": ev.text, "finish_reason": None,
-                                                 "logprobs": None}]}
-                            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-                        elif ev.kind == "error":
-                            yield f"data: {json.dumps(error_response_body(ev.error))}\n\n"
-                            break
-                        else:
-                            r = ev.result
-                            self._log("completion-stream", r)
-                            body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [{"index": 0, "text": "", "finish_reason": r.finish_reason,
-                                                 "logprobs": None}]}
-                            if req.options.include_usage:
-                                body["usage"] = _usage(r)
-                            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-                            break
-                    yield "data: [DONE]\n\n"
-                finally:
-                    cancel.set()
+            def body(text: str, finish: str | None) -> dict:
+                return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
 
-            return StreamingResponse(gen(), media_type="text/event-stream")
+            def on_done(r: Result) -> list[dict]:
+                last = body("", r.finish_reason)
+                if req.options.include_usage:
+                    last["usage"] = _usage(r)
+                return [last]
+
+            gen = self._sse(events, cancel, "completion-stream", lambda t: [body(t, None)], on_done)
+            return StreamingResponse(gen, media_type="text/event-stream")
         r = await self._collect(events, cancel)
         self._log("completion", r)
         text = (req.prompt + r.text) if req.echo else r.text
