@@ -35,7 +35,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
-from .errors import EngineError, ModelLoadError
+from .errors import EngineError, InvalidRequest, ModelLoadError
 
 log = logging.getLogger("orchestrator.engine")
 
@@ -197,7 +197,11 @@ class Engine:
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of `text` (llama_tokenize). parse_special: special-token texts become their ids."""
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(f"the text is not valid Unicode ({e.reason} at character {e.start}); "
+                                 f"send UTF-8 without lone surrogates") from e
         cap = len(data) + 16
         buf = (llama_cpp.llama_token * cap)()
         n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)

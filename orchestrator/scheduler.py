@@ -283,10 +283,14 @@ class Scheduler:
         self._snapshot_s = 0.0
         start, source = self._reuse(tokens, job.use_cache)
         t_restored = time.perf_counter()
-        saved = self._prefill(tokens, start, self._positions(job, n), job.use_cache)
+        # A one-token prompt is prefilled as a one-token ubatch: its state must not be stored (module docstring).
+        store = job.use_cache and n >= MIN_SEGMENT
+        saved = self._prefill(tokens, start, self._positions(job, n), store)
+        if n < MIN_SEGMENT:
+            self._live = []  # its KV came from a one-token ubatch: not a reusable source either
         t_prefilled = time.perf_counter()
         first_logits = eng.logits() if job.want_logits else None
-        if job.use_cache:
+        if store:
             saved += self._checkpoint(tokens, boundary=False)
 
         sampler = eng.sampler(job.sampling)
@@ -325,7 +329,7 @@ class Scheduler:
             ttft_s=ttft if ttft is not None else t_end - t0, total_s=t_end - t0, snapshots_saved=saved,
             snapshot_s=self._snapshot_s, first_logits=first_logits)
         followup = None
-        if job.use_cache:
+        if store:
             generated = out + ([eog] if eog is not None else [])
             if cancel.is_set() or stream.stopped or len(generated) < MIN_SEGMENT:
                 followup = lambda: self._end_of_prompt(tokens)  # noqa: E731

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -19,7 +20,7 @@ from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,11 +39,14 @@ log = logging.getLogger("orchestrator.server")
 
 
 async def _json_body(request: Request):
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect as e:
+        raise InvalidRequest("the client disconnected before sending the whole body") from e
     try:
         return json.loads(raw)
-    except ValueError as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {str(e)[:200]}") from e
 
 
 def _usage(r: Result) -> dict:
@@ -71,8 +75,11 @@ class Api:
         if n + 1 > n_ctx:
             raise ContextOverflow(n, n_ctx)
         max_tokens = opts.max_tokens or self.rt.config.max_tokens_default
+        sampling = opts.sampling
+        if opts.seed is None:  # OpenAI: without a seed, sampling is not reproducible
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
-                   max_tokens=min(max_tokens, n_ctx - n), sampling=opts.sampling, stop=opts.stop,
+                   max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
                    use_cache=opts.cache_prompt and self.rt.config.cache_enabled)
 
     def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
@@ -241,14 +248,27 @@ def create_app(runtime: Runtime) -> Starlette:
     """The Starlette app for a started runtime. The caller owns the runtime (and closes it)."""
     api = Api(runtime)
     routes = [
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/health", api.health, methods=["GET"]),
-        Route("/metrics", api.prometheus, methods=["GET"]),
-        Route("/v1/cache/stats", api.cache_stats, methods=["GET"]),
+        Route("/v1/chat/completions", _guard(api.chat), methods=["POST"]),
+        Route("/v1/completions", _guard(api.completions), methods=["POST"]),
+        Route("/v1/models", _guard(api.models), methods=["GET"]),
+        Route("/health", _guard(api.health), methods=["GET"]),
+        Route("/metrics", _guard(api.prometheus), methods=["GET"]),
+        Route("/v1/cache/stats", _guard(api.cache_stats), methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+
+
+def _guard(handler):
+    """Turn any exception of a route into an error response here, so the connection stays usable (an
+    exception that reaches Starlette's outermost middleware is re-raised and closes the keep-alive
+    connection)."""
+    async def guarded(request: Request):
+        try:
+            return await handler(request)
+        except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx in one place: server/errors.py
+            return error_response(e)
+
+    return guarded
 
 
 __all__ = ["create_app", "error_body"]

@@ -35,4 +35,4 @@ async def handle(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
-EXCEPTION_HANDLERS = {OrchestratorError: handle, HTTPException: handle, Exception: handle}
+EXCEPTION_HANDLERS = {OrchestratorError: handle, HTTPException: handle}

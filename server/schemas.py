@@ -14,6 +14,7 @@ from orchestrator.engine import SamplingParams
 from orchestrator.errors import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
 @dataclass
@@ -26,6 +27,7 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     cache_prompt: bool
+    seed: int | None = None  # as given; None = not reproducible
 
 
 @dataclass
@@ -93,7 +95,7 @@ def _options(body: dict) -> GenerationOptions:
     )
     return GenerationOptions(max_tokens=max_tokens, sampling=sampling, stop=stop, stream=bool(body.get("stream")),
                              include_usage=bool(stream_options.get("include_usage")),
-                             cache_prompt=body.get("cache_prompt", True))
+                             cache_prompt=body.get("cache_prompt", True), seed=body.get("seed"))
 
 
 def _content(content: Any, param: str, allow_none: bool) -> str | list | None:
@@ -203,9 +205,14 @@ def parse_chat(body: Any) -> ChatRequest:
     """Validate a /v1/chat/completions body. Raises InvalidRequest."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
-    kwargs = body.get("chat_template_kwargs") or {}
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_VARS)
+    if reserved:
+        raise _bad(f"'chat_template_kwargs' cannot set {', '.join(reserved)}: the server sets them",
+                   "chat_template_kwargs")
     tool_choice = body.get("tool_choice")
     tools = _tools(body.get("tools"))
     if tool_choice == "none":

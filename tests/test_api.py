@@ -125,6 +125,12 @@ BAD_REQUESTS = [
     ("tools wrong shape", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      "tools[0]"),
     ("prompt longer than context", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    ("lone surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None),
+    ("deeply nested json", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", None),
+    ("reserved template kwarg", {"messages": [{"role": "user", "content": "hi"}],
+                                 "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ("template kwargs not an object", {"messages": [{"role": "user", "content": "hi"}],
+                                       "chat_template_kwargs": []}, "chat_template_kwargs"),
 ]
 
 
@@ -172,3 +178,29 @@ def test_metrics_and_cache_stats(client):
     assert stats["ram_bytes"] == values['orchestrator_cache_bytes{tier="ram"}']
     assert stats["entries_by_kind"]["rec"] > 0 and stats["entries_by_kind"]["kv"] > 0
     assert stats["ram_bytes"] <= stats["ram_budget_bytes"]
+
+
+def test_a_one_token_prompt_leaves_no_reusable_state(client, runtime):
+    runtime.cache.clear()
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "temperature": 0})
+    runtime.scheduler.drain()
+    assert runtime.cache.entries() == []
+    body = {"prompt": "a" + " word" * 40, "max_tokens": 6, "temperature": 0}
+    warm = client.post("/v1/completions", json=body).json()
+    cold = client.post("/v1/completions", json={**body, "cache_prompt": False}).json()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+
+
+def test_the_connection_stays_usable_after_an_error(client):
+    r = client.post("/v1/chat/completions", content=b"{bad", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    ok = client.post("/v1/chat/completions", json=chat_body("Where is the paint?"))
+    assert ok.status_code == 200
+
+
+def test_unseeded_sampling_differs_between_requests(client):
+    body = chat_body("Suggest a drill.", temperature=1.5, max_tokens=12)
+    texts = {json.dumps(client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"])
+             for _ in range(3)}
+    assert len(texts) > 1
