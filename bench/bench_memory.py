@@ -16,7 +16,6 @@ import argparse
 import json
 import random
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.config import MiB, Config  # noqa: E402
 from orchestrator.engine import SamplingParams  # noqa: E402
-from orchestrator.radix import KV, REC  # noqa: E402
+from orchestrator.radix import REC  # noqa: E402
 from orchestrator.runtime import Runtime  # noqa: E402
 from orchestrator.scheduler import Job  # noqa: E402
 

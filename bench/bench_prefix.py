@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
@@ -92,8 +91,8 @@ def main() -> None:
     }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "prefix.json").write_text(json.dumps(summary, indent=2))
-    print(f"\n| model | prompt tokens | cached on warm | cold TTFT | warm TTFT | speedup | snapshot overhead |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("\n| model | prompt tokens | cached on warm | cold TTFT | warm TTFT | speedup | snapshot overhead |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| {summary['model']} | {summary['prompt_tokens']} | {summary['warm_cached_tokens']} | "
           f"{med['cold_ttft_s']:.3f} s | {med['warm_ttft_s']:.3f} s | {summary['ttft_speedup']:.1f}x | "
           f"{summary['snapshot_overhead']:+.1%} ({summary['prefill_with_vs_without_snapshots']:+.1%} A/B) |")

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.engine import SamplingParams
 from orchestrator.scheduler import MIN_SEGMENT, Job
 
-from .conftest import assert_same_as_cold, run_chat
+from .conftest import assert_same_as_cold
 
 TOOLS = [
     {"type": "function", "function": {
