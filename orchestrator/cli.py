@@ -16,30 +16,58 @@ from platformdirs import user_cache_dir
 from .config import Config, default_cache_ram_mib
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 65535, got {value}")
+    return value
+
+
+def _existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return path
+
+
 def _serve_parser(sub) -> None:
     d = Config()
     p = sub.add_parser("serve", help="start the OpenAI-compatible server")
     p.add_argument("-m", "--model", type=Path, help="GGUF file (default: the synthetic qwen3.5-0.8b, random weights)")
     p.add_argument("--host", default=d.host, help=f"bind address (default {d.host})")
-    p.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
-    p.add_argument("-c", "--ctx-size", type=int, default=d.ctx_size, help=f"context size in tokens (default {d.ctx_size})")
-    p.add_argument("-b", "--batch-size", type=int, default=d.batch_size,
+    p.add_argument("--port", type=_port, default=d.port, help=f"port (default {d.port})")
+    p.add_argument("-c", "--ctx-size", type=_positive, default=d.ctx_size, help=f"context size in tokens (default {d.ctx_size})")
+    p.add_argument("-b", "--batch-size", type=_positive, default=d.batch_size,
                    help=f"n_batch: most tokens per llama_decode; prefill is chunked to it (default {d.batch_size})")
-    p.add_argument("-t", "--threads", type=int, default=d.threads, help=f"CPU threads (default {d.threads})")
-    p.add_argument("--cache-ram", type=int, default=None, metavar="MiB",
+    p.add_argument("-t", "--threads", type=_positive, default=d.threads, help=f"CPU threads (default {d.threads})")
+    p.add_argument("--cache-ram", type=_non_negative, default=None, metavar="MiB",
                    help=f"RAM budget for snapshots in MiB (default: a quarter of available memory, now "
                         f"{default_cache_ram_mib()}); 0 disables the cache")
     p.add_argument("--no-cache", action="store_true", help="never reuse or store state (every request cold)")
     p.add_argument("--cache-disk-dir", type=Path, default=Path(user_cache_dir("orchestrator")) / "snapshots",
                    help="disk tier for snapshots evicted from RAM; kept across restarts (default: %(default)s)")
-    p.add_argument("--cache-disk", type=int, default=d.cache_disk_mib, metavar="MiB",
+    p.add_argument("--cache-disk", type=_non_negative, default=d.cache_disk_mib, metavar="MiB",
                    help=f"disk tier budget in MiB (default {d.cache_disk_mib}); 0 disables the disk tier")
-    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval, metavar="N",
+    p.add_argument("--checkpoint-interval", type=_non_negative, default=d.checkpoint_interval, metavar="N",
                    help=f"recurrent checkpoint every N tokens inside long messages (default "
                         f"{d.checkpoint_interval}; 0 = only at template boundaries)")
     p.add_argument("-a", "--alias", help="model id reported by the API (default: the file name)")
-    p.add_argument("--chat-template-file", type=Path, help="Jinja2 chat template overriding the GGUF's")
-    p.add_argument("-n", "--max-tokens", type=int, default=d.max_tokens_default,
+    p.add_argument("--chat-template-file", type=_existing_file, help="Jinja2 chat template overriding the GGUF's")
+    p.add_argument("-n", "--max-tokens", type=_positive, default=d.max_tokens_default,
                    help=f"completion budget when a request sets none (default {d.max_tokens_default})")
     p.add_argument("--use-extra-bufts", action="store_true",
                    help="enable llama.cpp CPU weight repacking (crashes Q4_K_M prefill on some CPUs; off by default)")
@@ -68,11 +96,14 @@ def serve(cfg: Config, log_level: str = "info") -> int:
     from .runtime import Runtime
 
     log = logging.getLogger("orchestrator")
-    log.info("snapshot RAM budget: %d MiB%s", cfg.cache_ram_mib, "" if cfg.cache_enabled else " (cache off)")
+    if cfg.cache_enabled:
+        log.info("snapshot RAM budget: %d MiB", cfg.cache_ram_mib)
+    else:
+        log.info("snapshot cache off: every request is prefilled cold")
     try:
         rt = Runtime.start(cfg)
-    except OrchestratorError as e:
-        log.error("%s", e.message)
+    except (OrchestratorError, ValueError) as e:
+        log.error("%s", getattr(e, "message", e))
         return 2
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: the API has no authentication; anyone who can reach it can use it", cfg.host)

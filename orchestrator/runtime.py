@@ -79,8 +79,9 @@ class Runtime:
             except OrchestratorError as e:
                 log.warning("snapshot disk tier unavailable, caching in RAM only: %s", e.message)
         cache = SnapshotCache(cfg.cache_ram_bytes if cfg.cache_enabled else 0, disk)
-        log.info("snapshot cache: %d MiB of RAM%s, checkpoints every %d tokens", cfg.cache_ram_mib,
-                 "" if cfg.cache_enabled else " (disabled)", cfg.checkpoint_interval)
+        if cfg.cache_enabled:
+            log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
+                     cfg.cache_ram_mib, cfg.checkpoint_interval)
         template = load_template(engine, cfg.chat_template)
         return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template),
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval), model_id=cfg.model_alias or path.stem)

@@ -51,3 +51,11 @@ def test_serve_cli_answers_and_logs_each_request(tiny_model, tmp_path):
     assert "snapshot RAM budget: 256 MiB" in text
     assert "RANDOM" in text  # the synthetic model's random weights are announced
     assert "cached=0" in text and "prompt=" in text and "tier=" in text and "restore_ms=" in text
+
+
+def test_serve_rejects_bad_flags_before_loading_anything(tmp_path):
+    for flags in (["-t", "0"], ["-c", "0"], ["-n", "-1"], ["--port", "99999"], ["--cache-ram", "-5"],
+                  ["--chat-template-file", str(tmp_path / "missing.jinja")]):
+        r = subprocess.run([sys.executable, "-m", "orchestrator", "serve", *flags], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "error:" in r.stderr, (flags, r.stderr)
