@@ -87,7 +87,7 @@ def main() -> None:
         # time spent saving snapshots over the rest of the cold request's time to first token
         "snapshot_overhead": statistics.median(r["snapshot_overhead"] for r in rows),
         "prefill_with_vs_without_snapshots": med["cold_prefill_with_snapshots_s"] / med["cold_prefill_no_cache_s"] - 1,
-        "snapshot_bytes_per_cold_request": cache_stats.bytes, "rows": rows,
+        "snapshot_bytes_per_cold_request": cache_stats.ram_bytes, "rows": rows,
     }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "prefix.json").write_text(json.dumps(summary, indent=2))

@@ -75,19 +75,6 @@ class CacheStats:
     dropped: int = 0  # entries lost (no disk tier, disk full, or corrupt on disk)
     rejected_too_large: int = 0
 
-    # Compatibility names used by the server's health endpoint.
-    @property
-    def entries(self) -> int:
-        return self.ram_entries + self.disk_entries
-
-    @property
-    def bytes(self) -> int:
-        return self.ram_bytes
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.ram_budget_bytes
-
 
 def disk_key(kind: str, tokens: Sequence[int]) -> str:
     h = hashlib.blake2b(b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=16).hexdigest()

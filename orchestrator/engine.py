@@ -260,9 +260,6 @@ class Engine:
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
-    def sampler(self, params: SamplingParams) -> Sampler:
-        return Sampler(params)
-
     # ---------------------------------------------------------------- sequence state
 
     def clear(self, seq: int) -> None:
@@ -314,10 +311,6 @@ class Engine:
         if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
             self.clear(seq)
             raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")
-
-    def restore_state(self, seq: int, data: bytes, flags: int = 0) -> None:
-        """Replace sequence `seq`'s state by a full state `data` (llama_state_seq_set_data_ext)."""
-        self._set(seq, data, flags, clear=True)
 
     def _set(self, seq: int, data: bytes, flags: int, clear: bool) -> None:
         if clear:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .cache import SnapshotCache
 from .radix import KV, REC
-from .engine import Engine, SamplingParams
+from .engine import Engine, Sampler, SamplingParams
 from .errors import ContextOverflow, EngineError, OrchestratorError
 from .stops import TextStream
 
@@ -218,28 +218,28 @@ class Scheduler:
         self._reset()
         return 0, "none"
 
-    def _timed_put(self, tokens: list[int], parts: dict[str, Callable[[], bytes]], boundary: bool) -> int:
-        """Store the entries of `parts` ({kind: producer}) missing for `tokens`; returns how many were stored."""
-        missing = [k for k in parts if not self.cache.contains(tokens, k)]
+    def _store(self, tokens: list[int], kinds: tuple[str, ...], boundary: bool) -> int:
+        """Save the entries of `kinds` missing for `tokens` from the sequence's current state (one full save
+        gives both KV and checkpoint); returns how many were stored."""
+        missing = [k for k in kinds if not self.cache.contains(tokens, k)]
         if not missing:
             return 0
         t = time.perf_counter()
-        if len(missing) == 2:
+        if KV in missing:
             kv, rec = self.engine.save_parts(self.SEQ)
             data = {KV: kv, REC: rec}
         else:
-            data = {missing[0]: parts[missing[0]]()}
-        stored = sum(self.cache.put(tokens, k, d, boundary) for k, d in data.items())
+            data = {REC: self.engine.save_checkpoint(self.SEQ)}
+        stored = sum(self.cache.put(tokens, k, data[k], boundary) for k in missing)
         self._snapshot_s += time.perf_counter() - t
         return stored
 
     def _checkpoint(self, tokens: list[int], boundary: bool = True) -> int:
-        return self._timed_put(tokens, {REC: lambda: self.engine.save_checkpoint(self.SEQ)}, boundary)
+        return self._store(tokens, (REC,), boundary)
 
     def _branch_end(self, tokens: list[int]) -> int:
         """Store the KV and checkpoint of the deepest point of a request (where a radix-tree branch ends)."""
-        return self._timed_put(tokens, {KV: lambda: self.engine.save_parts(self.SEQ)[0],
-                                        REC: lambda: self.engine.save_checkpoint(self.SEQ)}, boundary=False)
+        return self._store(tokens, (KV, REC), boundary=False)
 
     def _prefill(self, tokens: list[int], start: int, boundaries: Sequence[int], use_cache: bool) -> int:
         """Prefill tokens[start:], ending a segment (and saving a checkpoint) at each boundary; returns how
@@ -248,13 +248,12 @@ class Scheduler:
         saved, pos = 0, start
         for b in sorted(set(boundaries)):
             if b - pos >= MIN_SEGMENT and n - b >= MIN_SEGMENT:
-                self._live = tokens[:pos]  # a half-prefilled segment is never recorded as held
+                # _live is extended only after a segment is decoded; a failed decode resets the sequence.
                 self.engine.decode(self.SEQ, tokens[pos:b], pos, want_logits=False)
                 self._live = tokens[:b]
                 pos = b
                 if use_cache:
                     saved += self._checkpoint(tokens[:b])
-        self._live = tokens[:pos]
         self.engine.decode(self.SEQ, tokens[pos:], pos, want_logits=True)
         self._live = list(tokens)
         return saved
@@ -293,7 +292,7 @@ class Scheduler:
         if store:
             saved += self._checkpoint(tokens, boundary=False)
 
-        sampler = eng.sampler(job.sampling)
+        sampler = Sampler(job.sampling)
         stream = TextStream(stop=job.stop)
         out: list[int] = []
         eog: int | None = None

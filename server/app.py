@@ -31,7 +31,7 @@ from orchestrator.prompt import Prompt
 from orchestrator.runtime import Runtime
 from orchestrator.scheduler import Event, Job, Result
 
-from .errors import EXCEPTION_HANDLERS, error_body, error_response
+from .errors import EXCEPTION_HANDLERS, error_body, error_payload, error_response
 from .metrics import Metrics
 from .schemas import GenerationOptions, parse_chat, parse_completion
 
@@ -123,7 +123,7 @@ class Api:
                     for payload in on_text(ev.text):
                         yield line(payload)
                 elif ev.kind == "error":
-                    yield line(error_response_body(ev.error))
+                    yield line(error_payload(ev.error)[0])
                     break
                 else:
                     self._log(kind, ev.result)
@@ -237,11 +237,8 @@ class Api:
         s = self.rt.cache.stats()
         return JSONResponse({"status": "ok", "slots_busy": int(self.rt.scheduler.busy),
                              "queue_length": self.rt.scheduler.queue_length,
-                             "cache": {"entries": s.entries, "bytes": s.bytes, "budget_bytes": s.budget_bytes}})
-
-
-def error_response_body(exc: Exception) -> dict:
-    return json.loads(error_response(exc).body)
+                             "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
+                                       "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}})
 
 
 def create_app(runtime: Runtime) -> Starlette:

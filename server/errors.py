@@ -20,15 +20,20 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    """Map any exception to a JSONResponse (4xx for the caller's mistakes, 500 otherwise)."""
+def error_payload(exc: Exception) -> tuple[dict, int]:
+    """(OpenAI-style body, HTTP status) for any exception: 4xx for the caller's mistakes, 500 otherwise."""
     if isinstance(exc, OrchestratorError):
-        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+        return error_body(exc.message, exc.type, exc.param, exc.code), exc.status
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        return error_body(str(exc.detail), kind), exc.status_code
     log.exception("unhandled error", exc_info=exc)
-    return JSONResponse(error_body(f"internal error: {exc}", "server_error"), status_code=500)
+    return error_body(f"internal error: {exc}", "server_error"), 500
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    body, status = error_payload(exc)
+    return JSONResponse(body, status_code=status)
 
 
 async def handle(request: Request, exc: Exception) -> JSONResponse:
