@@ -30,6 +30,23 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _at_least(lo: int):
+    def check(text: str) -> int:
+        value = int(text)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+        return value
+
+    return check
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
@@ -50,7 +67,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("-m", "--model", type=Path, help="GGUF file (default: the synthetic qwen3.5-0.8b, random weights)")
     p.add_argument("--host", default=d.host, help=f"bind address (default {d.host})")
     p.add_argument("--port", type=_port, default=d.port, help=f"port (default {d.port})")
-    p.add_argument("-c", "--ctx-size", type=_positive, default=d.ctx_size, help=f"context size in tokens (default {d.ctx_size})")
+    p.add_argument("-c", "--ctx-size", type=_positive, default=d.ctx_size,
+                   help=f"context size per slot in tokens (default {d.ctx_size})")
+    p.add_argument("-np", "--parallel", type=_positive, default=d.parallel,
+                   help=f"slots: requests served at once, each with its own sequence (default {d.parallel})")
+    p.add_argument("--queue-size", type=_non_negative, default=d.queue_size,
+                   help=f"requests that may wait for a slot; more get HTTP 429 (default {d.queue_size})")
+    p.add_argument("--timeout", type=_non_negative_float, default=d.timeout, metavar="SECONDS",
+                   help=f"most seconds a request may take, queue wait included; 0 = no limit (default {d.timeout:g})")
+    p.add_argument("--prefill-chunk", type=_at_least(3), default=d.prefill_chunk, metavar="N",
+                   help=f"prompt tokens prefilled between two decode steps of other slots (default {d.prefill_chunk})")
+    p.add_argument("--decode-batching", choices=["auto", "on", "off"], default=d.decode_batching,
+                   help="one llama_decode for all generating slots: auto = only when measured bit-identical to "
+                        "decoding alone on this model (default auto)")
     p.add_argument("-b", "--batch-size", type=_positive, default=d.batch_size,
                    help=f"n_batch: most tokens per llama_decode; prefill is chunked to it (default {d.batch_size})")
     p.add_argument("-t", "--threads", type=_positive, default=d.threads, help=f"CPU threads (default {d.threads})")
@@ -79,7 +108,8 @@ def _config(a: argparse.Namespace) -> Config:
                  threads=a.threads, model_alias=a.alias, chat_template=a.chat_template_file,
                  max_tokens_default=a.max_tokens, use_extra_bufts=a.use_extra_bufts,
                  cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk,
-                 checkpoint_interval=a.checkpoint_interval)
+                 checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
+                 timeout=a.timeout, prefill_chunk=a.prefill_chunk, decode_batching=a.decode_batching)
     if a.cache_ram is not None:
         cfg.cache_ram_mib = a.cache_ram
     cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0

@@ -91,9 +91,10 @@ class Sampler:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
         self._chain = chain
 
-    def sample(self, ctx) -> int:
-        """Sample from the logits of the last token decoded with logits on (llama_sampler_sample, idx -1)."""
-        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, -1))
+    def sample(self, ctx, idx: int = -1) -> int:
+        """Sample from the logits of batch index `idx` of the last llama_decode (-1: its last token with logits
+        on), with llama_sampler_sample (which also accepts the token into the chain)."""
+        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, idx))
 
     def close(self) -> None:
         if self._chain is not None:
@@ -136,6 +137,9 @@ class Engine:
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch  # one llama_decode call = one ubatch: chunk_sizes() controls the split
         cparams.n_seq_max = n_seq_max
+        # One KV stream per sequence: a sequence's attention never sees other sequences' cells, so its numerics
+        # do not depend on what the other slots hold (llama_context: n_ctx_seq = n_ctx / n_seq_max).
+        cparams.kv_unified = False
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -255,9 +259,69 @@ class Engine:
                 raise EngineError(f"llama_decode failed with code {rc} at position {pos + start} "
                                   f"({n} tokens; context {self.n_ctx})")
 
-    def logits(self) -> np.ndarray:
-        """Copy of the logits of the last token decoded with logits on: float32, shape (n_vocab,)."""
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+    def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
+        """One decode step for several sequences in one llama_decode call: `items` are (seq, token, pos), at most
+        one per sequence, at most n_batch. Logits are kept for every item; item i's are at batch index i
+        (`logits(i)`, `Sampler.sample(ctx, i)`).
+
+        Pass items in increasing seq order: with a per-sequence KV cache llama.cpp packs consecutive sequence ids
+        into one ubatch (llama_batch_allocr::split_equal, sequential mode). Whether the result equals decoding
+        each sequence alone depends on the model's weight types: see `check_batch_invariance`. Raises
+        EngineError when llama_decode fails (the sequences' states are then unspecified).
+        """
+        if not 0 < len(items) <= self.n_batch:
+            raise ValueError(f"a decode step takes 1..{self.n_batch} items, got {len(items)}")
+        b = self._batch
+        for i, (seq, tok, pos) in enumerate(items):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1
+        b.n_tokens = len(items)
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
+
+    def check_batch_invariance(self) -> bool:
+        """Whether a decode step batched over sequences gives, for each sequence, bit-identical logits to the
+        same token decoded alone. Needs n_seq_max >= 2; clears the sequences it uses.
+
+        Measured with llama-cpp-python 0.3.36 on x86: true for the K-quant synthetic models (their matmuls are
+        per-row dot products whatever the batch width), false for the F16 tiny preset (ggml-cpu takes another
+        matmul path for more than one row: max |Δlogit| 8e-4). So it is measured on the served model at start.
+        """
+        k = min(self.n_seq_max, 4)
+        if k < 2:
+            return False
+        prompts = [[1000 + 7 * s + i for i in range(6 + s)] for s in range(k)]
+        nxt = [2000 + s for s in range(k)]
+        try:
+            alone = []
+            for s in range(k):
+                self.clear(s)
+                self.decode(s, prompts[s], 0, want_logits=False)
+                self.decode(s, [nxt[s]], len(prompts[s]))
+                alone.append(self.logits())
+                self.clear(s)
+            for width in sorted({2, k}):
+                for s in range(width):
+                    self.decode(s, prompts[s], 0, want_logits=False)
+                self.decode_step([(s, nxt[s], len(prompts[s])) for s in range(width)])
+                same = all(np.array_equal(self.logits(i), alone[i]) for i in range(width))
+                for s in range(width):
+                    self.clear(s)
+                if not same:
+                    return False
+            return True
+        finally:
+            for s in range(k):
+                self.clear(s)
+
+    def logits(self, idx: int = -1) -> np.ndarray:
+        """Copy of the logits at batch index `idx` of the last llama_decode (-1: its last token with logits on):
+        float32, shape (n_vocab,)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, idx)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     # ---------------------------------------------------------------- sequence state
@@ -324,6 +388,21 @@ class Engine:
     def pos_max(self, seq: int) -> int:
         """Last position held by `seq` (llama_memory_seq_pos_max), -1 when empty."""
         return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
+
+    def state_sizes(self) -> tuple[int, int]:
+        """(recurrent state bytes per sequence, KV bytes per token) as llama.cpp serialises them
+        (llama_state_seq_get_size_ext at 2 and 4 tokens). Memory per slot is about rec + n_ctx * kv_per_token.
+        Uses and clears sequence 0."""
+        tok = max(self.bos_id, 0)
+        try:
+            self.decode(0, [tok] * 2, 0, want_logits=False)
+            two = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
+            rec = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, PARTIAL) - _HEADER
+            self.decode(0, [tok] * 2, 2, want_logits=False)
+            four = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
+            return rec, (four - two) // 2
+        finally:
+            self.clear(0)
 
     def _check_split_layout(self) -> bool:
         """Whether a full state is header + KV part + the checkpoint's body (see save_parts)."""

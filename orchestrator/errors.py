@@ -42,3 +42,36 @@ class EngineError(OrchestratorError):
 
 class ModelLoadError(OrchestratorError):
     """The model file cannot be loaded."""
+
+
+class QueueFull(OrchestratorError):
+    """Every slot is busy and --queue-size requests are already waiting (HTTP 429 with Retry-After)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, n_waiting: int, retry_after: int) -> None:
+        super().__init__(f"the server is busy: all slots are serving and {n_waiting} requests are queued "
+                         f"(--queue-size); retry in about {retry_after} s", code="queue_full")
+        self.retry_after = retry_after
+
+
+class RequestTimeout(OrchestratorError):
+    """The request ran past --timeout seconds (queue wait included) and was stopped (HTTP 504)."""
+
+    status = 504
+    type = "timeout_error"
+
+    def __init__(self, elapsed_s: float) -> None:
+        super().__init__(f"the request was stopped after {elapsed_s:.1f} s (--timeout); retry later, or raise "
+                         f"--timeout on the server", code="timeout")
+
+
+class RequestCancelled(OrchestratorError):
+    """The caller went away (client disconnected) before the request finished (nginx's 499)."""
+
+    status = 499
+    type = "cancelled"
+
+    def __init__(self) -> None:
+        super().__init__("the request was cancelled", code="cancelled")

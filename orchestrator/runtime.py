@@ -49,6 +49,25 @@ def resolve_model(cfg: Config) -> Path:
     return ensure_model("qwen3.5-0.8b")
 
 
+def decode_batching(engine: Engine, mode: str) -> bool:
+    """Whether the slots' decode steps share one llama_decode call. "auto": only when the engine measures it
+    bit-identical to decoding alone (Engine.check_batch_invariance); "on" trades that for throughput."""
+    if engine.n_seq_max < 2 or mode == "off":
+        return False
+    invariant = engine.check_batch_invariance()
+    if mode == "on":
+        if not invariant:
+            log.warning("--decode-batching on: batched decoding is NOT bit-identical to decoding alone on this "
+                        "model; outputs may depend on concurrent requests")
+        return True
+    if invariant:
+        log.info("decode steps of all slots are batched (measured bit-identical to decoding alone)")
+    else:
+        log.warning("batched decoding is not bit-identical to decoding alone on this model (weight types); slots "
+                    "decode one at a time. --decode-batching on trades exactness for throughput")
+    return invariant
+
+
 @dataclass
 class Runtime:
     config: Config
@@ -63,11 +82,17 @@ class Runtime:
         """Load the model and start the worker. Raises ModelLoadError."""
         path = resolve_model(cfg)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
-                        use_extra_bufts=cfg.use_extra_bufts)
+                        use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel)
         info = engine.info
-        log.info("model %s: %s, arch %s, %.0f MiB, %d params, n_ctx %d, n_batch %d, %d threads",
+        log.info("model %s: %s, arch %s, %.0f MiB, %d params, n_ctx %d per slot, n_batch %d, %d threads",
                  path, info.name, info.architecture, info.size_bytes / MiB, info.n_params, engine.n_ctx,
                  engine.n_batch, engine.n_threads)
+        rec, kv_token = engine.state_sizes()
+        per_slot = rec + kv_token * engine.n_ctx
+        log.info("%d slots; memory per slot %.1f MiB (recurrent state %.1f MiB + KV %.1f KiB/token x %d tokens), "
+                 "%.0f MiB for all", cfg.parallel, per_slot / MiB, rec / MiB, kv_token / 1024, engine.n_ctx,
+                 cfg.parallel * per_slot / MiB)
+        batch_decode = decode_batching(engine, cfg.decode_batching)
         if "random" in info.name.lower():
             log.warning("model %r has RANDOM weights: output text is meaningless", info.name)
         disk = None
@@ -84,7 +109,10 @@ class Runtime:
                      cfg.cache_ram_mib, cfg.checkpoint_interval)
         template = load_template(engine, cfg.chat_template)
         return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template),
-                   scheduler=Scheduler(engine, cache, cfg.checkpoint_interval), model_id=cfg.model_alias or path.stem)
+                   scheduler=Scheduler(engine, cache, cfg.checkpoint_interval, n_slots=cfg.parallel,
+                                       queue_size=cfg.queue_size, timeout_s=cfg.timeout,
+                                       prefill_chunk=cfg.prefill_chunk, batch_decode=batch_decode),
+                   model_id=cfg.model_alias or path.stem)
 
     def close(self) -> None:
         self.scheduler.close()

@@ -49,6 +49,15 @@ async def _json_body(request: Request):
         raise InvalidRequest(f"the request body is not valid JSON: {str(e)[:200]}") from e
 
 
+async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Set `cancel` when the client disconnects (ASGI http.disconnect; the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            return
+
+
 def _usage(r: Result) -> dict:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.completion_tokens),
             "total_tokens": r.prompt_tokens + len(r.completion_tokens),
@@ -98,7 +107,10 @@ class Api:
                  kind, r.prompt_tokens, r.cached_tokens, r.restore_source, r.restore_s * 1e3, r.prefill_s * 1e3,
                  len(r.completion_tokens), r.total_s * 1e3)
 
-    async def _collect(self, events: asyncio.Queue, cancel: threading.Event) -> Result:
+    async def _collect(self, request: Request, events: asyncio.Queue, cancel: threading.Event) -> Result:
+        """Wait for a non-streamed result; a client that disconnects meanwhile cancels the job (its slot is
+        freed at the next step)."""
+        watch = asyncio.create_task(_cancel_on_disconnect(request, cancel))
         try:
             while True:
                 ev = await events.get()
@@ -107,7 +119,8 @@ class Api:
                 if ev.kind == "error":
                     raise ev.error
         finally:
-            cancel.set()  # a no-op once done; stops the job if this handler is cancelled (client gone)
+            watch.cancel()
+            cancel.set()  # a no-op once done; stops the job if this handler is cancelled
 
     async def _sse(self, events: asyncio.Queue, cancel: threading.Event, kind: str,
                    on_text: Callable[[str], list[dict]], on_done: Callable[[Result], list[dict]]) -> AsyncIterator[str]:
@@ -145,7 +158,7 @@ class Api:
         if req.options.stream:
             return StreamingResponse(self._chat_stream(events, cancel, cid, created, prompt, req),
                                      media_type="text/event-stream")
-        r = await self._collect(events, cancel)
+        r = await self._collect(request, events, cancel)
         self._log("chat", r)
         out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools)
         message = {"role": "assistant", "content": out.content}
@@ -210,7 +223,7 @@ class Api:
 
             gen = self._sse(events, cancel, "completion-stream", lambda t: [body(t, None)], on_done)
             return StreamingResponse(gen, media_type="text/event-stream")
-        r = await self._collect(events, cancel)
+        r = await self._collect(request, events, cancel)
         self._log("completion", r)
         text = (req.prompt + r.text) if req.echo else r.text
         return JSONResponse({
@@ -235,8 +248,9 @@ class Api:
 
     async def health(self, request: Request):
         s = self.rt.cache.stats()
-        return JSONResponse({"status": "ok", "slots_busy": int(self.rt.scheduler.busy),
-                             "queue_length": self.rt.scheduler.queue_length,
+        sched = self.rt.scheduler
+        return JSONResponse({"status": "ok", "slots": len(sched.slots), "slots_busy": sched.slots_busy,
+                             "queue_length": sched.queue_length,
                              "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
                                        "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}})
 

@@ -36,7 +36,8 @@ def tiny_model() -> Path:
 
 
 def make_config(model: Path, **kw) -> Config:
-    base = dict(model=model, ctx_size=16384, batch_size=256, threads=2, cache_ram_mib=2048, checkpoint_interval=0)
+    base = dict(model=model, ctx_size=16384, batch_size=256, threads=2, cache_ram_mib=2048, checkpoint_interval=0,
+                parallel=1)
     base.update(kw)
     return Config(**base)
 
