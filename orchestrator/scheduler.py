@@ -222,7 +222,8 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise OrchestratorError("the server is shutting down")
-            if len(self._waiting) >= self.queue_size:
+            idle = sum(s.task is None for s in self.slots)
+            if len(self._waiting) >= self.queue_size + idle:
                 waves = (len(self._waiting) + len(self.slots)) / len(self.slots)
                 raise QueueFull(len(self._waiting), max(1, min(60, math.ceil(self._job_s * waves))))
             task = _Task(job, sink, cancel, next(self._order), None)
@@ -347,13 +348,13 @@ class Scheduler:
                 log.exception("admission failed")
                 self._fail(task, EngineError(f"internal error: {e}"))
 
-    def _available(self, task: _Task, free: Sequence[Slot]) -> int:
-        """Deepest position the task could restore now (stored snapshots, or a free slot's live KV)."""
-        lim = task.n - MIN_SEGMENT
-        return max(self.cache.plan(task.tokens, lim, s.live).n_tokens for s in free)
+    def _plans(self, tokens: list[int]) -> list:
+        """The restore plan of `tokens` with each slot's live KV (stored entries are the same for all)."""
+        lim = len(tokens) - MIN_SEGMENT
+        return [self.cache.plan(tokens, lim, s.live) for s in self.slots]
 
     def _blocked(self, task: _Task, free: Sequence[Slot], queued: Sequence[_Task]) -> bool:
-        avail = self._available(task, free)
+        avail = max(p.n_tokens for p in self._plans(task.tokens))
         upto = task.n - MIN_SEGMENT
         if upto <= avail:
             return False
@@ -372,11 +373,14 @@ class Scheduler:
         return False
 
     def _pick_slot(self, task: _Task, free: Sequence[Slot]) -> Slot:
+        """The free slot whose own live KV restores the deepest prefix (no copy), else, by preference, the last
+        slot of the same prompt_cache_key, an empty slot, the least recently used."""
+        depth = [p.n_tokens for p in self._plans(task.tokens)] if task.job.use_cache else [0] * len(self.slots)
+        best = max(depth)
+
         def score(s: Slot):
-            n = self.cache.plan(task.tokens, task.n - MIN_SEGMENT, s.live).n_tokens if task.job.use_cache else 0
-            live = common_len(s.live, task.tokens) >= n > 0
             key = bool(task.job.prompt_cache_key) and s.key == task.job.prompt_cache_key
-            return (n, live, key, not s.live, -s.last_used)
+            return (best > 0 and depth[s.seq] == best, key, not s.live, -s.last_used)
 
         return max(free, key=score)
 
@@ -399,10 +403,16 @@ class Scheduler:
         task.phase = PREFILL
 
     def _reuse(self, slot: Slot, tokens: list[int], use_cache: bool) -> tuple[int, str]:
-        """Bring the slot's sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, tier)."""
+        """Bring the slot's sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, tier).
+
+        The KV may come from a stored entry, the slot's own sequence, or another slot's sequence (busy or not:
+        its state is saved and its KV part loaded here, bytes llama.cpp itself wrote, so the copy is exact).
+        """
         if use_cache:
             for _attempt in range(3):  # a part that vanished (evicted, corrupt on disk) is dropped: plan again
-                plan = self.cache.plan(tokens, len(tokens) - MIN_SEGMENT, slot.live)
+                plans = self._plans(tokens)
+                src = max(self.slots, key=lambda s: (plans[s.seq].n_tokens, s is slot))
+                plan = plans[src.seq]
                 if plan.n_tokens == 0:
                     break
                 parts = self.cache.load(plan)
@@ -410,6 +420,8 @@ class Scheduler:
                     continue
                 kv, checkpoint = parts
                 try:
+                    if kv is None and src is not slot:  # the KV is live in another slot: copy it as bytes
+                        kv = self.engine.save_parts(src.seq)[0]
                     self.engine.restore(slot.seq, plan.n_tokens, kv, checkpoint)
                 except EngineError:
                     log.warning("snapshot restore failed; prefilling cold", exc_info=True)

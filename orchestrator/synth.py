@@ -285,6 +285,15 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
         quantization=None,
     ),
+    # tiny's layer pattern at the narrowest width K-quants take (256), Q4_K_M like a real download: the test
+    # model for batched decoding, which is bit-identical to decoding alone for K-quant weights but not for F16
+    # (engine.Engine.check_batch_invariance).
+    "tiny-q4": Preset(
+        name="tiny-q4", n_layer=8, hidden_size=256, intermediate_size=512,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+        quantization="Q4_K_M",
+    ),
 })
 
 
