@@ -88,10 +88,12 @@ class SnapshotCache:
     server keeps its cache.
     """
 
-    def __init__(self, budget_bytes: int, disk=None, policy: EvictionPolicy | None = None) -> None:
+    def __init__(self, budget_bytes: int, disk=None, policy: EvictionPolicy | None = None,
+                 truncatable: bool = False) -> None:
         if budget_bytes < 0:
             raise ValueError("cache budget must be >= 0 bytes")
         self.budget_bytes = budget_bytes
+        self.truncatable = truncatable  # KV-only states: any prefix of a KV entry is restorable, no checkpoints
         self.disk = disk
         self.policy = policy or EvictionPolicy()
         self._tree = RadixTree()
@@ -111,10 +113,17 @@ class SnapshotCache:
         """The deepest position p <= max_tokens with a checkpoint at tokens[:p] and KV covering p.
 
         `live_tokens`: tokens whose KV the live sequence holds, computed by prefill (usable KV source).
+        On a truncatable cache no checkpoint is needed: the deepest p covered by the live KV or a stored KV entry.
         """
         with self._lock:
             self._tick += 1
             live = common_len(live_tokens, tokens)
+            if self.truncatable:
+                depth, kv_id = self._tree.deepest_kv(tokens, max_tokens)
+                if min(live, max_tokens) >= depth:
+                    depth = min(live, max_tokens)
+                    return RestorePlan(depth, None, None, "live") if depth > 0 else RestorePlan()
+                return RestorePlan(depth, None, kv_id, DISK if self._meta[kv_id].tier == DISK else RAM)
             for node in reversed(self._tree.path(tokens, max_tokens)):
                 if node.rec is None:
                     continue
@@ -130,17 +139,18 @@ class SnapshotCache:
                 return RestorePlan(node.depth, node.rec, kv_id, tier)
             return RestorePlan()
 
-    def load(self, plan: RestorePlan) -> tuple[bytes | None, bytes] | None:
-        """(kv bytes or None for live KV, checkpoint bytes) of a plan, promoting disk entries to RAM.
+    def load(self, plan: RestorePlan) -> tuple[bytes | None, bytes | None] | None:
+        """(kv bytes or None for live KV, checkpoint bytes or None on a truncatable cache) of a plan, promoting
+        disk entries to RAM.
 
         Returns None if a part is gone (evicted, or corrupt on disk); that part is then dropped from the index
         and the caller plans again.
         """
         with self._lock:
             pinned = {i for i in (plan.rec_id, plan.kv_id) if i is not None}
-            rec = self._fetch(plan.rec_id, pinned)
+            rec = self._fetch(plan.rec_id, pinned) if plan.rec_id is not None else None
             kv = self._fetch(plan.kv_id, pinned) if plan.kv_id is not None else None
-            if rec is None or (plan.kv_id is not None and kv is None):
+            if (plan.rec_id is not None and rec is None) or (plan.kv_id is not None and kv is None):
                 return None
             return kv, rec
 
@@ -212,6 +222,8 @@ class SnapshotCache:
         for eid in [e for e, m in self._meta.items() if m.kind == KV]:
             other = self._tree.tokens_of(eid)
             branch = common_len(other, tokens)
+            if self.truncatable and branch < len(other):
+                continue  # its own branch is restorable at every token: keep it
             tail = [n.rec for n in self._tree.path(other) if n.depth > branch and n.rec is not None]
             if any(self._meta[r].boundary for r in tail):
                 continue

@@ -13,9 +13,11 @@ batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-
     changes the logits (max |Δ| 2e-4 on tiny, 0.18 on the random 0.8b). With flash attention off, KQ and KQV
     are plain matmuls and any split into ubatches of >= 2 tokens is bit-identical (25 random splits, 0
     differences), at the same prefill speed (315 vs 311 tokens/s at 2,000 tokens on the 0.8b preset).
-  * a one-token ubatch still differs from the same token inside a larger ubatch (other matmul and Gated
-    DeltaNet graph paths), so `decode` never cuts a chunk of one token out of a longer run, and the scheduler
-    never stores or restores a state that came from one-token decoding.
+  * a short ubatch still differs from the same tokens inside a larger one: one token always (other matmul and
+    Gated DeltaNet graph paths), and on quantized models anything under 8 tokens (other ggml-cpu matmul
+    kernels; max |Δlogit| 0.23 on the 0.8b). The threshold depends on the weight types and the CPU, so it is
+    measured at start (`measure_min_segment`): `decode` never cuts a chunk shorter than `min_segment` out of a
+    longer run, and the scheduler never stores or restores a state that a shorter segment produced.
 The engine therefore creates contexts with flash attention disabled unless told otherwise.
 
 CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AVX-512/AMX
@@ -162,7 +164,16 @@ class Engine:
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
-        self.split_layout = self._check_split_layout()
+        # Pure attention (no recurrent layers, no sliding window): the state is KV only, and any prefix of a
+        # sequence is restored by truncating its KV (llama_memory_seq_rm), so no checkpoints are needed.
+        # Hybrid (Qwen3.5) and sliding-window (Gemma 3) models need a PARTIAL_ONLY checkpoint at the restored
+        # position: the recurrent state, or the window's KV (llama_kv_cache_iswa::state_write).
+        self.truncatable = not (llama_cpp.llama_model_is_recurrent(self.model)
+                                or llama_cpp.llama_model_is_hybrid(self.model)
+                                or llama_cpp.llama_model_n_swa(self.model) > 0)
+        self.min_segment = 2  # until measured: chunk_sizes never makes one-token chunks
+        self.split_layout = False if self.truncatable else self._check_split_layout()
+        self.min_segment = self.measure_min_segment()
 
     # ---------------------------------------------------------------- metadata and vocab
 
@@ -237,13 +248,13 @@ class Engine:
 
     def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
         """Decode `tokens` at positions pos.. for sequence `seq`, in chunks of at most n_batch tokens and, unless
-        `tokens` is a single token, at least two (see "Numerics").
+        `tokens` is shorter, at least `min_segment` (see "Numerics").
 
         Logits are kept for the last token only (when want_logits). Raises EngineError when llama_decode fails
         (e.g. no KV slot); the sequence's state is then unspecified and the caller must clear it.
         """
         b = self._batch
-        for start, n in chunk_sizes(len(tokens), self.n_batch):
+        for start, n in chunk_sizes(len(tokens), self.n_batch, self.min_segment):
             chunk = tokens[start:start + n]
             for i, tok in enumerate(chunk):
                 b.token[i] = tok
@@ -282,6 +293,40 @@ class Engine:
         rc = llama_cpp.llama_decode(self.ctx, b)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
+
+    def measure_min_segment(self, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32)) -> int:
+        """The fewest tokens a prefill ubatch may have for its result to be bit-identical to the same tokens
+        inside one larger ubatch: the smallest tested size above every size that differed.
+
+        Prefills a 72-token prompt whole, then split into a short segment at its start or its end for each size,
+        and compares the last logits. Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): 2 for the F16
+        tiny preset; 8 for Q4_K_M models (tiny-q4, the 0.8b: max |Δlogit| 0.23 with 2..7 tokens; Gemma 3 270M:
+        1.2), where ggml-cpu takes other matmul kernels for fewer than 8 rows. The thresholds differ by CPU
+        (llamafile sgemm: n < 2, 4 or 8 depending on the ISA), hence a measurement at start. Uses and clears
+        sequence 0; raises EngineError if even the largest size differs.
+        """
+        n = min(2 * max(sizes) + 8, self.n_batch)  # the reference must be one ubatch
+        sizes = [m for m in sizes if 2 * m + 8 <= n] or [2]
+        tokens = [1000 + (37 * i) % 5000 for i in range(n)]
+        try:
+            self.clear(0)
+            self.decode(0, tokens, 0)
+            ref = self.logits()
+            worst = 0
+            for m in sizes:
+                for cut in (m, n - m):
+                    self.clear(0)
+                    self.decode(0, tokens[:cut], 0, want_logits=False)
+                    self.decode(0, tokens[cut:], cut)
+                    if not np.array_equal(self.logits(), ref):
+                        worst = max(worst, m)
+            above = [m for m in sizes if m > worst]
+            if not above:
+                raise EngineError(f"prefill splits into segments of up to {max(sizes)} tokens change the logits on "
+                                  f"this model and CPU; prefix reuse cannot be exact here (run with --no-cache)")
+            return min(above)
+        finally:
+            self.clear(0)
 
     def check_batch_invariance(self) -> bool:
         """Whether a decode step batched over sequences gives, for each sequence, bit-identical logits to the
@@ -352,26 +397,30 @@ class Engine:
 
         llama.cpp writes a full state as header + attention part + recurrent part, and a PARTIAL_ONLY state as
         the same header + the recurrent part (llama_memory_hybrid::state_write); `split_layout` is checked on
-        this build at start. Without it, `kv` is the whole full state.
+        this build at start. Without it, `kv` is the whole full state. On a `truncatable` model: (full state, b"").
         """
         full = self.save_state(seq)
+        if self.truncatable:
+            return full, b""
         if not self.split_layout:
             return full, self.save_checkpoint(seq)
         body = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL) - _HEADER
         return full[_HEADER:len(full) - body], full[:_HEADER] + full[len(full) - body:]
 
-    def restore(self, seq: int, n_tokens: int, kv: bytes | None, checkpoint: bytes) -> None:
+    def restore(self, seq: int, n_tokens: int, kv: bytes | None, checkpoint: bytes | None) -> None:
         """Bring sequence `seq` to the state after its first `n_tokens` tokens.
 
         kv: stored attention KV covering at least n_tokens (from save_parts), or None to keep the sequence's own
         KV (it must hold those tokens). checkpoint: the recurrent checkpoint taken at n_tokens. Order matters on
         a hybrid memory: load the KV, then the checkpoint, then truncate the KV with llama_memory_seq_rm(seq,
-        n_tokens, -1), which fails before the checkpoint is loaded. Raises EngineError (sequence cleared).
+        n_tokens, -1), which fails before the checkpoint is loaded. On a `truncatable` model the checkpoint is
+        ignored (pass None): the KV is truncated. Raises EngineError (sequence cleared).
         """
         if kv is not None:
             full = checkpoint[:_HEADER] + kv + checkpoint[_HEADER:] if self.split_layout else kv
             self._set(seq, full, 0, clear=True)
-        self._set(seq, checkpoint, PARTIAL, clear=False)
+        if not self.truncatable:
+            self._set(seq, checkpoint, PARTIAL, clear=False)
         if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
             self.clear(seq)
             raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")
@@ -397,7 +446,7 @@ class Engine:
         try:
             self.decode(0, [tok] * 2, 0, want_logits=False)
             two = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
-            rec = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, PARTIAL) - _HEADER
+            rec = 0 if self.truncatable else llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, PARTIAL) - _HEADER
             self.decode(0, [tok] * 2, 2, want_logits=False)
             four = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
             return rec, (four - two) // 2
@@ -422,20 +471,24 @@ class Engine:
             self.ctx = None
 
 
-def chunk_sizes(n_tokens: int, n_batch: int) -> list[tuple[int, int]]:
-    """(start, size) chunks covering n_tokens, each <= n_batch and >= 2 tokens unless n_tokens == 1.
+def chunk_sizes(n_tokens: int, n_batch: int, min_chunk: int = 2) -> list[tuple[int, int]]:
+    """(start, size) chunks covering n_tokens, each <= n_batch and >= min_chunk tokens unless n_tokens itself is
+    shorter (then one chunk).
 
     >>> chunk_sizes(513, 512)
     [(0, 511), (511, 2)]
+    >>> chunk_sizes(515, 512, 8)
+    [(0, 507), (507, 8)]
     """
-    if n_batch < 3:
-        raise ValueError("n_batch must be at least 3 tokens")
+    if n_batch < 2 * min_chunk - 1 or min_chunk < 1:
+        raise ValueError(f"n_batch ({n_batch}) must be at least 2 * min_chunk - 1 ({2 * min_chunk - 1})")
     chunks = []
     start = 0
     while start < n_tokens:
         size = min(n_batch, n_tokens - start)
-        if n_tokens - start - size == 1:  # never leave a one-token tail
-            size -= 1
+        tail = n_tokens - start - size
+        if 0 < tail < min_chunk:  # never leave a tail shorter than min_chunk
+            size -= min_chunk - tail
         chunks.append((start, size))
         start += size
     return chunks

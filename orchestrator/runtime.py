@@ -103,7 +103,7 @@ class Runtime:
                          cfg.cache_disk_mib, len(disk))
             except OrchestratorError as e:
                 log.warning("snapshot disk tier unavailable, caching in RAM only: %s", e.message)
-        cache = SnapshotCache(cfg.cache_ram_bytes if cfg.cache_enabled else 0, disk)
+        cache = SnapshotCache(cfg.cache_ram_bytes if cfg.cache_enabled else 0, disk, truncatable=engine.truncatable)
         if cfg.cache_enabled:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)

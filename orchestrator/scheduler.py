@@ -5,7 +5,7 @@ the restore and the cached_tokens the request reports are the tokens actually re
 
   1. pick the slot: the one whose live state restores the longest prefix of the prompt (its own KV plus a
      stored checkpoint), else the least valuable idle slot (empty first, then least recently used);
-  2. reuse: the deepest snapshot that prefixes the prompt and leaves at least MIN_SEGMENT tokens to prefill,
+  2. reuse: the deepest snapshot that prefixes the prompt and leaves at least min_segment tokens to prefill,
      else a cleared sequence.
 
 Then the worker loops over steps; each step is
@@ -21,10 +21,11 @@ saved, and at the end of the prompt, where one more is saved. After the result i
 the state after generation by restoring the end-of-prompt checkpoint and prefilling the generated tokens (plus
 the end-of-turn token) as one batch, in chunks like any prefill; the slot stays busy until then.
 
-Why segments of at least MIN_SEGMENT (2) tokens, and why the after-generation state is re-prefilled instead of
+Why segments of at least `min_segment` tokens, and why the after-generation state is re-prefilled instead of
 saved from decoding: with the engine's settings (flash attention off; see "Numerics" in engine.py) any split of
-a prefill into ubatches of two or more tokens gives bit-identical states and logits, but a token computed alone
-(a one-token ubatch, as in decoding) does not. So every stored state is one a cold prefill reproduces exactly,
+a prefill into ubatches of at least Engine.min_segment tokens (measured at start: 2 for F16 weights, 8 for
+Q4_K_M on x86) gives bit-identical states and logits, but shorter ubatches, and a token computed alone (as in
+decoding), do not. So every stored state is one a cold prefill reproduces exactly,
 and cached runs equal cold runs bit for bit (tests/test_correctness.py, tests/test_slots.py).
 
 Sequential semantics: a request that shares a prefix with an earlier request still in flight (or still
@@ -62,7 +63,6 @@ from .stops import TextStream
 
 log = logging.getLogger("orchestrator.scheduler")
 
-MIN_SEGMENT = 2  # fewest tokens per prefill ubatch; see the module docstring
 PREFILL, DECODE, FOLLOWUP = "prefill", "decode", "followup"
 
 
@@ -186,14 +186,13 @@ class Scheduler:
                  batch_decode: bool = False) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
-        if prefill_chunk < MIN_SEGMENT + 1:
-            raise ValueError(f"prefill_chunk must be at least {MIN_SEGMENT + 1} tokens")
         self.engine = engine
+        self.min_segment = engine.min_segment  # fewest tokens per prefill ubatch; see the module docstring
         self.cache = cache
         self.checkpoint_interval = checkpoint_interval
         self.queue_size = queue_size
         self.timeout_s = timeout_s
-        self.prefill_chunk = min(prefill_chunk, engine.n_batch)
+        self.prefill_chunk = min(max(prefill_chunk, 2 * self.min_segment), engine.n_batch)
         self.batch_decode = batch_decode
         self.slots = [Slot(seq) for seq in range(n_slots)]
         self._waiting: collections.deque[_Task] = collections.deque()
@@ -350,12 +349,12 @@ class Scheduler:
 
     def _plans(self, tokens: list[int]) -> list:
         """The restore plan of `tokens` with each slot's live KV (stored entries are the same for all)."""
-        lim = len(tokens) - MIN_SEGMENT
+        lim = len(tokens) - self.min_segment
         return [self.cache.plan(tokens, lim, s.live) for s in self.slots]
 
     def _blocked(self, task: _Task, free: Sequence[Slot], queued: Sequence[_Task]) -> bool:
         avail = max(p.n_tokens for p in self._plans(task.tokens))
-        upto = task.n - MIN_SEGMENT
+        upto = task.n - self.min_segment
         if upto <= avail:
             return False
         for other in self._active() + list(queued):
@@ -393,10 +392,10 @@ class Scheduler:
         start, task.source = self._reuse(slot, task.tokens, task.job.use_cache)
         task.cached = task.pos = start
         task.t_restored = time.perf_counter()
-        task.store = task.job.use_cache and task.n >= MIN_SEGMENT  # a one-token prompt is a one-token ubatch
+        task.store = task.job.use_cache and task.n >= self.min_segment  # else the prompt is a too-short ubatch
         kept, pos = [], start
-        for b in self._positions(task.job, task.n):
-            if b - pos >= MIN_SEGMENT and task.n - b >= MIN_SEGMENT:
+        for b in ([] if self.engine.truncatable else self._positions(task.job, task.n)):
+            if b - pos >= self.min_segment and task.n - b >= self.min_segment:
                 kept.append(b)
                 pos = b
         task.positions = kept
@@ -500,12 +499,12 @@ class Scheduler:
         slot, n = t.slot, len(t.work)
         target = t.positions[0] if t.positions else n
         end = min(t.pos + chunk, target)
-        if target - end == 1:  # never leave a one-token remainder
-            end -= 1
+        if 0 < target - end < self.min_segment:  # never leave a remainder shorter than min_segment
+            end = target if target - t.pos <= self.engine.n_batch else target - self.min_segment
         final = end == n
         # live is extended only after a chunk is decoded; a failed decode clears the sequence.
         self.engine.decode(slot.seq, t.work[t.pos:end], t.pos, want_logits=final and t.phase == PREFILL)
-        slot.live = t.work[:end] if n >= MIN_SEGMENT else []  # one-token ubatch KV is not a reusable source
+        slot.live = t.work[:end] if n >= self.min_segment else []  # a too-short ubatch's KV is no reusable source
         t.pos = end
         if t.positions and end == t.positions[0]:
             t.positions.pop(0)
@@ -523,7 +522,7 @@ class Scheduler:
         t.t_prefilled = time.perf_counter()
         if t.job.want_logits:
             t.first_logits = self.engine.logits()
-        if t.store:  # before sampling: a request that ends at its first token rewinds to this checkpoint
+        if t.store and not self.engine.truncatable:  # before sampling: a request ending now rewinds to it
             t.saved += self._store(t, t.tokens, (REC,), boundary=False)
         t.sampler = Sampler(t.job.sampling)
         t.stream = TextStream(stop=t.job.stop)
@@ -574,7 +573,7 @@ class Scheduler:
         generated = t.out + ([t.eog] if t.eog is not None else [])
         full = t.tokens + generated
         try:
-            if (t.cancel.is_set() or t.stream.stopped or len(generated) < MIN_SEGMENT
+            if (t.cancel.is_set() or t.stream.stopped or len(generated) < self.min_segment
                     or len(full) > self.engine.n_ctx or self.cache.contains(full, KV)):
                 if not self.cache.contains(t.tokens, KV) and self._rewind(t):
                     self._store(t, t.tokens, (KV, REC), boundary=False)
@@ -590,6 +589,10 @@ class Scheduler:
     def _rewind(self, t: _Task) -> bool:
         """Drop the decoded tokens: back to the state after the prompt (its checkpoint + the live KV)."""
         prompt = t.tokens
+        if self.engine.truncatable:
+            self.engine.restore(t.slot.seq, len(prompt), None, None)
+            t.slot.live = list(prompt)
+            return True
         plan = self.cache.plan(prompt, len(prompt), prompt)
         parts = self.cache.load(plan) if plan.n_tokens == len(prompt) else None
         if parts is None or parts[0] is not None:
@@ -601,6 +604,8 @@ class Scheduler:
     def _store(self, t: _Task, tokens: list[int], kinds: tuple[str, ...], boundary: bool) -> int:
         """Save the entries of `kinds` missing for `tokens` from the slot's current state (one full save gives
         both KV and checkpoint); returns how many were stored."""
+        if self.engine.truncatable:  # KV-only states: the KV is the whole state, no checkpoints
+            kinds = tuple(k for k in kinds if k == KV)
         missing = [k for k in kinds if not self.cache.contains(tokens, k)]
         if not missing:
             return 0
