@@ -50,7 +50,8 @@ class Job:
 
     prompt_tokens: the prompt (n_prompt tokens). boundaries: token offsets where snapshots are taken
     (0 < b < n_prompt). max_tokens: completion budget. stop: stop strings. want_logits: keep the first-step
-    logits (float32, shape (n_vocab,)) in the result, for correctness checks.
+    logits (float32, shape (n_vocab,)) in the result, for correctness checks. prompt_cache_key: the request's
+    OpenAI `prompt_cache_key` ("" if none), a hint that requests with the same key share a prefix.
     """
 
     prompt_tokens: list[int]
@@ -60,6 +61,7 @@ class Job:
     stop: tuple[str, ...] = ()
     use_cache: bool = True
     want_logits: bool = False
+    prompt_cache_key: str = ""
 
 
 @dataclass

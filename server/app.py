@@ -69,7 +69,7 @@ class Api:
         self.rt = runtime
         self.metrics = Metrics(runtime.cache)
 
-    def _job(self, prompt: Prompt, opts: GenerationOptions) -> Job:
+    def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "") -> Job:
         n_ctx = self.rt.engine.n_ctx
         n = len(prompt.tokens)
         if n + 1 > n_ctx:
@@ -80,7 +80,7 @@ class Api:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
                    max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
-                   use_cache=opts.cache_prompt and self.rt.config.cache_enabled)
+                   use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key)
 
     def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
         loop = asyncio.get_running_loop()
@@ -138,8 +138,9 @@ class Api:
 
     async def chat(self, request: Request):
         req = parse_chat(await _json_body(request))
-        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs)
-        job = self._job(prompt, req.options)
+        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
+                                         req.cache_breakpoints)
+        job = self._job(prompt, req.options, req.prompt_cache_key)
         events, cancel = self._submit(job)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
