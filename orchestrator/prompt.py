@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from .boundaries import Boundaries, BoundaryDetector, detect
 from .engine import Engine
+from .formats import OutputFormat, detect_format
 from .template import ChatTemplate, templates_dir
 
 
@@ -45,11 +46,13 @@ def load_template(engine: Engine, override_path=None) -> ChatTemplate:
 
 
 class PromptBuilder:
-    """Renders and tokenizes chat and plain-text prompts for one engine."""
+    """Renders and tokenizes chat and plain-text prompts for one engine. `output_format`: how replies to its
+    chat prompts are parsed (reasoning, tool calls), detected from the template's family."""
 
     def __init__(self, engine: Engine, template: ChatTemplate) -> None:
         self.engine = engine
         self.template = template
+        self.output_format: OutputFormat = detect_format(template.source)
         self.detector = BoundaryDetector(template, engine.info.eot_text)
 
     def _encode(self, text: str) -> tuple[list[int], bool]:

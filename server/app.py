@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from orchestrator.errors import ContextOverflow, InvalidRequest
-from orchestrator.parsing import StreamParser, parse_output
+from orchestrator.parsing import make_stream_parser, parse_output
 from orchestrator.prompt import Prompt
 from orchestrator.runtime import Runtime
 from orchestrator.scheduler import Event, Job, Result
@@ -148,7 +148,7 @@ class Api:
                                      media_type="text/event-stream")
         r = await self._collect(events, cancel)
         self._log("chat", r)
-        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools)
+        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
         message = {"role": "assistant", "content": out.content}
         if out.reasoning is not None:
             message["reasoning_content"] = out.reasoning
@@ -162,7 +162,7 @@ class Api:
 
     def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
                      prompt: Prompt, req) -> AsyncIterator[str]:
-        parser = StreamParser(prompt.opens_reasoning, req.parse_tools)
+        parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
         keys = {"reasoning": "reasoning_content", "content": "content"}
 
         def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> dict:
