@@ -47,7 +47,7 @@ def main() -> None:
         text = tpl.render(msgs, TOOLS, add_generation_prompt=True)
         times = []
         for _ in range(3):
-            det = BoundaryDetector(tpl, "<|im_end|>")
+            det = BoundaryDetector(tpl)
             t0 = time.perf_counter()
             out = det.char_boundaries(msgs, TOOLS, text, {})
             times.append(time.perf_counter() - t0)

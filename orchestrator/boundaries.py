@@ -124,24 +124,25 @@ def _continuations(last: dict) -> tuple[tuple[str, ...], ...]:
     "assistant_call" templates that render a later tool-call turn differently (DeepSeek-R1)."""
     role = last.get("role")
     answer = (("assistant",), ("assistant", "user"), ("assistant_call", "tool"))
-    if role == "assistant" and last.get("tool_calls"):
-        return (("tool",), ("tool", "assistant", "user"))
     if role == "assistant":
+        if last.get("tool_calls"):
+            return (("tool",), ("tool", "assistant", "user"))
         return (("user",), ("user", "assistant"))
-    if role in ("tool", "system"):
-        return (("tool",), ("user",)) + answer if role == "tool" else (("user",),) + answer
-    return answer
+    if role == "tool":
+        return (("tool",), ("user",)) + answer
+    if role == "system":
+        return (("user",),) + answer
+    return answer  # after a user message
 
 
 class BoundaryDetector:
     """Finds boundary character offsets from a `ChatTemplate`.
 
-    `window`: how many of the last messages get a boundary (plus the first message). `eot_text` is accepted
-    for compatibility and unused: nothing is cut at a marker. No module state: the tools-prefix memo lives here.
+    `window`: how many of the last messages get a boundary (plus the first message). `memo_entries`: distinct
+    tools lists whose prefix is remembered. No module state: the memo lives here.
     """
 
-    def __init__(self, template: ChatTemplate, eot_text: str = "", window: int = 6,
-                 memo_entries: int = 64) -> None:
+    def __init__(self, template: ChatTemplate, window: int = 6, memo_entries: int = 64) -> None:
         self.template = template
         self.window = window
         self._memo_entries = memo_entries

@@ -1,19 +1,23 @@
 """Output formats per template family: reasoning tags, where tool calls start, and how they are parsed.
 
 The format is chosen from the chat template's source (the family it belongs to), never from the model name:
-the template both tells the model how to call tools and renders earlier calls back in that syntax. Formats,
-with the template text that identifies each (checked in this order) and the call syntax it renders:
+the template both tells the model how to call tools and renders earlier calls back in that syntax. Formats, with
+the template text that identifies each (checked in this order) and the call syntax the model writes:
 
-| format      | identified by (template source)         | tool call (generated text)                                        |
-|-------------|-----------------------------------------|-------------------------------------------------------------------|
-| harmony     | `<|channel|>` (gpt-oss)                  | `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}` (harmony.py) |
-| qwen-xml    | `<function=` and `<parameter=` (Qwen3.5, Qwen3-Coder) | `<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>` |
-| deepseek-r1 | `tool▁calls▁begin` (DeepSeek-R1 distills) | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{…}\n```<｜tool▁call▁end｜>…` |
-| mistral     | `[TOOL_CALLS]` (Mistral Nemo)            | `[TOOL_CALLS][{"name": NAME, "arguments": {…}, "id": …}, …]`      |
-| nemotron    | `<TOOLCALL>` (Nemotron Nano v2)          | `<TOOLCALL>[{"name": NAME, "arguments": {…}}, …]</TOOLCALL>`      |
-| lfm2        | `<|tool_call_start|>` or `List of tools: [` (LFM2, LFM2.5) | `<|tool_call_start|>[NAME(k=v, …), …]<|tool_call_end|>` (Python call syntax, JSON literals allowed) |
-| llama3-json | `<|python_tag|>` or `"parameters"` with `<|start_header_id|>` (Llama 3.1) | `{"name": NAME, "parameters": {…}}` as the whole reply, or after `<|python_tag|>` |
-| hermes      | `<tool_call>` (Qwen3, Granite 4.0), and the fallback (SmolLM3, Gemma 2, unknown) | `<tool_call>\n{"name": NAME, "arguments": {…}}\n</tool_call>` |
+* harmony (gpt-oss; `<|channel|>`): `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}`,
+  parsed by orchestrator/harmony.py.
+* qwen-xml (Qwen3.5, Qwen3-Coder; `<function=` and `<parameter=`):
+  `<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>`.
+* deepseek-r1 (DeepSeek-R1 distills; `tool▁calls▁begin`): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
+  <｜tool▁sep｜>NAME\n```json\n{…}\n```<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>`.
+* mistral (Mistral Nemo; `[TOOL_CALLS]`): `[TOOL_CALLS][{"name": NAME, "arguments": {…}, "id": …}, …]`.
+* nemotron (Nemotron Nano v2; `<TOOLCALL>`): `<TOOLCALL>[{"name": NAME, "arguments": {…}}, …]</TOOLCALL>`.
+* lfm2 (LFM2, LFM2.5; `<|tool_call_start|>` or `List of tools: [`): `<|tool_call_start|>[NAME(k=v, …), …]
+  <|tool_call_end|>`, Python call syntax with JSON literals allowed (llama.cpp common/parsers/lfm2.cpp).
+* llama3-json (Llama 3.1; `<|python_tag|>`, or `"parameters"` with `<|start_header_id|>`): the whole reply is
+  `{"name": NAME, "parameters": {…}}`, or it follows `<|python_tag|>`.
+* hermes (Qwen3, Granite 4.0; `<tool_call>`), also the fallback (SmolLM3, Gemma 2, unknown templates):
+  `<tool_call>\n{"name": NAME, "arguments": {…}}\n</tool_call>`.
 
 Reasoning is text inside `<think>…</think>` for every format whose template mentions `<think>` (harmony: the
 analysis channel). Syntax facts are from the templates in tests/templates and llama.cpp's chat parsers

@@ -53,7 +53,7 @@ class PromptBuilder:
         self.engine = engine
         self.template = template
         self.output_format: OutputFormat = detect_format(template.source)
-        self.detector = BoundaryDetector(template, engine.info.eot_text)
+        self.detector = BoundaryDetector(template)
 
     def _encode(self, text: str) -> tuple[list[int], bool]:
         """(token ids of `text`, whether a BOS was inserted: the vocab asks for one and the template did not

@@ -224,7 +224,8 @@ class Api:
         return JSONResponse({"object": "list", "data": [{
             "id": self.rt.model_id, "object": "model", "created": 0, "owned_by": "orchestrator",
             "meta": {"name": info.name, "architecture": info.architecture, "n_ctx": self.rt.engine.n_ctx,
-                     "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params}}]})
+                     "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params,
+                     "chat_format": self.rt.prompts.output_format.name}}]})
 
     async def prometheus(self, request: Request):
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)

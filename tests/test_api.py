@@ -25,6 +25,7 @@ def sse_events(resp):
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    assert models["data"][0]["meta"]["chat_format"] == "qwen-xml"  # reply parsing follows the Qwen3.5 template
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["queue_length"] == 0
 
