@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.boundaries import BoundaryDetector
+from orchestrator.boundaries import BoundaryDetector, detect, token_stable_prefix
 from orchestrator.errors import InvalidRequest
 from orchestrator.template import ChatTemplate
 
@@ -172,3 +172,18 @@ def test_a_template_that_rejects_every_probe_gives_no_boundaries():
                        "{{ messages[0].content }}")
     cb = BoundaryDetector(tpl).char_boundaries([CHAT[1]], None, "Hi there", {})
     assert cb.message_ends == (None,) and cb.stable == 0
+
+
+def test_token_check_drops_boundaries_beyond_the_tokens_the_appends_share():
+    tpl = template("Qwen3.5-4B")
+    text = tpl.render(CHAT, None, add_generation_prompt=True)
+    chars = [ord(c) for c in text]  # a tokenizer with one token per character (all ASCII here)
+    lengths = [1] * len(chars)
+    det = BoundaryDetector(tpl)
+    plain = detect(det, CHAT, None, text, lengths, {}, chars, lambda t: [ord(c) for c in t])
+    cb = det.char_boundaries(CHAT, None, text, {})
+    assert plain.message_ends == cb.message_ends  # token offsets are character offsets here
+    cut = cb.message_ends[1] + 3  # the appends' tokens part from the prompt's 3 tokens after message 1
+    merged = detect(det, CHAT, None, text, lengths, {}, chars, lambda t: [ord(c) for c in t[:cut]] + [-1])
+    assert merged.message_ends[:2] == cb.message_ends[:2] and merged.message_ends[2:] == (None, None)
+    assert token_stable_prefix([1, 2, 3], [[1, 2, 4], [1, 2, 3, 5]]) == 2
