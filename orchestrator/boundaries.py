@@ -41,8 +41,10 @@ never a wrong answer.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -103,6 +105,20 @@ def _lcp(*texts: str) -> int:
     return a
 
 
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+def _prefix_keys(messages: list[dict], tools, kwargs) -> list[bytes]:
+    """keys[i] identifies (tools, kwargs, messages[:i+1]): a chained hash, one pass over the messages."""
+    h = hashlib.blake2b(json.dumps([tools, kwargs], sort_keys=True, default=str).encode("utf-8"), digest_size=16)
+    keys = []
+    for m in messages:
+        h.update(json.dumps(m, sort_keys=True, default=str).encode("utf-8"))
+        keys.append(h.digest())
+    return keys
+
+
 def _probe(role: str) -> dict:
     """A placeholder message; role "assistant_call" is an assistant message with one tool call."""
     if role == "assistant_call":
@@ -138,15 +154,21 @@ def _continuations(last: dict) -> tuple[tuple[str, ...], ...]:
 class BoundaryDetector:
     """Finds boundary character offsets from a `ChatTemplate`.
 
-    `window`: how many of the last messages get a boundary (plus the first message). `memo_entries`: distinct
-    tools lists whose prefix is remembered. No module state: the memo lives here.
+    `window`: how many of the last messages get a boundary (plus the first message). `memo_entries`: how many
+    tools-list prefixes are remembered; `message_memo_entries`: how many message ends (a conversation prefix's
+    end, with a digest of its text, so a request that resends a prefix renders only its new messages). No module
+    state: the memos live here, behind one lock (prompts are built on several threads).
     """
 
-    def __init__(self, template: ChatTemplate, window: int = 6, memo_entries: int = 64) -> None:
+    def __init__(self, template: ChatTemplate, window: int = 6, memo_entries: int = 64,
+                 message_memo_entries: int = 4096) -> None:
         self.template = template
         self.window = window
         self._memo_entries = memo_entries
+        self._message_memo_entries = message_memo_entries
         self._tools_prefix: OrderedDict[str, str] = OrderedDict()
+        self._message_ends: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def char_boundaries(self, messages: list[dict], tools: list[dict] | None, full_text: str,
                         template_kwargs: dict[str, Any], breakpoints: Sequence[tuple[int, int]] = ()
@@ -159,11 +181,14 @@ class BoundaryDetector:
         """
         kw = template_kwargs
         n = len(messages)
+        keys = _prefix_keys(messages, tools, kw)
         stable, appended = self._stable_end(messages, tools, kw, full_text) if n else (0, [])
+        if appended:  # the next request's end of this last message
+            self._remember(keys[-1], appended)
         stable = stable or 0
         ends: list[int | None] = [None] * n
         for i in sorted({0, *range(max(0, n - self.window), n - 1)} - {n - 1}):
-            ends[i] = self._stable_end(messages[: i + 1], tools, kw, full_text)[0]
+            ends[i] = self._message_end(messages[: i + 1], keys[i], tools, kw, full_text)
         if n:
             ends[n - 1] = stable
         ends = [min(e, stable) or None if e is not None else None for e in ends]
@@ -198,6 +223,27 @@ class BoundaryDetector:
         except InvalidRequest:
             return None
 
+    def _message_end(self, prefix: list[dict], key: bytes, tools, kwargs, full_text: str) -> int | None:
+        """_stable_end(prefix)[0], from the memo when `full_text` starts with the remembered text: the renders'
+        common prefix is a function of `prefix` alone, and `full_text` cannot share more than they share."""
+        with self._lock:
+            hit = self._message_ends.get(key)
+            if hit is not None:
+                self._message_ends.move_to_end(key)
+        if hit is not None and _digest(full_text[: hit[0]]) == hit[1]:
+            return hit[0]
+        end, renders = self._stable_end(prefix, tools, kwargs, full_text)
+        if renders:
+            self._remember(key, renders)
+        return end
+
+    def _remember(self, key: bytes, renders: list[str]) -> None:
+        n = _lcp(*renders)
+        with self._lock:
+            self._message_ends[key] = (n, _digest(renders[0][:n]))
+            if len(self._message_ends) > self._message_memo_entries:
+                self._message_ends.popitem(last=False)
+
     def _stable_end(self, prefix: list[dict], tools, kwargs, full_text: str) -> tuple[int | None, list[str]]:
         """(characters of `full_text` that every continuation of `prefix` keeps, the continuation renders);
         None if the template renders no continuation. Depends on `prefix` only (and `full_text` as a cap), so
@@ -209,7 +255,10 @@ class BoundaryDetector:
 
     def _tools_prefix_text(self, tools: list[dict], kwargs) -> str:
         key = json.dumps([tools, kwargs], sort_keys=True, default=str)
-        cached = self._tools_prefix.get(key)
+        with self._lock:
+            cached = self._tools_prefix.get(key)
+            if cached is not None:
+                self._tools_prefix.move_to_end(key)
         if cached is None:
             user = _probe("user")
             renders = [self._render(msgs, tools, kwargs, True) for msgs in (
@@ -218,11 +267,10 @@ class BoundaryDetector:
                 [user])]
             renders = [r for r in renders if r is not None]
             cached = renders[0][: _lcp(*renders)] if len(renders) >= 2 else ""
-            self._tools_prefix[key] = cached
-            if len(self._tools_prefix) > self._memo_entries:
-                self._tools_prefix.popitem(last=False)
-        else:
-            self._tools_prefix.move_to_end(key)
+            with self._lock:
+                self._tools_prefix[key] = cached
+                if len(self._tools_prefix) > self._memo_entries:
+                    self._tools_prefix.popitem(last=False)
         return cached
 
 

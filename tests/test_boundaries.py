@@ -187,3 +187,34 @@ def test_token_check_drops_boundaries_beyond_the_tokens_the_appends_share():
     merged = detect(det, CHAT, None, text, lengths, {}, chars, lambda t: [ord(c) for c in t[:cut]] + [-1])
     assert merged.message_ends[:2] == cb.message_ends[:2] and merged.message_ends[2:] == (None, None)
     assert token_stable_prefix([1, 2, 3], [[1, 2, 4], [1, 2, 3, 5]]) == 2
+
+
+class CountingTemplate:
+    """A ChatTemplate stand-in that counts renders."""
+
+    def __init__(self, tpl):
+        self.tpl, self.renders = tpl, 0
+
+    def render(self, *a, **kw):
+        self.renders += 1
+        return self.tpl.render(*a, **kw)
+
+
+def test_a_resent_conversation_renders_only_its_new_messages_with_the_same_result():
+    tpl = template("Qwen3.5-4B")
+    msgs = [CHAT[0]] + [{"role": r, "content": f"m{i} {r}"} for i in range(6) for r in ("user", "assistant")]
+    longer = msgs + [{"role": "user", "content": "one more"}]
+    warm_tpl, cold_tpl = CountingTemplate(tpl), CountingTemplate(tpl)
+    warm = BoundaryDetector(warm_tpl)
+    for m in (msgs[:-1], longer):  # the earlier request, then the one that resends it with two new messages
+        text = tpl.render(m, None, add_generation_prompt=True)
+        warm_tpl.renders = 0
+        got = warm.char_boundaries(m, None, text, {})
+    want = BoundaryDetector(cold_tpl).char_boundaries(longer, None, text, {})
+    assert got == want
+    assert warm_tpl.renders < cold_tpl.renders / 2
+    # A prompt that no longer starts with the remembered text is not answered from the memo.
+    edited = [dict(m) for m in longer]
+    edited[0]["content"] = "Be verbose."
+    text = tpl.render(edited, None, add_generation_prompt=True)
+    assert warm.char_boundaries(edited, None, text, {}) == BoundaryDetector(tpl).char_boundaries(edited, None, text, {})
