@@ -197,13 +197,30 @@ class OutputFormat:
     think: tuple[str, str] | None
     call_starts: tuple[str, ...]
     parse_calls: Callable[[str], list[dict]]
+    reasoning_field: str = "reasoning_content"  # the message field the template reads earlier reasoning from
+
+    def template_messages(self, messages: list[dict]) -> list[dict]:
+        """`messages` as the family's template expects them: gpt-oss's reads an assistant turn's reasoning from
+        `thinking` and rejects a tool-call turn with both content and thinking (llama.cpp's gpt-oss handler
+        moves the field and drops that content the same way)."""
+        if self.reasoning_field == "reasoning_content":
+            return messages
+        out = []
+        for m in messages:
+            if "reasoning_content" in m:
+                m = dict(m)
+                m[self.reasoning_field] = m.pop("reasoning_content")
+                if m.get("tool_calls"):
+                    m["content"] = ""
+            out.append(m)
+        return out
 
 
 def _format(name, call_starts, parse, source: str) -> OutputFormat:
     return OutputFormat(name, THINK if "<think>" in source or "</think>" in source else None, call_starts, parse)
 
 
-HARMONY = OutputFormat("harmony", None, (), lambda text: [])  # parsed by orchestrator/harmony.py
+HARMONY = OutputFormat("harmony", None, (), lambda text: [], "thinking")  # parsed by orchestrator/harmony.py
 
 _RULES: tuple[tuple[Callable[[str], bool], str, tuple[str, ...], Callable[[str], list[dict]]], ...] = (
     (lambda s: "<function=" in s and "<parameter=" in s, "qwen-xml", ("<tool_call>",), parse_qwen_xml),

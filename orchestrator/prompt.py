@@ -82,6 +82,7 @@ class PromptBuilder:
 
         `breakpoints`: the caller's cache breakpoints as (message index, characters of its content before it).
         """
+        messages = self.output_format.template_messages(messages)
         text = self.template.render(messages, tools, add_generation_prompt=True, **template_kwargs)
         tokens, lengths = self._tokens(text)
         bounds = detect(self.detector, messages, tools, text, lengths, template_kwargs, tokens, self._ids,

@@ -138,3 +138,16 @@ def test_without_tools_in_the_request_tool_syntax_stays_content():
     text = "<tool_call>\n{\"name\": \"x\", \"arguments\": {}}\n</tool_call>"
     out = parse_output(text, False, False, fmt_of("Qwen-Qwen3-0.6B"))
     assert out.content == text and out.tool_calls == []
+
+
+def test_gpt_oss_history_reasoning_is_passed_as_thinking():
+    fmt, tpl = fmt_of("openai-gpt-oss-120b"), template("openai-gpt-oss-120b")
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Let me check.", "reasoning_content": "Call the tool.",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = tpl.render(fmt.template_messages(msgs), TOOLS, add_generation_prompt=True)
+    assert "<|channel|>analysis<|message|>Call the tool.<|end|>" in text
+    assert msgs[1]["reasoning_content"] == "Call the tool." and "thinking" not in msgs[1]  # input untouched
+    qwen = fmt_of("Qwen3.5-4B")
+    assert qwen.template_messages(msgs) is msgs
