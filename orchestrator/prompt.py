@@ -8,10 +8,11 @@ template did not write it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from .boundaries import Boundaries, BoundaryDetector, detect
 from .engine import Engine
+from .formats import OutputFormat, detect_format
 from .template import ChatTemplate, templates_dir
 
 
@@ -45,28 +46,47 @@ def load_template(engine: Engine, override_path=None) -> ChatTemplate:
 
 
 class PromptBuilder:
-    """Renders and tokenizes chat and plain-text prompts for one engine."""
+    """Renders and tokenizes chat and plain-text prompts for one engine. `output_format`: how replies to its
+    chat prompts are parsed (reasoning, tool calls), detected from the template's family."""
 
     def __init__(self, engine: Engine, template: ChatTemplate) -> None:
         self.engine = engine
         self.template = template
-        self.detector = BoundaryDetector(template, engine.info.eot_text)
+        self.output_format: OutputFormat = detect_format(template.source)
+        self.detector = BoundaryDetector(template)
 
-    def _tokens(self, text: str) -> tuple[list[int], list[int]]:
+    def _encode(self, text: str) -> tuple[list[int], bool]:
+        """(token ids of `text`, whether a BOS was inserted: the vocab asks for one and the template did not
+        write it)."""
         eng = self.engine
         tokens = eng.tokenize(text, add_special=False, parse_special=True)
-        lengths = [len(eng.piece(t)) for t in tokens]
         bos = eng.info.bos_text
         if eng.info.add_bos and not (bos and text.startswith(bos)):
-            tokens.insert(0, eng.bos_id)
-            lengths.insert(0, 0)
+            return [eng.bos_id] + tokens, True
+        return tokens, False
+
+    def _ids(self, text: str) -> list[int]:
+        return self._encode(text)[0]
+
+    def _tokens(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, byte length of each token's text in `text`: 0 for an inserted BOS)."""
+        tokens, inserted = self._encode(text)
+        lengths = [len(self.engine.piece(t)) for t in tokens]
+        if inserted:
+            lengths[0] = 0
         return tokens, lengths
 
-    def chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any]) -> Prompt:
-        """Render `messages` with the generation prompt; raises InvalidRequest if the template rejects them."""
+    def chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any],
+             breakpoints: Sequence[tuple[int, int]] = ()) -> Prompt:
+        """Render `messages` with the generation prompt; raises InvalidRequest if the template rejects them.
+
+        `breakpoints`: the caller's cache breakpoints as (message index, characters of its content before it).
+        """
+        messages = self.output_format.template_messages(messages)
         text = self.template.render(messages, tools, add_generation_prompt=True, **template_kwargs)
         tokens, lengths = self._tokens(text)
-        bounds = detect(self.detector, messages, tools, text, lengths, template_kwargs)
+        bounds = detect(self.detector, messages, tools, text, lengths, template_kwargs, tokens, self._ids,
+                        breakpoints)
         tail = text.rstrip()
         opens = tail.endswith("<think>") and "</think>" not in tail[tail.rfind("<think>"):]
         return Prompt(text=text, tokens=tokens, boundaries=bounds, opens_reasoning=opens)

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from orchestrator.errors import ContextOverflow, InvalidRequest
-from orchestrator.parsing import StreamParser, parse_output
+from orchestrator.parsing import make_stream_parser, parse_output
 from orchestrator.prompt import Prompt
 from orchestrator.runtime import Runtime
 from orchestrator.scheduler import Event, Job, Result
@@ -78,7 +78,7 @@ class Api:
         self.rt = runtime
         self.metrics = Metrics(runtime.cache)
 
-    def _job(self, prompt: Prompt, opts: GenerationOptions) -> Job:
+    def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "") -> Job:
         n_ctx = self.rt.engine.n_ctx
         n = len(prompt.tokens)
         if n + 1 > n_ctx:
@@ -89,7 +89,7 @@ class Api:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
                    max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
-                   use_cache=opts.cache_prompt and self.rt.config.cache_enabled)
+                   use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key)
 
     def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
         loop = asyncio.get_running_loop()
@@ -151,8 +151,9 @@ class Api:
 
     async def chat(self, request: Request):
         req = parse_chat(await _json_body(request))
-        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs)
-        job = self._job(prompt, req.options)
+        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
+                                         req.cache_breakpoints)
+        job = self._job(prompt, req.options, req.prompt_cache_key)
         events, cancel = self._submit(job)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
@@ -160,7 +161,7 @@ class Api:
                                      media_type="text/event-stream")
         r = await self._collect(request, events, cancel)
         self._log("chat", r)
-        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools)
+        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
         message = {"role": "assistant", "content": out.content}
         if out.reasoning is not None:
             message["reasoning_content"] = out.reasoning
@@ -174,7 +175,7 @@ class Api:
 
     def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
                      prompt: Prompt, req) -> AsyncIterator[str]:
-        parser = StreamParser(prompt.opens_reasoning, req.parse_tools)
+        parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
         keys = {"reasoning": "reasoning_content", "content": "content"}
 
         def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> dict:
@@ -236,7 +237,8 @@ class Api:
         return JSONResponse({"object": "list", "data": [{
             "id": self.rt.model_id, "object": "model", "created": 0, "owned_by": "orchestrator",
             "meta": {"name": info.name, "architecture": info.architecture, "n_ctx": self.rt.engine.n_ctx,
-                     "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params}}]})
+                     "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params,
+                     "chat_format": self.rt.prompts.output_format.name}}]})
 
     async def prometheus(self, request: Request):
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)

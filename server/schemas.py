@@ -37,6 +37,8 @@ class ChatRequest:
     template_kwargs: dict[str, Any]
     options: GenerationOptions
     parse_tools: bool = True
+    prompt_cache_key: str = ""  # OpenAI's; the scheduler may route requests with the same key together
+    cache_breakpoints: tuple[tuple[int, int], ...] = ()  # (message index, content characters before it)
 
 
 @dataclass
@@ -184,6 +186,28 @@ def _messages(raw: Any) -> list[dict]:
     return messages
 
 
+def _breakpoints(raw: list) -> tuple[tuple[int, int], ...]:
+    """The caller's cache breakpoints: text parts carrying OpenAI's `"prompt_cache_breakpoint": {"mode":
+    "explicit"}` ("marks the exact end of a reusable prompt prefix"), as (message index, characters of the
+    message's joined content through that part). Call after _messages validated the parts."""
+    out = []
+    for i, m in enumerate(raw):
+        parts = m.get("content")
+        if not isinstance(parts, list):
+            continue
+        n_chars = 0
+        for j, part in enumerate(parts):
+            n_chars += len(part["text"])
+            mark = part.get("prompt_cache_breakpoint")
+            if mark is None:
+                continue
+            if not isinstance(mark, dict) or mark.get("mode") != "explicit":
+                p = f"messages[{i}].content[{j}].prompt_cache_breakpoint"
+                raise _bad(f"'{p}' must be {{\"mode\": \"explicit\"}}", p)
+            out.append((i, n_chars))
+    return tuple(out)
+
+
 def _tools(raw: Any) -> list[dict] | None:
     if raw is None:
         return None
@@ -217,8 +241,13 @@ def parse_chat(body: Any) -> ChatRequest:
     tools = _tools(body.get("tools"))
     if tool_choice == "none":
         tools = None
-    return ChatRequest(messages=_messages(body.get("messages")), tools=tools, template_kwargs=dict(kwargs),
-                       options=_options(body), parse_tools=tools is not None)
+    key = body.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
+    messages = _messages(body.get("messages"))
+    return ChatRequest(messages=messages, tools=tools, template_kwargs=dict(kwargs),
+                       options=_options(body), parse_tools=tools is not None, prompt_cache_key=key or "",
+                       cache_breakpoints=_breakpoints(body["messages"]))
 
 
 def parse_completion(body: Any) -> CompletionRequest:
