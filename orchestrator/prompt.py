@@ -7,6 +7,8 @@ template did not write it).
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,15 +35,25 @@ class Prompt:
         return self.boundaries.positions(len(self.tokens)) if self.boundaries else []
 
 
+log = logging.getLogger("orchestrator.prompt")
+
+FALLBACK_TEMPLATES = {"gemma3": "gemma3.jinja"}  # GGUF architecture -> templates/ file; default qwen3.5.jinja
+
+
 def load_template(engine: Engine, override_path=None) -> ChatTemplate:
-    """The chat template: `override_path`, else the GGUF's, else the project's Qwen3.5 template."""
+    """The chat template: `override_path`, else the GGUF's, else the project's template for the model's
+    architecture (templates/gemma3.jinja for Gemma 3, whose small GGUFs often ship without one; Google's
+    published Gemma 3 template), else templates/qwen3.5.jinja."""
     info = engine.info
     if override_path is not None:
         source = open(override_path, encoding="utf-8").read()
     elif info.chat_template:
         source = info.chat_template
     else:
-        source = (templates_dir() / "qwen3.5.jinja").read_text(encoding="utf-8")
+        name = FALLBACK_TEMPLATES.get(info.architecture, "qwen3.5.jinja")
+        log.warning("%s has no chat template; using templates/%s (--chat-template-file overrides it)",
+                    info.path.name, name)
+        source = (templates_dir() / name).read_text(encoding="utf-8")
     return ChatTemplate(source, bos_token=info.bos_text, eos_token=info.eos_text)
 
 
