@@ -117,14 +117,14 @@ def ttft_next_to_prefill(engine: Engine, slots: int, chunk: int, long_tokens: in
         sched.close()
 
 
-def memory(path: Path, n: int, n_ctx: int, threads: int) -> dict:
+def memory(path: Path, n: int, n_ctx: int, threads: int, min_segment: int) -> dict:
     base = rss_anon()
-    one = Engine(path, n_ctx=n_ctx, n_threads=threads, n_seq_max=n)
+    one = Engine(path, n_ctx=n_ctx, n_threads=threads, n_seq_max=n, min_segment=min_segment)
     rec, kv_token = one.state_sizes()
     grown_one = rss_anon() - base
     one.close()
     base = rss_anon()
-    many = [Engine(path, n_ctx=n_ctx, n_threads=threads, n_seq_max=1) for _ in range(n)]
+    many = [Engine(path, n_ctx=n_ctx, n_threads=threads, n_seq_max=1, min_segment=min_segment) for _ in range(n)]
     grown_many = rss_anon() - base
     for e in many:
         e.close()
@@ -156,10 +156,10 @@ def main() -> None:
     a = ap.parse_args()
     path = resolve_model(dataclasses.replace(Config(), model=a.model))
 
-    Engine(path, n_ctx=256, n_threads=a.threads).close()  # one-time allocations (backend, thread pool) first
-    mem = [memory(path, n, a.ctx_size, a.threads) for n in (1, 4)]
+    engine = Engine(path, n_ctx=a.ctx_size, n_threads=a.threads, n_seq_max=4)  # measures min_segment once
+    print(f"min_segment: {engine.min_segment}", flush=True)
+    mem = [memory(path, n, a.ctx_size, a.threads, engine.min_segment) for n in (1, 4)]
     print(table(mem), flush=True)
-    engine = Engine(path, n_ctx=a.ctx_size, n_threads=a.threads, n_seq_max=4)
     invariant = engine.check_batch_invariance()
     print(f"batch-invariant decoding on this model: {invariant}", flush=True)
     configs = [(1, False), (2, False), (2, True), (4, False), (4, True)]

@@ -109,7 +109,8 @@ def _config(a: argparse.Namespace) -> Config:
                  max_tokens_default=a.max_tokens, use_extra_bufts=a.use_extra_bufts,
                  cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk,
                  checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
-                 timeout=a.timeout, prefill_chunk=a.prefill_chunk, decode_batching=a.decode_batching)
+                 timeout=a.timeout, prefill_chunk=a.prefill_chunk, decode_batching=a.decode_batching,
+                 calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json")
     if a.cache_ram is not None:
         cfg.cache_ram_mib = a.cache_ram
     cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0

@@ -47,6 +47,7 @@ class Config:
     timeout: float = 600.0  # seconds a request may take from arrival to its last token (0 = no limit)
     prefill_chunk: int = 128  # prompt tokens prefilled between two decode steps while other slots generate
     decode_batching: str = "auto"  # "auto": batch slots' decode steps when bit-identical to alone; "on"; "off"
+    calibration_file: Path | None = None  # where measured kernel facts are kept across restarts; None: re-measure
 
     @property
     def cache_ram_bytes(self) -> int:

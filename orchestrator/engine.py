@@ -114,12 +114,14 @@ class Engine:
         n_threads: CPU threads for decode and prefill.
         use_extra_bufts: llama.cpp CPU weight repacking (see the module docstring; off by default).
         flash_attn: use flash attention (off by default: see "Numerics" in the module docstring).
+        min_segment: the shortest bit-exact prefill ubatch if already measured for this model and CPU (see
+            `measure_min_segment`, which runs when it is None: a few seconds on a 0.8B model).
     Raises ModelLoadError when the file is missing or llama.cpp cannot load it.
     """
 
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
                  use_extra_bufts: bool = False, n_seq_max: int = 1,
-                 flash_attn: bool = False) -> None:
+                 flash_attn: bool = False, min_segment: int | None = None) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -173,7 +175,7 @@ class Engine:
                                 or llama_cpp.llama_model_n_swa(self.model) > 0)
         self.min_segment = 2  # until measured: chunk_sizes never makes one-token chunks
         self.split_layout = False if self.truncatable else self._check_split_layout()
-        self.min_segment = self.measure_min_segment()
+        self.min_segment = min_segment if min_segment is not None else self.measure_min_segment()
 
     # ---------------------------------------------------------------- metadata and vocab
 
@@ -294,11 +296,11 @@ class Engine:
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
 
-    def measure_min_segment(self, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32)) -> int:
+    def measure_min_segment(self, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24)) -> int:
         """The fewest tokens a prefill ubatch may have for its result to be bit-identical to the same tokens
         inside one larger ubatch: the smallest tested size above every size that differed.
 
-        Prefills a 72-token prompt whole, then split into a short segment at its start or its end for each size,
+        Prefills a 56-token prompt whole, then split into a short segment at its start or its end for each size,
         and compares the last logits. Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): 2 for the F16
         tiny preset; 8 for Q4_K_M models (tiny-q4, the 0.8b: max |Δlogit| 0.23 with 2..7 tokens; Gemma 3 270M:
         1.2), where ggml-cpu takes other matmul kernels for fewer than 8 rows. The thresholds differ by CPU

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,54 @@ def state_fingerprint(model_path: Path, engine: Engine) -> bytes:
     for part in (size, llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.split_layout):
         h.update(repr(part).encode())
     return h.digest()
+
+
+class Calibration:
+    """The measured `Engine.min_segment` of a model on this machine, kept in a small JSON file so that a restart
+    does not measure again. Keyed by the model file (size, first and last MiB), the llama-cpp-python version,
+    the CPU's instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), n_batch and
+    weight repacking. No file (None) or an unreadable one: measure every time."""
+
+    def __init__(self, file: Path | None, model: Path, n_batch: int, extra_bufts: bool) -> None:
+        self.file = file
+        h = hashlib.blake2b(digest_size=16)
+        size = model.stat().st_size
+        with open(model, "rb") as f:
+            h.update(f.read(MiB))
+            f.seek(max(0, size - MiB))
+            h.update(f.read(MiB))
+        cpu = ""
+        try:
+            cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                        if ln.startswith(("flags", "Features"))), "")
+        except OSError:
+            self.file = None  # no way to tell this CPU from another: do not trust a stored value
+        for part in (size, llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts):
+            h.update(repr(part).encode())
+        self.key = h.hexdigest()
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.file.read_text()) if self.file and self.file.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+
+    def get(self) -> int | None:
+        value = self._read().get(self.key)
+        return value if isinstance(value, int) and value >= 2 else None
+
+    def put(self, min_segment: int) -> None:
+        if self.file is None:
+            return
+        data = self._read()
+        data[self.key] = min_segment
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(self.file)
+        except OSError as e:
+            log.warning("could not save the calibration to %s: %s", self.file, e)
 
 
 def resolve_model(cfg: Config) -> Path:
@@ -81,8 +131,12 @@ class Runtime:
     def start(cls, cfg: Config) -> "Runtime":
         """Load the model and start the worker. Raises ModelLoadError."""
         path = resolve_model(cfg)
+        calibration = Calibration(cfg.calibration_file, path, cfg.batch_size, cfg.use_extra_bufts)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
-                        use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel)
+                        use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, min_segment=calibration.get())
+        calibration.put(engine.min_segment)
+        log.info("prefill ubatches of %d tokens or more are bit-identical to larger ones on this model and CPU "
+                 "(min_segment)", engine.min_segment)
         info = engine.info
         log.info("model %s: %s, arch %s, %.0f MiB, %d params, n_ctx %d per slot, n_batch %d, %d threads",
                  path, info.name, info.architecture, info.size_bytes / MiB, info.n_params, engine.n_ctx,

@@ -3,6 +3,7 @@
 Each scenario also checks cached_tokens exactly against the offsets the boundary detector reports.
 """
 
+import json
 import random
 
 import numpy as np
@@ -214,3 +215,17 @@ def test_after_generation_snapshot_equals_cold_prefill(runtime):
     assert warm.cached_tokens == len(prompt.tokens) + len(first.completion_tokens)
     assert warm.completion_tokens == cold.completion_tokens
     assert np.array_equal(warm.first_logits, cold.first_logits)
+
+
+def test_min_segment_is_measured_once_per_model_and_cpu(tmp_path, tiny_model, monkeypatch):
+    from orchestrator.engine import Engine
+
+    file = tmp_path / "calibration.json"
+    rt = Runtime.start(make_config(tiny_model, calibration_file=file))
+    measured = rt.engine.min_segment
+    rt.close()
+    assert list(json.loads(file.read_text()).values()) == [measured]
+    monkeypatch.setattr(Engine, "measure_min_segment", lambda self, *a, **k: pytest.fail("measured again"))
+    rt = Runtime.start(make_config(tiny_model, calibration_file=file))
+    assert rt.engine.min_segment == measured
+    rt.close()
