@@ -60,6 +60,7 @@ class Job:
     stop: tuple[str, ...] = ()
     use_cache: bool = True
     want_logits: bool = False
+    cache_salt: str = ""  # snapshots are shared only among jobs with the same salt ("" = the shared cache)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Scheduler:
         self.cache = cache
         self.checkpoint_interval = checkpoint_interval  # tokens between interval checkpoints (0 = off)
         self._live: list[int] = []  # tokens whose KV the sequence holds, computed by prefill
+        self._salt = ""  # cache salt of the current job, and of the live sequence's state
         self._snapshot_s = 0.0  # seconds spent saving snapshots in the current job
         self._queue: queue.Queue[tuple[Job, Sink, threading.Event] | threading.Event | None] = queue.Queue()
         self._busy = False
@@ -201,7 +203,7 @@ class Scheduler:
         """Bring the sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, tier)."""
         if use_cache:
             for _attempt in range(3):  # a part that vanished (evicted, corrupt on disk) is dropped: plan again
-                plan = self.cache.plan(tokens, len(tokens) - MIN_SEGMENT, self._live)
+                plan = self.cache.plan(tokens, len(tokens) - MIN_SEGMENT, self._live, salt=self._salt)
                 if plan.n_tokens == 0:
                     break
                 parts = self.cache.load(plan)
@@ -210,9 +212,11 @@ class Scheduler:
                 kv, checkpoint = parts
                 try:
                     self.engine.restore(self.SEQ, plan.n_tokens, kv, checkpoint)
-                except EngineError:
-                    log.warning("snapshot restore failed; prefilling cold", exc_info=True)
-                    break
+                except EngineError:  # the sequence is cleared: drop what failed and plan again
+                    log.warning("llama.cpp refused a snapshot restore; its entries are dropped", exc_info=True)
+                    self._reset()
+                    self.cache.discard(plan)
+                    continue
                 self._live = tokens[: plan.n_tokens]
                 return plan.n_tokens, plan.tier
         self._reset()
@@ -221,7 +225,7 @@ class Scheduler:
     def _store(self, tokens: list[int], kinds: tuple[str, ...], boundary: bool) -> int:
         """Save the entries of `kinds` missing for `tokens` from the sequence's current state (one full save
         gives both KV and checkpoint); returns how many were stored."""
-        missing = [k for k in kinds if not self.cache.contains(tokens, k)]
+        missing = [k for k in kinds if not self.cache.contains(tokens, k, salt=self._salt)]
         if not missing:
             return 0
         t = time.perf_counter()
@@ -230,7 +234,7 @@ class Scheduler:
             data = {KV: kv, REC: rec}
         else:
             data = {REC: self.engine.save_checkpoint(self.SEQ)}
-        stored = sum(self.cache.put(tokens, k, data[k], boundary) for k in missing)
+        stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=self._salt) for k in missing)
         self._snapshot_s += time.perf_counter() - t
         return stored
 
@@ -280,6 +284,9 @@ class Scheduler:
         n = len(tokens)
         t0 = time.perf_counter()
         self._snapshot_s = 0.0
+        if job.cache_salt != self._salt:  # never reuse the live state across salts
+            self._reset()
+            self._salt = job.cache_salt
         start, source = self._reuse(tokens, job.use_cache)
         t_restored = time.perf_counter()
         # A one-token prompt is prefilled as a one-token ubatch: its state must not be stored (module docstring).
@@ -338,7 +345,7 @@ class Scheduler:
 
     def _end_of_prompt(self, prompt: list[int]) -> None:
         """The prompt is the deepest point of this request: store its KV there (from a batch-computed state)."""
-        if not self.cache.contains(prompt, KV) and self._rewind(prompt):
+        if not self.cache.contains(prompt, KV, salt=self._salt) and self._rewind(prompt):
             self._branch_end(prompt)
 
     def _after_generation(self, prompt: list[int], generated: list[int]) -> None:
@@ -350,7 +357,7 @@ class Scheduler:
         full = prompt + generated
         if len(full) > self.engine.n_ctx:
             return self._end_of_prompt(prompt)
-        if self.cache.contains(full, KV) or not self._rewind(prompt):
+        if self.cache.contains(full, KV, salt=self._salt) or not self._rewind(prompt):
             return
         self.engine.decode(self.SEQ, generated, len(prompt), want_logits=False)
         self._live = full
@@ -358,7 +365,7 @@ class Scheduler:
 
     def _rewind(self, prompt: list[int]) -> bool:
         """Drop the decoded tokens: back to the state after `prompt` (its checkpoint + the live KV)."""
-        plan = self.cache.plan(prompt, len(prompt), prompt)
+        plan = self.cache.plan(prompt, len(prompt), prompt, salt=self._salt)
         parts = self.cache.load(plan) if plan.n_tokens == len(prompt) else None
         if parts is None or parts[0] is not None:
             return False
