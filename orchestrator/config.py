@@ -42,7 +42,15 @@ class Config:
     max_tokens_default: int = 512  # completion budget when a request gives none
     use_extra_bufts: bool = False  # llama.cpp CPU weight repacking; see engine.ModelLoadOptions
     seed: int = 0xC0FFEE  # default sampling seed when a request gives none
+    api_key: str | None = None  # Bearer key required on every endpoint but /health; None = no authentication
+    max_body_mib: int = 16  # largest request body accepted, MiB (413 above)
+    max_messages: int = 4096  # most messages in one chat request (400 above)
+    max_tokens_limit: int = 32768  # most completion tokens a request may ask for (400 above)
 
     @property
     def cache_ram_bytes(self) -> int:
         return self.cache_ram_mib * MiB
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.max_body_mib * MiB
