@@ -33,14 +33,18 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "id": {"type": "string"}, "type": {"const": "function"},
         "function": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string", "minLength": 1},
-            "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}]}}}}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, _NULL]},
-        "name": {"type": "string"},
-        "reasoning_content": {"type": "string"},
-        "tool_calls": {"type": "array", "items": tool_call},
-        "tool_call_id": {"type": "string"}}}
+            "arguments": {"anyOf": [{"type": "object"}, {"type": "string", "description": "a JSON object as text "
+                                                                                     "(400 otherwise)"}]}}}}}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+    message = {"oneOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": ["system", "developer", "user"]}, "content": content, "name": {"type": "string"}}},
+        {"type": "object", "required": ["role"], "properties": {
+            "role": {"const": "assistant"}, "content": {"anyOf": [content, _NULL]}, "name": {"type": "string"},
+            "reasoning_content": {"type": "string"}, "tool_calls": {"type": "array", "items": tool_call}}},
+        {"type": "object", "required": ["role", "content", "tool_call_id"], "description": "answers a tool call of "
+         "an earlier assistant message (400 otherwise)", "properties": {
+            "role": {"const": "tool"}, "content": content, "tool_call_id": {"type": "string"}}}]}
     tool = {"type": "object", "required": ["type", "function"], "properties": {
         "type": {"const": "function"},
         "function": {"type": "object", "required": ["name"], "properties": {
@@ -108,7 +112,9 @@ def _request(props: dict[str, dict], endpoint: str, required: list[str]) -> dict
 def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = ()) -> dict:
     content = {"application/json": {"schema": ok}}
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        # one event per chunk: `data: {chunk JSON}` ... then `data: [DONE]`
+        content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                                   "properties": {"data": {"type": "string"}}}}
     out: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     errors = {400: "invalid request (the body names the field in error.param)", 401: "missing or wrong API key",
               403: "turned off by the server's configuration", 413: "request body too large",
