@@ -161,10 +161,8 @@ def _check_fields(body: dict, endpoint: str) -> None:
 
 
 def _options(body: dict, cfg: Config) -> GenerationOptions:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _num(body, key, 1, cfg.max_tokens_limit, None, integer=True)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _num(body, key, 1, cfg.max_tokens_limit, None, integer=True)
     stop = body.get("stop")
     if stop is None:
         stop = ()

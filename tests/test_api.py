@@ -162,9 +162,10 @@ def test_bad_input_is_400_and_the_next_request_is_served_with_the_cache_intact(c
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_metrics_and_cache_stats(client):
+def test_metrics_and_cache_stats(client, runtime):
     client.post("/v1/chat/completions", json=chat_body("Where are the ladders?"))
     client.post("/v1/chat/completions", json=chat_body("Where are the light bulbs?"))
+    runtime.scheduler.drain()  # the after-generation snapshot is stored after the response: wait for it
     text = client.get("/metrics").text
     values = {}
     for line in text.splitlines():

@@ -114,6 +114,13 @@ def test_unsupported_fields_and_values_are_400_naming_the_field(limited, authed,
     assert again.status_code == 200 and again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_max_tokens_is_capped_and_a_null_max_completion_tokens_falls_back_to_max_tokens(authed):
+    r = authed.post("/v1/chat/completions", json=chat(max_tokens=2, max_completion_tokens=None)).json()
+    assert r["usage"]["completion_tokens"] <= 2
+    r = authed.post("/v1/chat/completions", json={k: v for k, v in chat().items() if k != "max_tokens"}).json()
+    assert r["usage"]["completion_tokens"] <= 16  # the default (512) is capped by --max-tokens-limit
+
+
 def test_completions_refuse_chat_fields_and_non_default_values(authed):
     body = {"prompt": "one two three", "max_tokens": 3, "temperature": 0}
     assert authed.post("/v1/completions", json={**body, "best_of": 1, "suffix": "", "echo": False}).status_code == 200
