@@ -305,8 +305,9 @@ def _tools(raw: Any) -> list[dict] | None:
 
 
 def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
-    """"auto", "none" or "required" (a named function counts as "required"). Not enforced by constrained
-    decoding: "none" drops the tools from the prompt; the others leave the choice to the model."""
+    """The tool choice: 'auto', 'none' or 'required' (a named function, which must be in `tools`, counts as
+    'required'). Not enforced by constrained decoding: 'none' drops the tools from the prompt; the others leave
+    the choice to the model. Raises InvalidRequest for another shape or an unknown function."""
     if raw is None:
         return "auto"
     if raw in ("auto", "none", "required"):
