@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +53,12 @@ def _port(text: str) -> int:
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be between 1 and 65535, got {value}")
     return value
+
+
+def _api_key(text: str) -> str:
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError("must be non-empty, without leading or trailing spaces")
+    return text
 
 
 def _existing_file(text: str) -> Path:
@@ -100,6 +107,16 @@ def _serve_parser(sub) -> None:
                    help=f"completion budget when a request sets none (default {d.max_tokens_default})")
     p.add_argument("--use-extra-bufts", action="store_true",
                    help="enable llama.cpp CPU weight repacking (crashes Q4_K_M prefill on some CPUs; off by default)")
+    p.add_argument("--api-key", type=_api_key, default=os.environ.get("ORCHESTRATOR_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health, and enable cache "
+                        "administration (default: $ORCHESTRATOR_API_KEY; none = no authentication, no "
+                        "administration). Prefer the environment variable: arguments show in `ps`")
+    p.add_argument("--max-body-size", type=_positive, default=d.max_body_mib, metavar="MiB",
+                   help=f"largest request body accepted, MiB (default {d.max_body_mib}; 413 above)")
+    p.add_argument("--max-messages", type=_positive, default=d.max_messages, metavar="N",
+                   help=f"most messages in one chat request (default {d.max_messages}; 400 above)")
+    p.add_argument("--max-tokens-limit", type=_positive, default=d.max_tokens_limit, metavar="N",
+                   help=f"most completion tokens a request may ask for (default {d.max_tokens_limit}; 400 above)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -110,11 +127,21 @@ def _config(a: argparse.Namespace) -> Config:
                  cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk,
                  checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, decode_batching=a.decode_batching,
-                 calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json")
+                 calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
+                 api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
+                 max_tokens_limit=a.max_tokens_limit)
     if a.cache_ram is not None:
         cfg.cache_ram_mib = a.cache_ram
     cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0
     return cfg
+
+
+def bind_warning(cfg: Config) -> str | None:
+    """The warning to log when the server listens beyond loopback without an API key, else None."""
+    if cfg.host in ("127.0.0.1", "localhost", "::1") or cfg.api_key is not None:
+        return None
+    return (f"listening on {cfg.host} without --api-key: the API has no authentication; anyone who can reach it "
+            f"can use it (set ORCHESTRATOR_API_KEY or --api-key)")
 
 
 def serve(cfg: Config, log_level: str = "info") -> int:
@@ -136,8 +163,9 @@ def serve(cfg: Config, log_level: str = "info") -> int:
     except (OrchestratorError, ValueError) as e:
         log.error("%s", getattr(e, "message", e))
         return 2
-    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s: the API has no authentication; anyone who can reach it can use it", cfg.host)
+    warning = bind_warning(cfg)
+    if warning:
+        log.warning("%s", warning)
     try:
         uvicorn.run(create_app(rt), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False)
     finally:

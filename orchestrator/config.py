@@ -48,7 +48,15 @@ class Config:
     prefill_chunk: int = 128  # prompt tokens prefilled between two decode steps while other slots generate
     decode_batching: str = "auto"  # "auto": batch slots' decode steps when bit-identical to alone; "on"; "off"
     calibration_file: Path | None = None  # where measured kernel facts are kept across restarts; None: re-measure
+    api_key: str | None = None  # Bearer key required on every endpoint but /health; None = no authentication
+    max_body_mib: int = 16  # largest request body accepted, MiB (413 above)
+    max_messages: int = 4096  # most messages in one chat request (400 above)
+    max_tokens_limit: int = 32768  # most completion tokens a request may ask for (400 above)
 
     @property
     def cache_ram_bytes(self) -> int:
         return self.cache_ram_mib * MiB
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.max_body_mib * MiB

@@ -23,6 +23,40 @@ class InvalidRequest(OrchestratorError):
     type = "invalid_request_error"
 
 
+class Unauthorized(OrchestratorError):
+    """No API key, or the wrong one, on a server started with --api-key (HTTP 401)."""
+
+    status = 401
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class Forbidden(OrchestratorError):
+    """An endpoint that this server's configuration turns off (HTTP 403), e.g. cache administration without
+    --api-key."""
+
+    status = 403
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(InvalidRequest):
+    """The request body exceeds --max-body-size (HTTP 413)."""
+
+    status = 413
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"the request body is larger than {limit_bytes} bytes (--max-body-size MiB)",
+                         code="request_too_large")
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """The request body is not declared as JSON (HTTP 415)."""
+
+    status = 415
+
+
 class ContextOverflow(InvalidRequest):
     """The prompt (plus at least one generated token) does not fit in n_ctx."""
 

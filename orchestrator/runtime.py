@@ -25,17 +25,25 @@ log = logging.getLogger("orchestrator")
 def state_fingerprint(model_path: Path, engine: Engine) -> bytes:
     """32 bytes that change whenever a stored state could not be loaded into this engine as it is.
 
-    Covers the model file (size, and hashes of its first and last MiB, where GGUF metadata and the last
-    tensors live), the llama-cpp-python / llama.cpp version, and the context parameters that shape the state
-    layout: n_ctx, sequences, flash attention, and the split layout of saved states.
+    Covers the model file (size, modification time in ns, and hashes of its first and last MiB, where GGUF
+    metadata and the last tensors live, and of 64 KiB at each of 64 evenly spaced offsets: about 6 MiB read),
+    the llama-cpp-python / llama.cpp version, and the context parameters that shape the state layout: n_ctx,
+    sequences, flash attention, and the split layout of saved states. The modification time makes a model file
+    replaced in place (same path, size and ends) a different fingerprint; touching or copying the file without
+    -p therefore also empties the disk tier, which costs only misses.
     """
     h = hashlib.blake2b(digest_size=32)
-    size = model_path.stat().st_size
+    st = model_path.stat()
+    size = st.st_size
     with open(model_path, "rb") as f:
         h.update(f.read(MiB))
+        for i in range(64):
+            f.seek(size * i // 64)
+            h.update(f.read(64 * 1024))
         f.seek(max(0, size - MiB))
         h.update(f.read(MiB))
-    for part in (size, llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.split_layout):
+    for part in (size, st.st_mtime_ns, llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn,
+                 engine.split_layout):
         h.update(repr(part).encode())
     return h.digest()
 

@@ -86,6 +86,7 @@ class Job:
     want_logits: bool = False
     prompt_cache_key: str = ""
     timeout_s: float | None = None
+    cache_salt: str = ""  # snapshots are shared only among jobs with the same salt ("" = the shared cache)
 
 
 @dataclass
@@ -157,6 +158,7 @@ class Slot:
     seq: int
     live: list[int] = field(default_factory=list)
     key: str = ""  # prompt_cache_key of the last request served here
+    salt: str = ""  # cache_salt of the request whose state the sequence holds
     last_used: float = 0.0
     task: _Task | None = None
 
@@ -347,18 +349,19 @@ class Scheduler:
                 log.exception("admission failed")
                 self._fail(task, EngineError(f"internal error: {e}"))
 
-    def _plans(self, tokens: list[int]) -> list:
-        """The restore plan of `tokens` with each slot's live KV (stored entries are the same for all)."""
+    def _plans(self, tokens: list[int], salt: str) -> list:
+        """The restore plan of `tokens` under `salt` with each slot's live KV (stored entries are the same for
+        all; a slot holding another salt's state offers none)."""
         lim = len(tokens) - self.min_segment
-        return [self.cache.plan(tokens, lim, s.live) for s in self.slots]
+        return [self.cache.plan(tokens, lim, s.live if s.salt == salt else (), salt=salt) for s in self.slots]
 
     def _blocked(self, task: _Task, free: Sequence[Slot], queued: Sequence[_Task]) -> bool:
-        avail = max(p.n_tokens for p in self._plans(task.tokens))
+        avail = max(p.n_tokens for p in self._plans(task.tokens, task.job.cache_salt))
         upto = task.n - self.min_segment
         if upto <= avail:
             return False
         for other in self._active() + list(queued):
-            if other.order >= task.order or not other.job.use_cache:
+            if other.order >= task.order or not other.job.use_cache or other.job.cache_salt != task.job.cache_salt:
                 continue
             shared = min(common_len(other.tokens, task.tokens), upto)
             if shared <= avail:
@@ -374,7 +377,8 @@ class Scheduler:
     def _pick_slot(self, task: _Task, free: Sequence[Slot]) -> Slot:
         """The free slot whose own live KV restores the deepest prefix (no copy), else, by preference, the last
         slot of the same prompt_cache_key, an empty slot, the least recently used."""
-        depth = [p.n_tokens for p in self._plans(task.tokens)] if task.job.use_cache else [0] * len(self.slots)
+        depth = ([p.n_tokens for p in self._plans(task.tokens, task.job.cache_salt)] if task.job.use_cache
+                 else [0] * len(self.slots))
         best = max(depth)
 
         def score(s: Slot):
@@ -389,7 +393,8 @@ class Scheduler:
         task.slot, slot.task = slot, task
         slot.key = task.job.prompt_cache_key
         task.t_admit = time.perf_counter()
-        start, task.source = self._reuse(slot, task.tokens, task.job.use_cache)
+        start, task.source = self._reuse(slot, task.tokens, task.job.use_cache, task.job.cache_salt)
+        slot.salt = task.job.cache_salt
         task.cached = task.pos = start
         task.t_restored = time.perf_counter()
         task.store = task.job.use_cache and task.n >= self.min_segment  # else the prompt is a too-short ubatch
@@ -401,7 +406,7 @@ class Scheduler:
         task.positions = kept
         task.phase = PREFILL
 
-    def _reuse(self, slot: Slot, tokens: list[int], use_cache: bool) -> tuple[int, str]:
+    def _reuse(self, slot: Slot, tokens: list[int], use_cache: bool, salt: str) -> tuple[int, str]:
         """Bring the slot's sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, tier).
 
         The KV may come from a stored entry, the slot's own sequence, or another slot's sequence (busy or not:
@@ -409,7 +414,7 @@ class Scheduler:
         """
         if use_cache:
             for _attempt in range(3):  # a part that vanished (evicted, corrupt on disk) is dropped: plan again
-                plans = self._plans(tokens)
+                plans = self._plans(tokens, salt)
                 src = max(self.slots, key=lambda s: (plans[s.seq].n_tokens, s is slot))
                 plan = plans[src.seq]
                 if plan.n_tokens == 0:
@@ -422,9 +427,11 @@ class Scheduler:
                     if kv is None and src is not slot:  # the KV is live in another slot: copy it as bytes
                         kv = self.engine.save_parts(src.seq)[0]
                     self.engine.restore(slot.seq, plan.n_tokens, kv, checkpoint)
-                except EngineError:
-                    log.warning("snapshot restore failed; prefilling cold", exc_info=True)
-                    break
+                except EngineError:  # the sequence is cleared: drop what failed and plan again
+                    log.warning("llama.cpp refused a snapshot restore; its entries are dropped", exc_info=True)
+                    self._reset(slot)
+                    self.cache.discard(plan)
+                    continue
                 slot.live = tokens[: plan.n_tokens]
                 return plan.n_tokens, plan.tier
         self._reset(slot)
@@ -574,8 +581,8 @@ class Scheduler:
         full = t.tokens + generated
         try:
             if (t.cancel.is_set() or t.stream.stopped or len(generated) < self.min_segment
-                    or len(full) > self.engine.n_ctx or self.cache.contains(full, KV)):
-                if not self.cache.contains(t.tokens, KV) and self._rewind(t):
+                    or len(full) > self.engine.n_ctx or self.cache.contains(full, KV, salt=t.job.cache_salt)):
+                if not self.cache.contains(t.tokens, KV, salt=t.job.cache_salt) and self._rewind(t):
                     self._store(t, t.tokens, (KV, REC), boundary=False)
                 return self._release(t)
             if not self._rewind(t):
@@ -593,7 +600,7 @@ class Scheduler:
             self.engine.restore(t.slot.seq, len(prompt), None, None)
             t.slot.live = list(prompt)
             return True
-        plan = self.cache.plan(prompt, len(prompt), prompt)
+        plan = self.cache.plan(prompt, len(prompt), prompt, salt=t.job.cache_salt)
         parts = self.cache.load(plan) if plan.n_tokens == len(prompt) else None
         if parts is None or parts[0] is not None:
             return False
@@ -606,7 +613,8 @@ class Scheduler:
         both KV and checkpoint); returns how many were stored."""
         if self.engine.truncatable:  # KV-only states: the KV is the whole state, no checkpoints
             kinds = tuple(k for k in kinds if k == KV)
-        missing = [k for k in kinds if not self.cache.contains(tokens, k)]
+        salt = t.job.cache_salt
+        missing = [k for k in kinds if not self.cache.contains(tokens, k, salt=salt)]
         if not missing:
             return 0
         start = time.perf_counter()
@@ -616,7 +624,7 @@ class Scheduler:
             data = {KV: kv, REC: rec}
         else:
             data = {REC: self.engine.save_checkpoint(seq)}
-        stored = sum(self.cache.put(tokens, k, data[k], boundary) for k in missing)
+        stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=salt) for k in missing)
         t.snapshot_s += time.perf_counter() - start
         return stored
 
