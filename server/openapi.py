@@ -118,7 +118,8 @@ def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = ()) -> d
     out: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     errors = {400: "invalid request (the body names the field in error.param)", 401: "missing or wrong API key",
               403: "turned off by the server's configuration", 413: "request body too large",
-              415: "the body is not JSON", 500: "internal error"}
+              415: "the body is not JSON", 429: "all slots busy and the queue full (--queue-size); see Retry-After",
+              500: "internal error", 504: "the request ran past --timeout"}
     for code in (401, 500) + extra:
         out[str(code)] = {"description": errors[code],
                           "content": {"application/json": {"schema": _ref("Error")}}}
@@ -179,11 +180,11 @@ def openapi_schema(cfg: Config) -> dict:
             "/v1/chat/completions": {"post": {
                 "operationId": "createChatCompletion", "summary": "chat completion (stream: server-sent events)",
                 "requestBody": body(_ref("ChatCompletionRequest")),
-                "responses": _responses(chat_response, stream=True, extra=bad_body)}},
+                "responses": _responses(chat_response, stream=True, extra=bad_body + (429, 504))}},
             "/v1/completions": {"post": {
                 "operationId": "createCompletion", "summary": "plain-text completion (stream: server-sent events)",
                 "requestBody": body(_ref("CompletionRequest")),
-                "responses": _responses(completion_response, stream=True, extra=bad_body)}},
+                "responses": _responses(completion_response, stream=True, extra=bad_body + (429, 504))}},
             "/v1/models": {"get": {
                 "operationId": "listModels", "summary": "the served model",
                 "responses": _responses({"type": "object", "required": ["object", "data"], "properties": {
