@@ -150,45 +150,55 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the throughput runs (median)")
     ap.add_argument("--long-tokens", type=int, default=4000)
     ap.add_argument("--shorts", type=int, default=12, help="short requests sent during the long prefill")
-    ap.add_argument("--chunks", default="64,128,256", help="--prefill-chunk values to try with 2 slots")
+    ap.add_argument("--chunks", default="64,128,256,512", help="--prefill-chunk values to try with 2 slots")
+    ap.add_argument("--parts", default="memory,throughput,ttft",
+                    help="which measurements to run; the others are kept from an earlier slots.json")
     ap.add_argument("--ctx-size", type=int, default=8192)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / str(date.today()))
     a = ap.parse_args()
     path = resolve_model(dataclasses.replace(Config(), model=a.model))
 
+    parts = set(a.parts.split(","))
+    out_file = a.out / "slots.json"
+    result = json.loads(out_file.read_text()) if out_file.is_file() else {}
     engine = Engine(path, n_ctx=a.ctx_size, n_threads=a.threads, n_seq_max=4)  # measures min_segment once
     print(f"min_segment: {engine.min_segment}", flush=True)
-    mem = [memory(path, n, a.ctx_size, a.threads, engine.min_segment) for n in (1, 4)]
-    print(table(mem), flush=True)
-    invariant = engine.check_batch_invariance()
-    print(f"batch-invariant decoding on this model: {invariant}", flush=True)
-    configs = [(1, False), (2, False), (2, True), (4, False), (4, True)]
-    runs: dict = {c: [] for c in configs}
-    for _round in range(a.repeats):  # interleaved, so that machine drift hits every configuration alike
-        for n, batched in configs:
-            runs[(n, batched)].append(throughput(engine, n, batched, a.gen))
-            print(runs[(n, batched)][-1], flush=True)
-    tput = []
-    for c in configs:
-        row = dict(runs[c][0])
-        row["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in runs[c])
-        row["runs_tok_s"] = [r["decode_tok_s"] for r in runs[c]]
-        tput.append(row)
-    base = tput[0]["decode_tok_s"]
-    for row in tput:
-        row["speedup_vs_1_slot"] = round(row["decode_tok_s"] / base, 2)
-    ttft = [ttft_next_to_prefill(engine, 1, 512, a.long_tokens, a.shorts)]
-    print(ttft[-1], flush=True)
-    for chunk in (int(c) for c in a.chunks.split(",")):
-        ttft.append(ttft_next_to_prefill(engine, 2, chunk, a.long_tokens, a.shorts))
+    result.update({"model": str(path), "threads": a.threads, "min_segment": engine.min_segment})
+    if "memory" in parts:
+        result["memory"] = [memory(path, n, a.ctx_size, a.threads, engine.min_segment) for n in (1, 4)]
+        print(table(result["memory"]), flush=True)
+    if "throughput" in parts:
+        result["batch_invariant"] = engine.check_batch_invariance()
+        print(f"batch-invariant decoding on this model: {result['batch_invariant']}", flush=True)
+        configs = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+        runs: dict = {c: [] for c in configs}
+        for _round in range(a.repeats):  # interleaved, so that machine drift hits every configuration alike
+            for n, batched in configs:
+                runs[(n, batched)].append(throughput(engine, n, batched, a.gen))
+                print(runs[(n, batched)][-1], flush=True)
+        tput = []
+        for c in configs:
+            row = dict(runs[c][0])
+            row["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in runs[c])
+            row["runs_tok_s"] = [r["decode_tok_s"] for r in runs[c]]
+            tput.append(row)
+        for row in tput:
+            row["speedup_vs_1_slot"] = round(row["decode_tok_s"] / tput[0]["decode_tok_s"], 2)
+        result["throughput"] = tput
+    if "ttft" in parts:
+        ttft = [ttft_next_to_prefill(engine, 1, 128, a.long_tokens, a.shorts)]
         print(ttft[-1], flush=True)
+        for chunk in (int(c) for c in a.chunks.split(",")):
+            ttft.append(ttft_next_to_prefill(engine, 2, chunk, a.long_tokens, a.shorts))
+            print(ttft[-1], flush=True)
+        result["ttft_next_to_long_prefill"] = ttft
     engine.close()
     a.out.mkdir(parents=True, exist_ok=True)
-    result = {"model": str(path), "threads": a.threads, "batch_invariant": invariant, "memory": mem,
-              "throughput": tput, "ttft_next_to_long_prefill": ttft}
-    (a.out / "slots.json").write_text(json.dumps(result, indent=2))
-    print("\n" + table(mem) + "\n\n" + table(tput) + "\n\n" + table(ttft))
-    print(f"\nwrote {a.out / 'slots.json'}")
+    out_file.write_text(json.dumps(result, indent=2))
+    for key in ("memory", "throughput", "ttft_next_to_long_prefill"):
+        if result.get(key):
+            print("\n" + table(result[key]))
+    print(f"\nwrote {out_file}")
 
 
 if __name__ == "__main__":

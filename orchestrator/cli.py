@@ -83,7 +83,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--timeout", type=_non_negative_float, default=d.timeout, metavar="SECONDS",
                    help=f"most seconds a request may take, queue wait included; 0 = no limit (default {d.timeout:g})")
     p.add_argument("--prefill-chunk", type=_at_least(3), default=d.prefill_chunk, metavar="N",
-                   help=f"prompt tokens prefilled between two decode steps of other slots (default {d.prefill_chunk})")
+                   help=f"most prompt tokens per prefill step, between other slots' decode steps (default {d.prefill_chunk})")
     p.add_argument("--decode-batching", choices=["auto", "on", "off"], default=d.decode_batching,
                    help="one llama_decode for all generating slots: auto = only when measured bit-identical to "
                         "decoding alone on this model (default auto)")

@@ -12,8 +12,8 @@ Then the worker loops over steps; each step is
 
   * one decode step for every slot that is generating: their next tokens go into one llama_decode call when
     the model is batch-invariant (Engine.check_batch_invariance), else one call per slot;
-  * one prefill chunk for one prefilling slot, in turn: at most `prefill_chunk` tokens while other slots are
-    busy (n_batch when it is alone), never crossing a snapshot position. A long prefill thus advances between
+  * one prefill chunk for one prefilling slot, in turn: at most `prefill_chunk` tokens, never crossing a
+    snapshot position. A long prefill thus advances between
     other conversations' tokens instead of stalling them for its whole duration.
 
 A prefill segment ends at each template boundary (and interval checkpoint), where a recurrent checkpoint is
@@ -173,7 +173,7 @@ class Scheduler:
         n_slots: concurrent requests (sequences 0..n_slots-1).
         queue_size: most requests waiting for a slot; more are refused with QueueFull.
         timeout_s: default per-request limit in seconds from submission (0 = none).
-        prefill_chunk: most prompt tokens prefilled in one step while other slots are busy (n_batch alone).
+        prefill_chunk: most prompt tokens prefilled in one step (a request arriving meanwhile waits for it).
         batch_decode: put the decode steps of all generating slots into one llama_decode call. Only set it when
             that is bit-identical to decoding alone (Engine.check_batch_invariance), or cached and concurrent
             outputs may differ from cold ones.
@@ -466,8 +466,10 @@ class Scheduler:
             filling.sort(key=lambda t: (t.slot.seq - self._turn) % len(self.slots))
             task = filling[0]
             self._turn = (task.slot.seq + 1) % len(self.slots)
-            shared = any(t is not task for t in self._active())  # another request is prefilling or generating
-            self._guard(task, self._prefill_chunk, task, self.prefill_chunk if shared else self.engine.n_batch)
+            # Always at most prefill_chunk, also when alone: a request arriving mid-chunk waits for that chunk
+            # (measured: 512-token chunks delayed short requests by ~3 s on the 0.8b, 128 by < 1 s, at the same
+            # prefill speed; bench/bench_slots.py).
+            self._guard(task, self._prefill_chunk, task, self.prefill_chunk)
         return bool(decoding or filling)
 
     def _guard(self, task: _Task, fn, *args) -> None:
