@@ -57,6 +57,7 @@ import numpy as np
 
 from .cache import SnapshotCache
 from .engine import Engine, Sampler, SamplingParams
+from .memory import HeapTrimmer
 from .errors import ContextOverflow, EngineError, OrchestratorError, QueueFull, RequestCancelled, RequestTimeout
 from .radix import KV, REC, common_len
 from .stops import TextStream
@@ -203,6 +204,7 @@ class Scheduler:
         self._turn = 0  # round-robin cursor over prefilling slots
         self._job_s = 5.0  # moving average of request durations, for Retry-After
         self._closed = False
+        self._trimmer = HeapTrimmer()
         self._thread = threading.Thread(target=self._worker, name="orchestrator-worker", daemon=True)
         self._thread.start()
 
@@ -281,7 +283,8 @@ class Scheduler:
             with self._cond:
                 while not self._closed and not self._waiting and not self._active():
                     self._cond.notify_all()  # wake drain()
-                    self._cond.wait()
+                    self._cond.wait(self._trimmer.interval_s)
+                    self._trimmer.maybe_trim()
                 if self._closed:
                     break
             try:
@@ -290,6 +293,7 @@ class Scheduler:
                 if not self._step():
                     with self._cond:  # only requests waiting on others' snapshots, and nothing to compute
                         self._cond.wait(0.01)
+                self._trimmer.maybe_trim()
             except Exception:  # noqa: BLE001 - the worker must survive anything; tasks fail on their own paths
                 log.exception("scheduler step failed")
                 for task in self._active():
