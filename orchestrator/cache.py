@@ -123,6 +123,7 @@ class SnapshotCache:
         self._tick = 0
         self._lock = threading.RLock()
         self._stats = CacheStats()
+        self._warned_too_large = False
         if disk is not None:
             self._index_disk()
 
@@ -235,13 +236,20 @@ class SnapshotCache:
         boundary: False for checkpoints at the end of a request (end of prompt, after generation), which
         `_drop_superseded` may drop with their branch; True for template boundaries and interval checkpoints.
 
-        Returns False, storing nothing, if `data` alone exceeds the RAM budget. Raises ValueError for an empty
-        prefix or an unknown kind.
+        An entry larger than the whole RAM budget goes straight to the disk tier (it is read from there on every
+        hit); without a disk tier it is not kept (a warning says so once). Returns False when nothing was
+        stored. Raises ValueError for an empty prefix or an unknown kind.
         """
         nbytes = len(data)
         with self._lock:
-            if nbytes > self.budget_bytes:
+            too_large = nbytes > self.budget_bytes
+            if too_large and self.disk is None:
                 self._stats.rejected_too_large += 1
+                if not self._warned_too_large:
+                    self._warned_too_large = True
+                    log.warning("a %.1f MiB snapshot exceeds the %.1f MiB RAM budget and there is no disk tier: "
+                                "such snapshots are not kept (raise --cache-ram or set --cache-disk-dir)",
+                                nbytes / 2**20, self.budget_bytes / 2**20)
                 return False
             sid = salt_id(salt)
             if not tokens:
@@ -250,11 +258,21 @@ class SnapshotCache:
             old = tree.find(tokens, kind) if tree is not None else None
             if old is not None:
                 self._forget(old)
-            if not self._make_room(nbytes, set()):
+            if not too_large and not self._make_room(nbytes, set()):
                 return False
             if kind == KV:
                 self._drop_superseded(tokens, sid)
             eid = next(self._ids)
+            if too_large:  # straight to disk
+                key = disk_key(kind, tokens, sid)
+                if not self.disk.put(key, tokens, _DISK_KIND[kind], data):
+                    self._stats.rejected_too_large += 1
+                    return False
+                self._tree(sid).insert(tokens, kind, eid)
+                self._meta[eid] = _Meta(kind, nbytes, DISK, self._tick, key, boundary, sid)
+                self._stats.inserts += 1
+                self._stats.spills += 1
+                return True
             self._tree(sid).insert(tokens, kind, eid)
             self._meta[eid] = _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens, sid), boundary, sid)
             self._ram[eid] = data

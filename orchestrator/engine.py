@@ -147,6 +147,13 @@ class Engine:
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
+        # Sliding-window models (Gemma 2/3) get a full-size window cache (llama.cpp's swa_full). With the default
+        # window-sized cache, cells of tokens that left the window are reused, so a restored sequence's cells
+        # are laid out differently from a cold run's, and the attention sums round differently: seeded sampling
+        # diverged after a few tokens on Gemma 3 270M. With a full cache nothing is evicted, the layout is the
+        # cold run's, and any prefix is restored by truncating the KV, like a pure-attention model.
+        recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model))
+        cparams.swa_full = not recurrent and llama_cpp.llama_model_n_swa(self.model) > 0
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
@@ -166,13 +173,10 @@ class Engine:
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
-        # Pure attention (no recurrent layers, no sliding window): the state is KV only, and any prefix of a
-        # sequence is restored by truncating its KV (llama_memory_seq_rm), so no checkpoints are needed.
-        # Hybrid (Qwen3.5) and sliding-window (Gemma 3) models need a PARTIAL_ONLY checkpoint at the restored
-        # position: the recurrent state, or the window's KV (llama_kv_cache_iswa::state_write).
-        self.truncatable = not (llama_cpp.llama_model_is_recurrent(self.model)
-                                or llama_cpp.llama_model_is_hybrid(self.model)
-                                or llama_cpp.llama_model_n_swa(self.model) > 0)
+        # Attention only (also sliding-window, with its full-size cache): the state is KV only, and any prefix of
+        # a sequence is restored by truncating its KV (llama_memory_seq_rm), so no checkpoints are needed.
+        # Recurrent and hybrid (Qwen3.5) models need a PARTIAL_ONLY checkpoint at the restored position.
+        self.truncatable = not recurrent
         self.min_segment = 2  # until measured: chunk_sizes never makes one-token chunks
         self.split_layout = False if self.truncatable else self._check_split_layout()
         self.min_segment = min_segment if min_segment is not None else self.measure_min_segment()

@@ -81,7 +81,7 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
         "cache_prompt": _nullable({"type": "boolean", "description": "false: a cold run that neither reads nor "
                                                                      "writes the prefix cache"}),
-        "cache_salt": _nullable({"type": "string", "maxLength": MAX_ID_CHARS,
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS,
                                  "description": "requests share cached prefixes only with the same salt"}),
         "prompt_cache_key": ident,
         "user": ident,

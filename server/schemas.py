@@ -158,6 +158,9 @@ def _check_fields(body: dict, endpoint: str) -> None:
         value = body.get(key)
         if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
             raise _bad(f"'{key}' must be a string of at most {MAX_ID_CHARS} characters", key)
+    if body.get("cache_salt") == "":  # as vLLM: an empty salt would silently share with unsalted requests
+        raise _bad("'cache_salt' must be a non-empty string when given (omit it to share the common cache)",
+                   "cache_salt")
     if "metadata" in body and body["metadata"] is not None and not isinstance(body["metadata"], dict):
         raise _bad("'metadata' must be an object", "metadata")
 

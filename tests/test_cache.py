@@ -165,3 +165,20 @@ def test_deeper_kv_replaces_shallower_kv_on_the_same_path():
     c.put([1, 2, 3, 4, 5], KV, b"k5")
     assert [(k, t) for k, _tier, t in c.entries()] == [(KV, (1, 2, 3, 4, 5))]
     c.check()
+
+
+def test_an_entry_larger_than_the_ram_budget_goes_straight_to_disk(tmp_path):
+    from orchestrator.disk import DiskTier
+
+    with DiskTier(tmp_path, 1 << 20, b"f" * 32) as disk:
+        c = SnapshotCache(budget_bytes=100, disk=disk)
+        assert c.put([1, 2, 3], REC, b"r" * 50)
+        assert c.put([1, 2, 3, 4, 5], KV, b"k" * 500)  # 5x the RAM budget
+        assert c.contains([1, 2, 3, 4, 5], KV)
+        s = c.stats()
+        assert s.ram_bytes == 50 and s.disk_entries == 1 and s.rejected_too_large == 0
+        plan = c.plan([1, 2, 3, 4, 5, 6, 7], 5)
+        assert plan.n_tokens == 3 and plan.tier == "disk"
+        assert c.load(plan) == (b"k" * 500, b"r" * 50)  # read from disk, not promoted (it cannot fit)
+        assert c.stats().ram_bytes == 50
+        c.check()

@@ -105,3 +105,8 @@ def test_cache_level_salts_are_separate_trees_with_a_shared_budget(tmp_path):
         c.clear()
         assert c.salts() == {} and c.plan(toks + [5, 6], 6, salt="a").n_tokens == 0
         c.check()
+
+
+def test_an_empty_cache_salt_is_refused_not_silently_shared(client):
+    r = client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
