@@ -1,7 +1,8 @@
 """Pure analysis of benchmark records: the oracle, implied cached tokens, correctness, tables and plots.
 
 A record is a dict per (system, request) written by bench/run.py; the fields used here are
-    workload, round, label, index (order in its round), system, cold (bool), key (prompt identity), max_tokens,
+    workload, round, label, index (order in its round), system, cold_group, cold (bool), prompt_key (prompt
+    identity: a cold run of the same prompt at a larger max_tokens is its reference), max_tokens,
     prompt_tokens (ours, from orchestrator's renderer), prompt_tokens_reported, cached_reported, oracle,
     ttft_s, total_s, output, ok, rss_peak_bytes.
 Times are seconds, sizes tokens, memory bytes.
@@ -32,11 +33,12 @@ def oracle(prompts: Sequence[Sequence[int]]) -> list[int]:
 def fit_prefill(points: Iterable[tuple[int, float]]) -> tuple[float, float] | None:
     """Least-squares TTFT = a + b * prompt_tokens over cold runs; returns (a seconds, b seconds per token).
 
-    None when fewer than two distinct sizes are available. b is clamped to be positive.
+    None unless the sizes span at least 1.5x (a narrower range cannot separate a from b). b is clamped > 0;
+    a negative intercept is replaced by a fit through the origin.
     """
     pts = list(points)
     xs = [x for x, _ in pts]
-    if len(set(xs)) < 2:
+    if len(set(xs)) < 2 or max(xs) < 1.5 * min(xs):
         return None
     n = len(pts)
     mx = sum(xs) / n
@@ -44,7 +46,10 @@ def fit_prefill(points: Iterable[tuple[int, float]]) -> tuple[float, float] | No
     sxx = sum((x - mx) ** 2 for x in xs)
     sxy = sum((x - mx) * (y - my) for x, y in pts)
     b = max(sxy / sxx, 1e-6)
-    return my - b * mx, b
+    a = my - b * mx
+    if a < 0:  # noise tilted the line: fit through the origin instead (no negative fixed cost)
+        a, b = 0.0, max(sum(x * y for x, y in pts) / sum(x * x for x in xs), 1e-6)
+    return a, b
 
 
 def implied_cached(prompt_tokens: int, ttft_s: float, fit: tuple[float, float] | None) -> int | None:
@@ -72,13 +77,13 @@ def annotate(records: list[dict]) -> dict[str, tuple[float, float] | None]:
             by_group[r["cold_group"]].append(r)
     for g, rs in by_group.items():
         fits[g] = fit_prefill((r["prompt_tokens"], r["ttft_s"]) for r in rs)
-    cold_of = {(r["cold_group"], r["key"]): r for rs in by_group.values() for r in rs}
+    cold_of = {(r["cold_group"], r["prompt_key"]): r for rs in by_group.values() for r in rs}
     for r in records:
         if r["cold"]:
             continue
         fit = fits.get(r["cold_group"])
         r["cached_implied"] = implied_cached(r["prompt_tokens"], r["ttft_s"], fit) if r["ok"] else None
-        c = cold_of.get((r["cold_group"], r["key"]))
+        c = cold_of.get((r["cold_group"], r["prompt_key"]))
         r["cold_ttft_s"] = c["ttft_s"] if c else None
         r["cold_match"] = (same_output(r, c) if (c and r["ok"]) else None)
     return fits
@@ -230,6 +235,14 @@ def plots(records: list[dict], systems: Sequence[str], out_dir) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def rounds(ax, order) -> None:
+        """Vertical lines between rounds, with the round's name at the top."""
+        for i, (rnd, _) in enumerate(order):
+            if i == 0 or order[i - 1][0] != rnd:
+                if i:
+                    ax.axvline(i - 0.5, color="0.6", lw=0.6, ls=":")
+                ax.text(i - 0.4, 1.0, rnd, transform=ax.get_xaxis_transform(), fontsize=6, va="bottom")
+
     files = []
     warm = [r for r in records if not r["cold"]]
     for wl in sorted({r["workload"] for r in warm}):
@@ -256,7 +269,8 @@ def plots(records: list[dict], systems: Sequence[str], out_dir) -> list[str]:
         ax.set_ylabel("TTFT, s (log); dashes: same system cold")
         ax.set_xticks(range(len(order)))
         ax.set_xticklabels(labels, rotation=90, fontsize=6)
-        ax.set_title(f"{wl}: time to first token per request")
+        ax.set_title(f"{wl}: time to first token per request", pad=14)
+        rounds(ax, order)
         ax.legend(fontsize=7)
         fig.tight_layout()
         f = out_dir / f"ttft_{wl}.png"
@@ -276,7 +290,8 @@ def plots(records: list[dict], systems: Sequence[str], out_dir) -> list[str]:
         ax.set_ylabel("cached tokens")
         ax.set_xticks(range(len(order)))
         ax.set_xticklabels(labels, rotation=90, fontsize=6)
-        ax.set_title(f"{wl}: cached tokens against the oracle")
+        ax.set_title(f"{wl}: cached tokens against the oracle", pad=14)
+        rounds(ax, order)
         ax.legend(fontsize=7)
         fig.tight_layout()
         f = out_dir / f"cached_{wl}.png"

@@ -75,7 +75,7 @@ def run_phase(reqs: list[Req], systems, args, texts, tokens, oracle, sampler: Rs
             port = BASE_PORT + (50 if cold else 0) + i
             t = time.monotonic()
             running[s.name] = launch(s, args.model, port, args.threads, args.scale.ctx_size, log_dir,
-                                     cache_ram.get(s.kind))
+                                     cache_ram.get(s.kind), reqs[0].workload)
             sampler.add(s.name + ("-cold" if cold else ""), running[s.name])
             log(f"  started {s.name}{' (cold)' if cold else ''} on :{port} in {time.monotonic() - t:.1f} s")
         with httpx.Client() as client:
@@ -92,6 +92,7 @@ def run_phase(reqs: list[Req], systems, args, texts, tokens, oracle, sampler: Rs
                     rec = {
                         "workload": q.workload, "round": q.round, "label": q.label, "index": q.meta["index"],
                         "system": s.name, "cold_group": s.cold_group, "cold": cold, "key": q.key,
+                        "prompt_key": json.dumps(q.body, sort_keys=True),
                         "max_tokens": q.max_tokens, "meta": q.meta, "prompt_tokens": len(tokens[q.key]),
                         "oracle": oracle.get((q.round, q.meta["index"]), 0),
                         "prompt_tokens_reported": o.prompt_tokens, "cached_reported": o.cached_tokens,
@@ -113,17 +114,17 @@ def run_phase(reqs: list[Req], systems, args, texts, tokens, oracle, sampler: Rs
 
 
 def cold_selection(reqs: list[Req], mode: str) -> list[Req]:
-    """Distinct prompts to run cold: one per prompt at its largest max_tokens; W3 'ends' keeps each agent's
-    first and last turn (the shared-tools restore and the deepest restore), 'all' keeps everything."""
+    """Distinct prompts to run cold: one per prompt at its largest max_tokens ('all'); 'last' keeps on W3 only
+    each agent's last turn (its deepest restore, after the most evictions to disk)."""
     best: dict[str, Req] = {}
     for q in reqs:
         pk = json.dumps(q.body, sort_keys=True)
         if pk not in best or q.max_tokens > best[pk].max_tokens:
             best[pk] = q
     out = list(best.values())
-    if mode == "ends":
+    if mode == "last":
         last_turn = max((q.meta.get("turn", 0) for q in out if q.workload == "W3"), default=0)
-        out = [q for q in out if q.workload != "W3" or q.meta.get("turn") in (1, last_turn)]
+        out = [q for q in out if q.workload != "W3" or q.meta.get("turn") == last_turn]
     return out
 
 
@@ -139,15 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-ram", type=int, default=4096, help="orchestrator --cache-ram on W1/W2, MiB")
     ap.add_argument("--w3-cache-ram", type=int, default=192,
                     help="orchestrator --cache-ram on W3, MiB: small enough that the disk tier serves restores")
-    ap.add_argument("--cold", choices=["all", "ends", "none"], default=None,
-                    help="cold references: every distinct prompt (all), or on W3 only each agent's first and "
-                         "last turn (ends); default: all with --quick, else ends")
+    ap.add_argument("--cold", choices=["all", "last", "none"], default=None,
+                    help="cold references: every distinct prompt (all), or on W3 only each agent's last turn "
+                         "(last); default: all with --quick, else last")
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/<UTC date>/")
     args = ap.parse_args(argv)
     args.scale_name = args.scale_name or "default"
     args.scale = Scale.named(args.scale_name)
-    args.cold = args.cold or ("all" if args.scale_name == "quick" else "ends")
+    args.cold = args.cold or ("all" if args.scale_name == "quick" else "last")
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
@@ -201,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
             "orchestrator_cache_ram_mib": {"W1": args.cache_ram, "W2": args.cache_ram, "W3": args.w3_cache_ram},
             "commands": {}}
     from bench.systems import command  # noqa: E402 - only for recording the exact command lines
-    for s in systems + cold_groups:
-        meta["commands"][s.name + (" (cold)" if s.cold else "")] = " ".join(
-            command(s, args.model, 0, args.threads, args.scale.ctx_size,
-                    args.w3_cache_ram if "W3" in workloads else args.cache_ram, Path("$TMP")))
+    for w in workloads:
+        for s in systems + cold_groups:
+            meta["commands"][f"{w} {s.name}" + (" (cold)" if s.cold else "")] = " ".join(
+                command(s, args.model, 0, args.threads, args.scale.ctx_size,
+                        args.w3_cache_ram if w == "W3" else args.cache_ram, Path("$TMP"), w))
 
     def save() -> None:
         fits = report.annotate(records)

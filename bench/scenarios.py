@@ -6,8 +6,8 @@ rounds; requests inside a round are sent in order. Sizes are targets in tokens o
 tokenizer (`tokenize`: text -> token ids). Assistant turns are scripted (the synthetic model writes gibberish),
 so every system sees exactly the same conversation.
 
-    W1  one shared prefix: per prefix size (about 420 and 2,000 tokens: tools block of two schemas, then a
-        system prompt) and per max_tokens (1 and 32), a round A, B, C, D, X, X, Y, X.
+    W1  one shared prefix: per round (a prefix size: about 420 and 2,000 tokens, a tools block of two schemas
+        then a system prompt; and a max_tokens: 1 or 32), the requests A, B, C, D, X, X, Y, X.
     W2  history rewrite: one conversation of `w2_turns` turns with thinking on and a tool call per turn; each
         request ends with a tool result, and each new user turn makes the template drop the reasoning of the
         earlier assistant turns, so the prompt diverges from the previous one at that assistant message.
@@ -36,30 +36,33 @@ _WORDS = ("the cache keeps a snapshot of the recurrent state at every message bo
 class Scale:
     """Sizes of the three workloads (tokens are of the served model's tokenizer)."""
 
-    w1_sizes: tuple[int, ...] = (420, 2000)   # shared prefix (tools block + system prompt), tokens
-    w1_max_tokens: tuple[int, ...] = (1, 32)
+    # W1 rounds: (shared prefix target in tokens: tools block + system prompt, max_tokens)
+    w1_rounds: tuple[tuple[int, int], ...] = ((420, 1), (420, 32), (2000, 1))
     w2_turns: int = 8
-    w2_tool_tokens: tuple[int, int] = (100, 200)   # tool result size range, tokens
-    w2_reasoning_tokens: int = 60
-    w3_agents: int = 4
-    w3_turns: int = 4
+    w2_tool_tokens: tuple[int, int] = (60, 120)   # tool result size range, tokens
+    w2_reasoning_tokens: int = 40
+    w3_agents: int = 3
+    w3_turns: int = 3
     w3_tools_tokens: int = 2000
     w3_tool_min: int = 200
     w3_tool_max: int = 600
-    max_tokens: int = 32          # completion budget of W2/W3 requests
+    max_tokens: int = 8           # completion budget of W2/W3 requests
     ctx_size: int = 8192          # context size every server runs with, tokens
 
     @staticmethod
     def named(name: str) -> "Scale":
-        """'default' (about 30-40 min for all systems on 2 cores), 'quick' (a smoke run), 'full' (issue 5)."""
+        """'default' (about 35 min for four systems on 2 shared cores), 'quick' (a smoke run of every code
+        path), 'full' (issue 5 as written: W1 at both sizes x both budgets, 8 agents x 6 turns with 200-1,500
+        token tool results, 32-token completions; hours on 2 cores)."""
         if name == "default":
             return Scale()
         if name == "quick":
-            return Scale(w1_sizes=(420,), w1_max_tokens=(1, 8), w2_turns=3, w3_agents=2, w3_turns=2,
+            return Scale(w1_rounds=((420, 1), (420, 8)), w2_turns=3, w3_agents=2, w3_turns=2,
                          w3_tools_tokens=800, w3_tool_min=100, w3_tool_max=200, max_tokens=8)
         if name == "full":
-            return Scale(w3_agents=8, w3_turns=6, w3_tool_min=200, w3_tool_max=1500, w2_tool_tokens=(200, 400),
-                         w2_reasoning_tokens=120, ctx_size=16384)
+            return Scale(w1_rounds=((420, 1), (420, 32), (2000, 1), (2000, 32)), w2_tool_tokens=(200, 400),
+                         w2_reasoning_tokens=120, w3_agents=8, w3_turns=6, w3_tool_min=200, w3_tool_max=1500,
+                         max_tokens=32, ctx_size=16384)
         raise ValueError(f"unknown scale {name!r}")
 
 
@@ -115,7 +118,7 @@ def w1(tokenize: Tokenize, scale: Scale, prompt_tokens: Callable[[dict], int]) -
         "y": "Explain in two sentences why a recurrent state cannot be truncated the way a KV cache can.",
     }
     out: list[Req] = []
-    for size in scale.w1_sizes:
+    for size in sorted({sz for sz, _ in scale.w1_rounds}):
         sys_tokens = max(size - tools_only, 8)
         systems = {k: _system(tokenize, f"Session {k.upper()}", sys_tokens) if sys_tokens > 60
                    else f"Session {k.upper()}: you are a concise coding assistant."
@@ -128,7 +131,7 @@ def w1(tokenize: Tokenize, scale: Scale, prompt_tokens: Callable[[dict], int]) -
         seq = [("A", body("p", users["a"])), ("B", body("p", users["b"])), ("C", body("c", users["c"])),
                ("D", body("c", users["c"])), ("X", body("x", users["x"])), ("X again", body("x", users["x"])),
                ("Y", body("y", users["y"])), ("X after Y", body("x", users["x"]))]
-        for mt in scale.w1_max_tokens:
+        for mt in [m for sz, m in scale.w1_rounds if sz == size]:
             rnd = f"W1 {size} mt{mt}"
             out += [Req("W1", rnd, lab, b, mt, {"prefix_size": size}) for lab, b in seq]
     return out

@@ -9,7 +9,13 @@ Systems (same model file, threads, context size, n_batch/n_ubatch 512, flash att
                     defaults: cache_prompt on, --ctx-checkpoints 32, --checkpoint-min-step 8192, --cache-ram 8192
                     MiB, automatic slots
   llama-server-tuned  the same binary at the most favourable settings found: 4 slots, --cache-ram unlimited,
-                    --ctx-checkpoints 128, --checkpoint-min-step 64 (a checkpoint at every user message start)
+                    --ctx-checkpoints 128, --checkpoint-min-step 64 (a checkpoint at every user message start);
+                    on W3 also --slot-prompt-similarity 0. With the default similarity (0.1) every request goes to
+                    the slot that shares the tools block, and the prompt cache is consulted only when that slot
+                    would lose over half its tokens, so agents overwrite each other's state; with 0 each request
+                    takes the least recently used slot and loads its best match from the prompt cache. That
+                    helps the fleet (W3) but loses W1's B, D and "X again" (the slot just used is not yet in the
+                    prompt cache when the next request picks a slot), so W1/W2 keep the default.
   llama-cpp-python  `python -m llama_cpp.server` (through bench/llama_cpp_server_norepack.py), cache true,
                     cache_type ram (2 GiB)
 Cold references run on "cold" variants: orchestrator with `cache_prompt: false`, llama-server with
@@ -33,6 +39,11 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server"
+# Every server runs with OpenMP's passive wait. On this shared 2-core machine llama-server's OpenMP threads
+# otherwise spin between graph nodes (it also polls for work, --poll 50): measured on a cold 507-token prompt,
+# 5.2-5.6 CPU-s and 8-10 s TTFT spinning vs 2.2 CPU-s and 3-4 s passive, interleaved. orchestrator and
+# llama_cpp.server are unaffected (2.6 CPU-s either way). Set OMP_WAIT_POLICY yourself to override.
+OMP_WAIT_POLICY = "PASSIVE"
 
 
 @dataclass(frozen=True)
@@ -45,11 +56,16 @@ class System:
     api: str
     cold: bool = False     # a cold-reference variant (no reuse)
     extra: tuple[str, ...] = ()
+    workload_extra: tuple[tuple[str, tuple[str, ...]], ...] = ()   # more flags on one workload
+
+    def flags(self, workload: str) -> tuple[str, ...]:
+        """Extra command-line flags of this system on `workload`."""
+        return self.extra + sum((f for w, f in self.workload_extra if w == workload), ())
 
     @property
     def cold_group(self) -> str:
         """Systems whose cold runs are numerically the same process share cold references."""
-        return {"llama-server-tuned": "llama-server"}.get(self.name, self.name)
+        return "llama-server" if self.kind == "llama-server" else self.name
 
 
 SYSTEMS = {
@@ -57,7 +73,8 @@ SYSTEMS = {
     "llama-server": System("llama-server", "llama-server", "chat"),
     "llama-server-tuned": System("llama-server-tuned", "llama-server", "chat",
                                  extra=("-np", "4", "--cache-ram", "-1", "--ctx-checkpoints", "128",
-                                        "--checkpoint-min-step", "64")),
+                                        "--checkpoint-min-step", "64"),
+                                 workload_extra=(("W3", ("-sps", "0")),)),
     "llama-cpp-python": System("llama-cpp-python", "llama-cpp-python", "prompt"),
 }
 
@@ -140,8 +157,9 @@ class Running:
 
 
 def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram_mib: int | None,
-            tmp: Path) -> list[str]:
-    """The command line that starts system `s` on `port` (cache_ram_mib: orchestrator's --cache-ram)."""
+            tmp: Path, workload: str = "") -> list[str]:
+    """The command line that starts system `s` on `port` for `workload` (cache_ram_mib: orchestrator's
+    --cache-ram)."""
     if s.kind == "orchestrator":
         cmd = [sys.executable, "-m", "orchestrator", "serve", "-m", str(model), "--port", str(port),
                "-c", str(ctx), "-t", str(threads), "-b", "512", "--cache-disk-dir", str(tmp / "snapshots"),
@@ -150,34 +168,35 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
             cmd += ["--cache-ram", "0"]
         elif cache_ram_mib is not None:
             cmd += ["--cache-ram", str(cache_ram_mib)]
-        return cmd + list(s.extra)
+        return cmd + list(s.flags(workload))
     if s.kind == "llama-server":
         cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx),
                "-t", str(threads), "-tb", str(threads), "-b", "512", "-ub", "512", "--no-repack", "-fa", "off",
                "--jinja", "--no-webui", "--seed", "1234"]
         if s.cold:
             cmd += ["--cache-ram", "0", "-np", "1"]
-        return cmd + list(s.extra)
+        return cmd + list(s.flags(workload))
     if s.kind == "llama-cpp-python":
         cmd = [sys.executable, str(ROOT / "bench" / "llama_cpp_server_norepack.py"), "--model", str(model),
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(ctx), "--n_threads", str(threads),
                "--n_threads_batch", str(threads), "--n_batch", "512", "--n_ubatch", "512", "--flash_attn", "false",
                "--seed", "1234", "--verbose", "true", "--logits_all", "false"]
         cmd += ["--cache", "false"] if s.cold else ["--cache", "true", "--cache_type", "ram"]
-        return cmd + list(s.extra)
+        return cmd + list(s.flags(workload))
     raise ValueError(s.kind)
 
 
 def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: Path,
-           cache_ram_mib: int | None = None, ready_timeout_s: float = 300.0) -> Running:
+           cache_ram_mib: int | None = None, workload: str = "", ready_timeout_s: float = 300.0) -> Running:
     """Start `s` and wait until it serves (GET /v1/models answers 200); raises RuntimeError on failure."""
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-{s.name}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{s.name}{'-cold' if s.cold else ''}-{port}.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT), ORCHESTRATOR_CACHE_DIR=os.environ.get(
         "ORCHESTRATOR_CACHE_DIR", str(Path.home() / ".cache" / "orchestrator")))
+    env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     with open(log, "ab") as fh:
-        popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp), stdout=fh,
+        popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp, workload), stdout=fh,
                                  stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     r = Running(s, f"http://127.0.0.1:{port}", popen, log, tmp)
     deadline = time.monotonic() + ready_timeout_s
@@ -199,7 +218,9 @@ def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: P
 class RssSampler:
     """Samples the RSS of running servers every `period_s` seconds in a thread; keeps peaks (bytes).
 
-    `window_start(name)` resets the per-request window of one server; `window_peak(name)` reads it.
+    `window_start(name)` resets the per-request window of one server and makes it the one sampled (only the
+    server that is serving a request changes its memory; sampling idle ones would only cost CPU);
+    `window_peak(name)` reads the window's peak.
     """
 
     def __init__(self, period_s: float = 0.1) -> None:
@@ -207,6 +228,7 @@ class RssSampler:
         self.servers: dict[str, Running] = {}
         self.peak: dict[str, int] = {}
         self.window: dict[str, int] = {}
+        self.active: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -225,6 +247,7 @@ class RssSampler:
     def window_start(self, key: str) -> None:
         with self._lock:
             self.window[key] = self.servers[key].rss() if key in self.servers else 0
+            self.active = key
 
     def window_peak(self, key: str) -> int:
         with self._lock:
@@ -235,7 +258,7 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             with self._lock:
-                items = list(self.servers.items())
+                items = [(k, r) for k, r in self.servers.items() if k == self.active]
             for key, r in items:
                 v = r.rss()
                 with self._lock:

@@ -19,11 +19,12 @@ def test_implied_cached_from_a_cold_fit():
     assert report.implied_cached(2000, 50.0, fit) == 0          # slower than cold: nothing cached
     assert report.implied_cached(2000, 0.0, fit) == 2000        # clamped to the prompt
     assert report.fit_prefill([(1000, 1.0), (1000, 2.0)]) is None
+    assert report.fit_prefill([(1000, 1.0), (1100, 2.0)]) is None   # too narrow a range to fit
 
 
 def _rec(system, cold, key, out, ttft, prompt=100, oracle=0, cached=None, mt=8, label="A", index=0):
     return {"workload": "W1", "round": "W1 r", "label": label, "index": index, "system": system,
-            "cold_group": system, "cold": cold, "key": key, "max_tokens": mt, "prompt_tokens": prompt,
+            "cold_group": system, "cold": cold, "key": key, "prompt_key": key, "max_tokens": mt, "prompt_tokens": prompt,
             "prompt_tokens_reported": prompt, "cached_reported": cached, "oracle": oracle, "ttft_s": ttft,
             "total_s": ttft + 1, "output": out, "ok": True, "rss_peak_bytes": 2**20}
 
