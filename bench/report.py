@@ -184,6 +184,11 @@ def markdown(summary: list[dict], w1: list[dict], records: list[dict], systems: 
             f"{_f(r['total_sum_s'])} | {r['prompt_tokens']:,} | {_f(r['cached_reported'], '{:,}')} | "
             f"{_f(r['cached_implied'], '{:,}')} | {r['oracle']:,} | {_f(r['cached_over_oracle'], '{:.0%}')} | "
             f"{r['peak_rss_bytes'] / 2**20:,.0f} | {flag} | {_f(r['ttft_ratio_to_orchestrator'], '{:.2f}×')} |")
+    fits = meta.get("cold_fits") or {}
+    if fits:
+        lines += ["", "Cold prefill (linear fit of each system's cold runs, TTFT = a + n / rate): " + "; ".join(
+            f"{g}: {f['tokens_per_s']:.0f} tokens/s, a = {f['a_s']:.2f} s" if f else f"{g}: —"
+            for g, f in fits.items()) + "."]
     lines += ["", "## W1: TTFT per request and speedup over the same system's cold run", "",
               "| round | request | oracle | " + " | ".join(systems) + " |",
               "|---|---|---|" + "---|" * len(systems)]

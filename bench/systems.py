@@ -7,8 +7,9 @@ Systems (same model file, threads, context size, n_batch/n_ubatch 512, flash att
   orchestrator      this project's server, cache on (W3: a small --cache-ram and a temp --cache-disk-dir)
   llama-server      llama.cpp's server (bench/install_llama_server.sh), prefix machinery at its documented
                     defaults: cache_prompt on, --ctx-checkpoints 32, --checkpoint-min-step 8192, --cache-ram 8192
-                    MiB, automatic slots
-  llama-server-tuned  the same binary at the most favourable settings found: 4 slots, --cache-ram unlimited,
+                    MiB, automatic slots (4, sharing one unified KV of the context size, so each may use all of
+                    it; an explicit -np 4 would split it into 2,048 tokens a slot)
+  llama-server-tuned  the same binary at the most favourable settings found: --cache-ram unlimited,
                     --ctx-checkpoints 128, --checkpoint-min-step 64 (a checkpoint at every user message start);
                     on W3 also --slot-prompt-similarity 0. With the default similarity (0.1) every request goes to
                     the slot that shares the tools block, and the prompt cache is consulted only when that slot
@@ -72,7 +73,7 @@ SYSTEMS = {
     "orchestrator": System("orchestrator", "orchestrator", "chat"),
     "llama-server": System("llama-server", "llama-server", "chat"),
     "llama-server-tuned": System("llama-server-tuned", "llama-server", "chat",
-                                 extra=("-np", "4", "--cache-ram", "-1", "--ctx-checkpoints", "128",
+                                 extra=("--cache-ram", "-1", "--ctx-checkpoints", "128",
                                         "--checkpoint-min-step", "64"),
                                  workload_extra=(("W3", ("-sps", "0")),)),
     "llama-cpp-python": System("llama-cpp-python", "llama-cpp-python", "prompt"),
