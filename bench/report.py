@@ -149,7 +149,7 @@ def w1_speedups(records: list[dict], systems: Sequence[str]) -> list[dict]:
             r = next((x for x in warm if x["round"] == rnd and x["index"] == idx and x["system"] == s), None)
             if r is None:
                 continue
-            row[s] = {"ttft_s": r["ttft_s"], "cold_ttft_s": r.get("cold_ttft_s"), "oracle": r["oracle"],
+            row[s] = {"ok": r["ok"], "ttft_s": r["ttft_s"], "cold_ttft_s": r.get("cold_ttft_s"), "oracle": r["oracle"],
                       "prompt_tokens": r["prompt_tokens"], "cached": cached_best(r),
                       "speedup_vs_cold": (r["cold_ttft_s"] / r["ttft_s"]) if r.get("cold_ttft_s") and r["ttft_s"]
                       else None, "cold_match": r.get("cold_match")}
@@ -201,6 +201,9 @@ def markdown(summary: list[dict], w1: list[dict], records: list[dict], systems: 
                 cells.append("—")
                 continue
             oracle_v = c["oracle"]
+            if not c["ok"]:
+                cells.append("failed")
+                continue
             bad = " ✗" if c["cold_match"] is False else ""
             cells.append(f"{c['ttft_s']:.3f} s ({_f(c['speedup_vs_cold'], '{:.1f}×')}, {_f(c['cached'], '{}')} "
                          f"cached){bad}")

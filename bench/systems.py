@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -190,6 +191,9 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
 def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: Path,
            cache_ram_mib: int | None = None, workload: str = "", ready_timeout_s: float = 300.0) -> Running:
     """Start `s` and wait until it serves (GET /v1/models answers 200); raises RuntimeError on failure."""
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is already in use: another server would answer for {s.name}")
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-{s.name}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{s.name}{'-cold' if s.cold else ''}-{port}.log"
