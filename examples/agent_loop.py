@@ -95,7 +95,17 @@ def run(base_url: str, model: str | None = None, use_plan: bool = True, max_toke
             usage = chunks[-1].usage
             text = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
             message = {"role": "assistant", "content": text}
-            calls = []
+            by_index: dict[int, dict] = {}  # streamed tool calls, put together by index as the openai docs do
+            for c in chunks:
+                for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                    call = by_index.setdefault(tc.index, {"id": "", "type": "function",
+                                                          "function": {"name": "", "arguments": ""}})
+                    call["id"] = tc.id or call["id"]
+                    call["function"]["name"] += tc.function.name or ""
+                    call["function"]["arguments"] += tc.function.arguments or ""
+            calls = [by_index[i] for i in sorted(by_index)]
+            if calls:
+                message["tool_calls"] = calls
         else:
             resp = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
                                                   max_tokens=max_tokens, temperature=0)

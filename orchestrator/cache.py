@@ -11,6 +11,11 @@ and KV covering p: a "kv" entry at or below p in the tree, or the live sequence 
 RAM tier: resident bytes never exceed `budget_bytes`, checked before an insert. When an entry must go, the
 `EvictionPolicy` picks it and it spills to the disk tier (if any), where a later hit is promoted back to RAM.
 Thread-safe: one lock guards the tree and the tiers.
+
+Tenant isolation: every method keyed by tokens takes a keyword `salt` (the request's `cache_salt`; "" = the
+shared cache). Each salt has its own radix tree, so a lookup never sees, and a KV entry never covers, an entry
+stored under another salt; on disk the salt's hash is part of the key (and of the hash in it), so entries keep
+their salt across restarts. The RAM budget and the eviction order are shared by all salts.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ class _Meta:
     nbytes: int
     tier: str
     last_used: int
-    key: str  # disk key: kind + hash of the tokens (stable across restarts)
+    key: str  # disk key: salt id + kind + hash of the tokens (stable across restarts)
     boundary: bool = True  # a checkpoint at a template boundary or interval (False: end of a request)
+    salt: str = ""  # salt id (salt_id()) of the tree holding the entry
 
 
 @dataclass
@@ -76,9 +82,22 @@ class CacheStats:
     rejected_too_large: int = 0
 
 
-def disk_key(kind: str, tokens: Sequence[int]) -> str:
-    h = hashlib.blake2b(b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=16).hexdigest()
-    return f"{kind}-{len(tokens)}-{h}"
+def salt_id(salt: str) -> str:
+    """The id of a cache salt: "" for no salt, else 32 hex digits of its BLAKE2b hash (never the salt itself)."""
+    if not salt:
+        return ""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"orc-salt").hexdigest()
+
+
+def disk_key(kind: str, tokens: Sequence[int], sid: str = "") -> str:
+    """Disk key of an entry: "<kind>-<n>-<hash of tokens>" unsalted, "s<salt id>-<kind>-<n>-<hash of salt id and
+    tokens>" under salt id `sid`."""
+    h = hashlib.blake2b(sid.encode() + b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=16).hexdigest()
+    return f"s{sid}-{kind}-{len(tokens)}-{h}" if sid else f"{kind}-{len(tokens)}-{h}"
+
+
+def _salt_of_key(key: str) -> str:
+    return key[1:33] if key.startswith("s") else ""
 
 
 class SnapshotCache:
@@ -88,13 +107,15 @@ class SnapshotCache:
     server keeps its cache.
     """
 
-    def __init__(self, budget_bytes: int, disk=None, policy: EvictionPolicy | None = None) -> None:
+    def __init__(self, budget_bytes: int, disk=None, policy: EvictionPolicy | None = None,
+                 truncatable: bool = False) -> None:
         if budget_bytes < 0:
             raise ValueError("cache budget must be >= 0 bytes")
         self.budget_bytes = budget_bytes
+        self.truncatable = truncatable  # KV-only states: any prefix of a KV entry is restorable, no checkpoints
         self.disk = disk
         self.policy = policy or EvictionPolicy()
-        self._tree = RadixTree()
+        self._trees: dict[str, RadixTree] = {"": RadixTree()}  # salt id -> its tree
         self._meta: dict[int, _Meta] = {}
         self._ram: dict[int, bytes] = {}
         self._ram_bytes = 0
@@ -107,21 +128,44 @@ class SnapshotCache:
 
     # ------------------------------------------------------------------ lookup
 
-    def plan(self, tokens: Sequence[int], max_tokens: int, live_tokens: Sequence[int] = ()) -> RestorePlan:
-        """The deepest position p <= max_tokens with a checkpoint at tokens[:p] and KV covering p.
+    def _tree(self, sid: str) -> RadixTree:
+        """The tree of salt id `sid`, created empty if needed."""
+        tree = self._trees.get(sid)
+        if tree is None:
+            tree = self._trees[sid] = RadixTree()
+        return tree
 
-        `live_tokens`: tokens whose KV the live sequence holds, computed by prefill (usable KV source).
+    def _tree_of(self, eid: int) -> RadixTree:
+        return self._trees[self._meta[eid].salt]
+
+    def plan(self, tokens: Sequence[int], max_tokens: int, live_tokens: Sequence[int] = (), *,
+             salt: str = "") -> RestorePlan:
+        """The deepest position p <= max_tokens with a checkpoint at tokens[:p] and KV covering p, among the
+        entries stored under `salt`.
+
+        `live_tokens`: tokens whose KV the live sequence holds, computed by prefill (usable KV source; the
+        caller passes () when the live sequence belongs to another salt). On a truncatable cache no
+        checkpoint is needed: the deepest p covered by the live KV or a stored KV entry.
         """
         with self._lock:
             self._tick += 1
+            tree = self._trees.get(salt_id(salt))
             live = common_len(live_tokens, tokens)
-            for node in reversed(self._tree.path(tokens, max_tokens)):
+            if self.truncatable:
+                depth, kv_id = tree.deepest_kv(tokens, max_tokens) if tree is not None else (0, None)
+                if min(live, max_tokens) >= depth:
+                    depth = min(live, max_tokens)
+                    return RestorePlan(depth, None, None, "live") if depth > 0 else RestorePlan()
+                return RestorePlan(depth, None, kv_id, DISK if self._meta[kv_id].tier == DISK else RAM)
+            if tree is None:
+                return RestorePlan()
+            for node in reversed(tree.path(tokens, max_tokens)):
                 if node.rec is None:
                     continue
                 if node.depth <= live:
                     kv_id, tier = None, "live"
                 else:
-                    kv_id = node.kv if node.kv is not None else self._tree.kv_covering(tokens, node.depth)
+                    kv_id = node.kv if node.kv is not None else tree.kv_covering(tokens, node.depth)
                     if kv_id is None:
                         continue
                     tier = DISK if self._meta[kv_id].tier == DISK else RAM
@@ -130,19 +174,29 @@ class SnapshotCache:
                 return RestorePlan(node.depth, node.rec, kv_id, tier)
             return RestorePlan()
 
-    def load(self, plan: RestorePlan) -> tuple[bytes | None, bytes] | None:
-        """(kv bytes or None for live KV, checkpoint bytes) of a plan, promoting disk entries to RAM.
+    def load(self, plan: RestorePlan) -> tuple[bytes | None, bytes | None] | None:
+        """(kv bytes or None for live KV, checkpoint bytes or None on a truncatable cache) of a plan, promoting
+        disk entries to RAM.
 
         Returns None if a part is gone (evicted, or corrupt on disk); that part is then dropped from the index
-        and the caller plans again.
+        and the caller plans again. A plan's ids name entries of the salt it was made for; `load` needs no salt.
         """
         with self._lock:
             pinned = {i for i in (plan.rec_id, plan.kv_id) if i is not None}
-            rec = self._fetch(plan.rec_id, pinned)
+            rec = self._fetch(plan.rec_id, pinned) if plan.rec_id is not None else None
             kv = self._fetch(plan.kv_id, pinned) if plan.kv_id is not None else None
-            if rec is None or (plan.kv_id is not None and kv is None):
+            if (plan.rec_id is not None and rec is None) or (plan.kv_id is not None and kv is None):
                 return None
             return kv, rec
+
+    def discard(self, plan: RestorePlan) -> int:
+        """Drop the entries a plan names (llama.cpp refused to restore them). Returns how many were dropped."""
+        with self._lock:
+            gone = [i for i in (plan.rec_id, plan.kv_id) if i is not None and i in self._meta]
+            for eid in gone:
+                self._forget(eid)
+            self._stats.dropped += len(gone)
+            return len(gone)
 
     def _fetch(self, eid: int, pinned: set[int]) -> bytes | None:
         meta = self._meta.get(eid)
@@ -152,6 +206,9 @@ class SnapshotCache:
         if meta.tier == RAM:
             return self._ram[eid]
         got = self.disk.get(meta.key) if self.disk is not None else None
+        if got is not None and (got[0] != _DISK_KIND[meta.kind] or got[1] != self._tree_of(eid).tokens_of(eid)):
+            log.warning("snapshot %s on disk holds another prefix or kind than its key says; dropped", meta.key)
+            got = None
         if got is None:
             self._forget(eid)
             self._stats.dropped += 1
@@ -164,15 +221,16 @@ class SnapshotCache:
             meta.tier, meta.nbytes = RAM, len(data)
         return data
 
-    def contains(self, tokens: Sequence[int], kind: str = REC) -> bool:
-        """Whether an entry of `kind` for exactly `tokens` is stored (in any tier)."""
+    def contains(self, tokens: Sequence[int], kind: str = REC, *, salt: str = "") -> bool:
+        """Whether an entry of `kind` for exactly `tokens` is stored under `salt` (in any tier)."""
         with self._lock:
-            return self._tree.find(tokens, kind) is not None
+            tree = self._trees.get(salt_id(salt))
+            return tree is not None and tree.find(tokens, kind) is not None
 
     # ------------------------------------------------------------------ insert and evict
 
-    def put(self, tokens: Sequence[int], kind: str, data: bytes, boundary: bool = True) -> bool:
-        """Store an entry of `kind` for exactly `tokens` in RAM (replacing one at the same prefix).
+    def put(self, tokens: Sequence[int], kind: str, data: bytes, boundary: bool = True, *, salt: str = "") -> bool:
+        """Store an entry of `kind` for exactly `tokens` under `salt` in RAM (replacing one at the same prefix).
 
         boundary: False for checkpoints at the end of a request (end of prompt, after generation), which
         `_drop_superseded` may drop with their branch; True for template boundaries and interval checkpoints.
@@ -185,22 +243,26 @@ class SnapshotCache:
             if nbytes > self.budget_bytes:
                 self._stats.rejected_too_large += 1
                 return False
-            old = self._tree.find(tokens, kind)
+            sid = salt_id(salt)
+            if not tokens:
+                raise ValueError("cannot store a snapshot of an empty prefix")
+            tree = self._trees.get(sid)
+            old = tree.find(tokens, kind) if tree is not None else None
             if old is not None:
                 self._forget(old)
             if not self._make_room(nbytes, set()):
                 return False
             if kind == KV:
-                self._drop_superseded(tokens)
+                self._drop_superseded(tokens, sid)
             eid = next(self._ids)
-            self._tree.insert(tokens, kind, eid)
-            self._meta[eid] = _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens), boundary)
+            self._tree(sid).insert(tokens, kind, eid)
+            self._meta[eid] = _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens, sid), boundary, sid)
             self._ram[eid] = data
             self._ram_bytes += nbytes
             self._stats.inserts += 1
             return True
 
-    def _drop_superseded(self, tokens: Sequence[int]) -> None:
+    def _drop_superseded(self, tokens: Sequence[int], sid: str) -> None:
         """Before storing KV for `tokens`: drop the KV entries it supersedes.
 
         KV is prefix-closed, so a KV entry on the same path is covered outright. A KV entry E on another branch
@@ -209,10 +271,13 @@ class SnapshotCache:
         prompt typically renders differently). E goes, with the end checkpoints in its tail, which no KV would
         cover any more; should that branch come back, it is prefilled from its last boundary checkpoint.
         """
-        for eid in [e for e, m in self._meta.items() if m.kind == KV]:
-            other = self._tree.tokens_of(eid)
+        tree = self._tree(sid)
+        for eid in [e for e, m in self._meta.items() if m.kind == KV and m.salt == sid]:
+            other = tree.tokens_of(eid)
             branch = common_len(other, tokens)
-            tail = [n.rec for n in self._tree.path(other) if n.depth > branch and n.rec is not None]
+            if self.truncatable and branch < len(other):
+                continue  # its own branch is restorable at every token: keep it
+            tail = [n.rec for n in tree.path(other) if n.depth > branch and n.rec is not None]
             if any(self._meta[r].boundary for r in tail):
                 continue
             for r in tail:
@@ -227,7 +292,7 @@ class SnapshotCache:
             candidates = {e: (self._meta[e].nbytes, self._meta[e].last_used) for e in self._ram if e not in pinned}
             if not candidates:
                 return False
-            self._evict(self.policy.victim(self._tree, candidates))
+            self._evict(min(candidates, key=lambda e: self.policy.priority(self._tree_of(e), e, *candidates[e])))
         return True
 
     def _evict(self, eid: int) -> None:
@@ -235,31 +300,44 @@ class SnapshotCache:
         data = self._ram.pop(eid)
         self._ram_bytes -= len(data)
         self._stats.evictions += 1
-        if self.disk is not None and self.disk.put(meta.key, self._tree.tokens_of(eid), _DISK_KIND[meta.kind], data):
+        tree = self._tree_of(eid)
+        if self.disk is not None and self.disk.put(meta.key, tree.tokens_of(eid), _DISK_KIND[meta.kind], data):
             meta.tier = DISK
             self._stats.spills += 1
         else:
-            self._tree.remove(eid)
+            self._remove_from_tree(eid, tree)
             del self._meta[eid]
             self._stats.dropped += 1
 
+    def _remove_from_tree(self, eid: int, tree: RadixTree) -> None:
+        tree.remove(eid)
+        sid = self._meta[eid].salt
+        if sid and not len(tree):
+            del self._trees[sid]  # an idle salt leaves nothing behind
+
     def _forget(self, eid: int) -> None:
-        meta = self._meta.pop(eid)
+        meta = self._meta[eid]
         if meta.tier == RAM:
             self._ram_bytes -= len(self._ram.pop(eid))
         if self.disk is not None:  # a promoted entry keeps its disk copy: delete it too
             self.disk.delete(meta.key)
-        self._tree.remove(eid)
+        self._remove_from_tree(eid, self._tree_of(eid))
+        del self._meta[eid]
 
     def _index_disk(self) -> None:
         n = 0
         for info in self.disk.entries():
             kind = _FROM_DISK_KIND.get(info.kind)
-            if kind is None or not info.tokens or self._tree.find(info.tokens, kind) is not None:
+            sid = _salt_of_key(info.key)
+            if kind is None or not info.tokens or disk_key(kind, info.tokens, sid) != info.key:
+                log.warning("snapshot %s on disk does not match its key (kind, salt or tokens); deleted", info.key)
+                self.disk.delete(info.key)
+                continue
+            if self._tree(sid).find(info.tokens, kind) is not None:
                 continue
             eid = next(self._ids)
-            self._tree.insert(info.tokens, kind, eid)
-            self._meta[eid] = _Meta(kind, info.nbytes, DISK, 0, info.key)
+            self._tree(sid).insert(info.tokens, kind, eid)
+            self._meta[eid] = _Meta(kind, info.nbytes, DISK, 0, info.key, True, sid)
             n += 1
         if n:
             log.info("snapshot cache: indexed %d entries from the disk tier", n)
@@ -287,13 +365,26 @@ class SnapshotCache:
     def entries(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(kind, tier, tokens) of every entry (for tests and diagnostics)."""
         with self._lock:
-            return [(m.kind, m.tier, self._tree.tokens_of(e)) for e, m in self._meta.items()]
+            return [(m.kind, m.tier, self._tree_of(e).tokens_of(e)) for e, m in self._meta.items()]
+
+    def salts(self) -> dict[str, int]:
+        """Entries per salt id ("" = unsalted), for tests and diagnostics."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for m in self._meta.values():
+                out[m.salt] = out.get(m.salt, 0) + 1
+            return out
 
     def check(self) -> None:
         """Recount from scratch and compare with the incremental counters (for tests)."""
         with self._lock:
-            self._tree.check()
-            assert set(self._meta) == set(self._tree.ids())
+            ids: set[int] = set()
+            for sid, tree in self._trees.items():
+                tree.check()
+                tree_ids = set(tree.ids())
+                assert all(self._meta[e].salt == sid for e in tree_ids), "entry in another salt's tree"
+                ids |= tree_ids
+            assert set(self._meta) == ids
             assert set(self._ram) == {e for e, m in self._meta.items() if m.tier == RAM}
             assert self._ram_bytes == sum(len(d) for d in self._ram.values()) <= self.budget_bytes
 

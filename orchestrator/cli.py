@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -30,11 +31,34 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _at_least(lo: int):
+    def check(text: str) -> int:
+        value = int(text)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+        return value
+
+    return check
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be between 1 and 65535, got {value}")
     return value
+
+
+def _api_key(text: str) -> str:
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError("must be non-empty, without leading or trailing spaces")
+    return text
 
 
 def _existing_file(text: str) -> Path:
@@ -50,7 +74,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("-m", "--model", type=Path, help="GGUF file (default: the synthetic qwen3.5-0.8b, random weights)")
     p.add_argument("--host", default=d.host, help=f"bind address (default {d.host})")
     p.add_argument("--port", type=_port, default=d.port, help=f"port (default {d.port})")
-    p.add_argument("-c", "--ctx-size", type=_positive, default=d.ctx_size, help=f"context size in tokens (default {d.ctx_size})")
+    p.add_argument("-c", "--ctx-size", type=_positive, default=d.ctx_size,
+                   help=f"context size per slot in tokens (default {d.ctx_size})")
+    p.add_argument("-np", "--parallel", type=_positive, default=d.parallel,
+                   help=f"slots: requests served at once, each with its own sequence (default {d.parallel})")
+    p.add_argument("--queue-size", type=_non_negative, default=d.queue_size,
+                   help=f"requests that may wait for a slot; more get HTTP 429 (default {d.queue_size})")
+    p.add_argument("--timeout", type=_non_negative_float, default=d.timeout, metavar="SECONDS",
+                   help=f"most seconds a request may take, queue wait included; 0 = no limit (default {d.timeout:g})")
+    p.add_argument("--prefill-chunk", type=_at_least(3), default=d.prefill_chunk, metavar="N",
+                   help=f"prompt tokens prefilled between two decode steps of other slots (default {d.prefill_chunk})")
+    p.add_argument("--decode-batching", choices=["auto", "on", "off"], default=d.decode_batching,
+                   help="one llama_decode for all generating slots: auto = only when measured bit-identical to "
+                        "decoding alone on this model (default auto)")
     p.add_argument("-b", "--batch-size", type=_positive, default=d.batch_size,
                    help=f"n_batch: most tokens per llama_decode; prefill is chunked to it (default {d.batch_size})")
     p.add_argument("-t", "--threads", type=_positive, default=d.threads, help=f"CPU threads (default {d.threads})")
@@ -71,6 +107,16 @@ def _serve_parser(sub) -> None:
                    help=f"completion budget when a request sets none (default {d.max_tokens_default})")
     p.add_argument("--use-extra-bufts", action="store_true",
                    help="enable llama.cpp CPU weight repacking (crashes Q4_K_M prefill on some CPUs; off by default)")
+    p.add_argument("--api-key", type=_api_key, default=os.environ.get("ORCHESTRATOR_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health, and enable cache "
+                        "administration (default: $ORCHESTRATOR_API_KEY; none = no authentication, no "
+                        "administration). Prefer the environment variable: arguments show in `ps`")
+    p.add_argument("--max-body-size", type=_positive, default=d.max_body_mib, metavar="MiB",
+                   help=f"largest request body accepted, MiB (default {d.max_body_mib}; 413 above)")
+    p.add_argument("--max-messages", type=_positive, default=d.max_messages, metavar="N",
+                   help=f"most messages in one chat request (default {d.max_messages}; 400 above)")
+    p.add_argument("--max-tokens-limit", type=_positive, default=d.max_tokens_limit, metavar="N",
+                   help=f"most completion tokens a request may ask for (default {d.max_tokens_limit}; 400 above)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -79,11 +125,23 @@ def _config(a: argparse.Namespace) -> Config:
                  threads=a.threads, model_alias=a.alias, chat_template=a.chat_template_file,
                  max_tokens_default=a.max_tokens, use_extra_bufts=a.use_extra_bufts,
                  cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk,
-                 checkpoint_interval=a.checkpoint_interval)
+                 checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
+                 timeout=a.timeout, prefill_chunk=a.prefill_chunk, decode_batching=a.decode_batching,
+                 calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
+                 api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
+                 max_tokens_limit=a.max_tokens_limit)
     if a.cache_ram is not None:
         cfg.cache_ram_mib = a.cache_ram
     cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0
     return cfg
+
+
+def bind_warning(cfg: Config) -> str | None:
+    """The warning to log when the server listens beyond loopback without an API key, else None."""
+    if cfg.host in ("127.0.0.1", "localhost", "::1") or cfg.api_key is not None:
+        return None
+    return (f"listening on {cfg.host} without --api-key: the API has no authentication; anyone who can reach it "
+            f"can use it (set ORCHESTRATOR_API_KEY or --api-key)")
 
 
 def serve(cfg: Config, log_level: str = "info") -> int:
@@ -105,8 +163,9 @@ def serve(cfg: Config, log_level: str = "info") -> int:
     except (OrchestratorError, ValueError) as e:
         log.error("%s", getattr(e, "message", e))
         return 2
-    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s: the API has no authentication; anyone who can reach it can use it", cfg.host)
+    warning = bind_warning(cfg)
+    if warning:
+        log.warning("%s", warning)
     try:
         uvicorn.run(create_app(rt), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False)
     finally:
@@ -119,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     p = sub.add_parser("synth-model", help="write a random-weight Qwen3.5-shaped GGUF (no download needed)")
-    p.add_argument("--preset", required=True, choices=["tiny", "qwen3.5-0.8b"])
+    p.add_argument("--preset", required=True, choices=["tiny", "tiny-q4", "tiny-attn", "qwen3.5-0.8b"])
     p.add_argument("--out", type=Path, help="output GGUF (default: build once into the user cache and print its path)")
     a = parser.parse_args(argv)
     level = getattr(a, "log_level", "info").upper()

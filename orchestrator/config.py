@@ -29,7 +29,7 @@ class Config:
     model: Path | None = None  # GGUF path; None = the synthetic qwen3.5-0.8b preset (random weights)
     host: str = "127.0.0.1"
     port: int = 8080
-    ctx_size: int = 8192  # n_ctx of the llama.cpp context, tokens
+    ctx_size: int = 8192  # n_ctx per slot, tokens (the llama.cpp context holds parallel * ctx_size)
     batch_size: int = 512  # n_batch: the most tokens one llama_decode call takes (prefill is chunked to it)
     threads: int = field(default_factory=lambda: max(1, psutil.cpu_count(logical=False) or 1))
     cache_ram_mib: int = field(default_factory=default_cache_ram_mib)  # snapshot LRU budget, MiB
@@ -42,7 +42,21 @@ class Config:
     max_tokens_default: int = 512  # completion budget when a request gives none
     use_extra_bufts: bool = False  # llama.cpp CPU weight repacking; see engine.ModelLoadOptions
     seed: int = 0xC0FFEE  # default sampling seed when a request gives none
+    parallel: int = 4  # slots: requests served at once (sequences of one llama.cpp context)
+    queue_size: int = 64  # requests waiting for a slot before new ones get HTTP 429
+    timeout: float = 600.0  # seconds a request may take from arrival to its last token (0 = no limit)
+    prefill_chunk: int = 128  # prompt tokens prefilled between two decode steps while other slots generate
+    decode_batching: str = "auto"  # "auto": batch slots' decode steps when bit-identical to alone; "on"; "off"
+    calibration_file: Path | None = None  # where measured kernel facts are kept across restarts; None: re-measure
+    api_key: str | None = None  # Bearer key required on every endpoint but /health; None = no authentication
+    max_body_mib: int = 16  # largest request body accepted, MiB (413 above)
+    max_messages: int = 4096  # most messages in one chat request (400 above)
+    max_tokens_limit: int = 32768  # most completion tokens a request may ask for (400 above)
 
     @property
     def cache_ram_bytes(self) -> int:
         return self.cache_ram_mib * MiB
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.max_body_mib * MiB

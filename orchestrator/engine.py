@@ -13,9 +13,11 @@ batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-
     changes the logits (max |Δ| 2e-4 on tiny, 0.18 on the random 0.8b). With flash attention off, KQ and KQV
     are plain matmuls and any split into ubatches of >= 2 tokens is bit-identical (25 random splits, 0
     differences), at the same prefill speed (315 vs 311 tokens/s at 2,000 tokens on the 0.8b preset).
-  * a one-token ubatch still differs from the same token inside a larger ubatch (other matmul and Gated
-    DeltaNet graph paths), so `decode` never cuts a chunk of one token out of a longer run, and the scheduler
-    never stores or restores a state that came from one-token decoding.
+  * a short ubatch still differs from the same tokens inside a larger one: one token always (other matmul and
+    Gated DeltaNet graph paths), and on quantized models anything under 8 tokens (other ggml-cpu matmul
+    kernels; max |Δlogit| 0.23 on the 0.8b). The threshold depends on the weight types and the CPU, so it is
+    measured at start (`measure_min_segment`): `decode` never cuts a chunk shorter than `min_segment` out of a
+    longer run, and the scheduler never stores or restores a state that a shorter segment produced.
 The engine therefore creates contexts with flash attention disabled unless told otherwise.
 
 CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AVX-512/AMX
@@ -91,9 +93,10 @@ class Sampler:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
         self._chain = chain
 
-    def sample(self, ctx) -> int:
-        """Sample from the logits of the last token decoded with logits on (llama_sampler_sample, idx -1)."""
-        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, -1))
+    def sample(self, ctx, idx: int = -1) -> int:
+        """Sample from the logits of batch index `idx` of the last llama_decode (-1: its last token with logits
+        on), with llama_sampler_sample (which also accepts the token into the chain)."""
+        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, idx))
 
     def close(self) -> None:
         if self._chain is not None:
@@ -111,12 +114,14 @@ class Engine:
         n_threads: CPU threads for decode and prefill.
         use_extra_bufts: llama.cpp CPU weight repacking (see the module docstring; off by default).
         flash_attn: use flash attention (off by default: see "Numerics" in the module docstring).
+        min_segment: the shortest bit-exact prefill ubatch if already measured for this model and CPU (see
+            `measure_min_segment`, which runs when it is None: a few seconds on a 0.8B model).
     Raises ModelLoadError when the file is missing or llama.cpp cannot load it.
     """
 
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
                  use_extra_bufts: bool = False, n_seq_max: int = 1,
-                 flash_attn: bool = False) -> None:
+                 flash_attn: bool = False, min_segment: int | None = None) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -136,6 +141,9 @@ class Engine:
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch  # one llama_decode call = one ubatch: chunk_sizes() controls the split
         cparams.n_seq_max = n_seq_max
+        # One KV stream per sequence: a sequence's attention never sees other sequences' cells, so its numerics
+        # do not depend on what the other slots hold (llama_context: n_ctx_seq = n_ctx / n_seq_max).
+        cparams.kv_unified = False
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -158,7 +166,16 @@ class Engine:
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
-        self.split_layout = self._check_split_layout()
+        # Pure attention (no recurrent layers, no sliding window): the state is KV only, and any prefix of a
+        # sequence is restored by truncating its KV (llama_memory_seq_rm), so no checkpoints are needed.
+        # Hybrid (Qwen3.5) and sliding-window (Gemma 3) models need a PARTIAL_ONLY checkpoint at the restored
+        # position: the recurrent state, or the window's KV (llama_kv_cache_iswa::state_write).
+        self.truncatable = not (llama_cpp.llama_model_is_recurrent(self.model)
+                                or llama_cpp.llama_model_is_hybrid(self.model)
+                                or llama_cpp.llama_model_n_swa(self.model) > 0)
+        self.min_segment = 2  # until measured: chunk_sizes never makes one-token chunks
+        self.split_layout = False if self.truncatable else self._check_split_layout()
+        self.min_segment = min_segment if min_segment is not None else self.measure_min_segment()
 
     # ---------------------------------------------------------------- metadata and vocab
 
@@ -233,13 +250,13 @@ class Engine:
 
     def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
         """Decode `tokens` at positions pos.. for sequence `seq`, in chunks of at most n_batch tokens and, unless
-        `tokens` is a single token, at least two (see "Numerics").
+        `tokens` is shorter, at least `min_segment` (see "Numerics").
 
         Logits are kept for the last token only (when want_logits). Raises EngineError when llama_decode fails
         (e.g. no KV slot); the sequence's state is then unspecified and the caller must clear it.
         """
         b = self._batch
-        for start, n in chunk_sizes(len(tokens), self.n_batch):
+        for start, n in chunk_sizes(len(tokens), self.n_batch, self.min_segment):
             chunk = tokens[start:start + n]
             for i, tok in enumerate(chunk):
                 b.token[i] = tok
@@ -255,9 +272,104 @@ class Engine:
                 raise EngineError(f"llama_decode failed with code {rc} at position {pos + start} "
                                   f"({n} tokens; context {self.n_ctx})")
 
-    def logits(self) -> np.ndarray:
-        """Copy of the logits of the last token decoded with logits on: float32, shape (n_vocab,)."""
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+    def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
+        """One decode step for several sequences in one llama_decode call: `items` are (seq, token, pos), at most
+        one per sequence, at most n_batch. Logits are kept for every item; item i's are at batch index i
+        (`logits(i)`, `Sampler.sample(ctx, i)`).
+
+        Pass items in increasing seq order: with a per-sequence KV cache llama.cpp packs consecutive sequence ids
+        into one ubatch (llama_batch_allocr::split_equal, sequential mode). Whether the result equals decoding
+        each sequence alone depends on the model's weight types: see `check_batch_invariance`. Raises
+        EngineError when llama_decode fails (the sequences' states are then unspecified).
+        """
+        if not 0 < len(items) <= self.n_batch:
+            raise ValueError(f"a decode step takes 1..{self.n_batch} items, got {len(items)}")
+        b = self._batch
+        for i, (seq, tok, pos) in enumerate(items):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1
+        b.n_tokens = len(items)
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
+
+    def measure_min_segment(self, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24)) -> int:
+        """The fewest tokens a prefill ubatch may have for its result to be bit-identical to the same tokens
+        inside one larger ubatch: the smallest tested size above every size that differed.
+
+        Prefills a 56-token prompt whole, then split into a short segment at its start or its end for each size,
+        and compares the last logits. Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): 2 for the F16
+        tiny preset; 8 for Q4_K_M models (tiny-q4, the 0.8b: max |Δlogit| 0.23 with 2..7 tokens; Gemma 3 270M:
+        1.2), where ggml-cpu takes other matmul kernels for fewer than 8 rows. The thresholds differ by CPU
+        (llamafile sgemm: n < 2, 4 or 8 depending on the ISA), hence a measurement at start. Uses and clears
+        sequence 0; raises EngineError if even the largest size differs.
+        """
+        n = min(2 * max(sizes) + 8, self.n_batch)  # the reference must be one ubatch
+        sizes = [m for m in sizes if 2 * m + 8 <= n] or [2]
+        tokens = [1000 + (37 * i) % 5000 for i in range(n)]
+        try:
+            self.clear(0)
+            self.decode(0, tokens, 0)
+            ref = self.logits()
+            worst = 0
+            for m in sizes:
+                for cut in (m, n - m):
+                    self.clear(0)
+                    self.decode(0, tokens[:cut], 0, want_logits=False)
+                    self.decode(0, tokens[cut:], cut)
+                    if not np.array_equal(self.logits(), ref):
+                        worst = max(worst, m)
+            above = [m for m in sizes if m > worst]
+            if not above:
+                raise EngineError(f"prefill splits into segments of up to {max(sizes)} tokens change the logits on "
+                                  f"this model and CPU; prefix reuse cannot be exact here (run with --no-cache)")
+            return min(above)
+        finally:
+            self.clear(0)
+
+    def check_batch_invariance(self) -> bool:
+        """Whether a decode step batched over sequences gives, for each sequence, bit-identical logits to the
+        same token decoded alone, at every batch width from 2 to n_seq_max. Clears the sequences it uses.
+
+        Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): true up to 7 rows for the K-quant synthetic
+        models (per-row dot products whatever the width), false from 8 rows (the kernels that make prefill fast:
+        max |Δlogit| 0.14 on the 0.8b), and false at any width for the F16 tiny preset (another matmul path for
+        more than one row: 8e-4). So it is measured on the served model, for the configured number of slots.
+        """
+        k = self.n_seq_max
+        if k < 2:
+            return False
+        prompts = [[1000 + 7 * s + i for i in range(4)] for s in range(k)]
+        nxt = [2000 + s for s in range(k)]
+        try:
+            alone = []
+            for s in range(k):
+                self.clear(s)
+                self.decode(s, prompts[s], 0, want_logits=False)
+                self.decode(s, [nxt[s]], len(prompts[s]))
+                alone.append(self.logits())
+                self.clear(s)
+            for width in range(2, k + 1):
+                for s in range(width):
+                    self.decode(s, prompts[s], 0, want_logits=False)
+                self.decode_step([(s, nxt[s], len(prompts[s])) for s in range(width)])
+                same = all(np.array_equal(self.logits(i), alone[i]) for i in range(width))
+                for s in range(width):
+                    self.clear(s)
+                if not same:
+                    return False
+            return True
+        finally:
+            for s in range(k):
+                self.clear(s)
+
+    def logits(self, idx: int = -1) -> np.ndarray:
+        """Copy of the logits at batch index `idx` of the last llama_decode (-1: its last token with logits on):
+        float32, shape (n_vocab,)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, idx)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     # ---------------------------------------------------------------- sequence state
@@ -288,26 +400,30 @@ class Engine:
 
         llama.cpp writes a full state as header + attention part + recurrent part, and a PARTIAL_ONLY state as
         the same header + the recurrent part (llama_memory_hybrid::state_write); `split_layout` is checked on
-        this build at start. Without it, `kv` is the whole full state.
+        this build at start. Without it, `kv` is the whole full state. On a `truncatable` model: (full state, b"").
         """
         full = self.save_state(seq)
+        if self.truncatable:
+            return full, b""
         if not self.split_layout:
             return full, self.save_checkpoint(seq)
         body = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL) - _HEADER
         return full[_HEADER:len(full) - body], full[:_HEADER] + full[len(full) - body:]
 
-    def restore(self, seq: int, n_tokens: int, kv: bytes | None, checkpoint: bytes) -> None:
+    def restore(self, seq: int, n_tokens: int, kv: bytes | None, checkpoint: bytes | None) -> None:
         """Bring sequence `seq` to the state after its first `n_tokens` tokens.
 
         kv: stored attention KV covering at least n_tokens (from save_parts), or None to keep the sequence's own
         KV (it must hold those tokens). checkpoint: the recurrent checkpoint taken at n_tokens. Order matters on
         a hybrid memory: load the KV, then the checkpoint, then truncate the KV with llama_memory_seq_rm(seq,
-        n_tokens, -1), which fails before the checkpoint is loaded. Raises EngineError (sequence cleared).
+        n_tokens, -1), which fails before the checkpoint is loaded. On a `truncatable` model the checkpoint is
+        ignored (pass None): the KV is truncated. Raises EngineError (sequence cleared).
         """
         if kv is not None:
             full = checkpoint[:_HEADER] + kv + checkpoint[_HEADER:] if self.split_layout else kv
             self._set(seq, full, 0, clear=True)
-        self._set(seq, checkpoint, PARTIAL, clear=False)
+        if not self.truncatable:
+            self._set(seq, checkpoint, PARTIAL, clear=False)
         if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
             self.clear(seq)
             raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")
@@ -324,6 +440,21 @@ class Engine:
     def pos_max(self, seq: int) -> int:
         """Last position held by `seq` (llama_memory_seq_pos_max), -1 when empty."""
         return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
+
+    def state_sizes(self) -> tuple[int, int]:
+        """(recurrent state bytes per sequence, KV bytes per token) as llama.cpp serialises them
+        (llama_state_seq_get_size_ext at 2 and 4 tokens). Memory per slot is about rec + n_ctx * kv_per_token.
+        Uses and clears sequence 0."""
+        tok = max(self.bos_id, 0)
+        try:
+            self.decode(0, [tok] * 2, 0, want_logits=False)
+            two = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
+            rec = 0 if self.truncatable else llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, PARTIAL) - _HEADER
+            self.decode(0, [tok] * 2, 2, want_logits=False)
+            four = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
+            return rec, (four - two) // 2
+        finally:
+            self.clear(0)
 
     def _check_split_layout(self) -> bool:
         """Whether a full state is header + KV part + the checkpoint's body (see save_parts)."""
@@ -343,20 +474,24 @@ class Engine:
             self.ctx = None
 
 
-def chunk_sizes(n_tokens: int, n_batch: int) -> list[tuple[int, int]]:
-    """(start, size) chunks covering n_tokens, each <= n_batch and >= 2 tokens unless n_tokens == 1.
+def chunk_sizes(n_tokens: int, n_batch: int, min_chunk: int = 2) -> list[tuple[int, int]]:
+    """(start, size) chunks covering n_tokens, each <= n_batch and >= min_chunk tokens unless n_tokens itself is
+    shorter (then one chunk).
 
     >>> chunk_sizes(513, 512)
     [(0, 511), (511, 2)]
+    >>> chunk_sizes(515, 512, 8)
+    [(0, 507), (507, 8)]
     """
-    if n_batch < 3:
-        raise ValueError("n_batch must be at least 3 tokens")
+    if n_batch < 2 * min_chunk - 1 or min_chunk < 1:
+        raise ValueError(f"n_batch ({n_batch}) must be at least 2 * min_chunk - 1 ({2 * min_chunk - 1})")
     chunks = []
     start = 0
     while start < n_tokens:
         size = min(n_batch, n_tokens - start)
-        if n_tokens - start - size == 1:  # never leave a one-token tail
-            size -= 1
+        tail = n_tokens - start - size
+        if 0 < tail < min_chunk:  # never leave a tail shorter than min_chunk
+            size -= min_chunk - tail
         chunks.append((start, size))
         start += size
     return chunks

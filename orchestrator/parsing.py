@@ -1,6 +1,8 @@
-"""Qwen3.5 output parsing: <think>…</think> to reasoning_content, <tool_call> blocks to tool_calls.
+"""Output parsing: reasoning to reasoning_content, tool-call blocks to tool_calls, per template family.
 
-Qwen3.5's tool-call format (from its chat template, which also renders it back in history):
+The syntax of each family (reasoning tags, where tool calls start, how they parse) is an `OutputFormat` from
+orchestrator/formats.py, chosen from the chat template; gpt-oss's harmony channels are parsed by
+orchestrator/harmony.py. The default is Qwen3.5's format:
 
     <tool_call>
     <function=get_weather>
@@ -10,22 +12,15 @@ Qwen3.5's tool-call format (from its chat template, which also renders it back i
     </function>
     </tool_call>
 
-A parameter value that parses as JSON (number, object, list, true/false/null) is kept as that value, otherwise
-it is a string. `arguments` is returned as a JSON string, as OpenAI does.
+`arguments` is returned as a JSON string, as OpenAI does.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from dataclasses import dataclass, field
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-CALL_OPEN = "<tool_call>"
-_CALL_RE = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
-_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-
+from .formats import HARMONY, QWEN35, OutputFormat
+from .harmony import HarmonyStreamParser, parse_harmony
 
 @dataclass
 class ParsedOutput:
@@ -36,55 +31,62 @@ class ParsedOutput:
     tool_calls: list[dict] = field(default_factory=list)
 
 
-def _value(raw: str):
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
+def _first_start(text: str, fmt: OutputFormat) -> int:
+    found = [i for i in (text.find(m) for m in fmt.call_starts) if i >= 0]
+    return min(found) if found else -1
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split `text` into the content before the first <tool_call> and the parsed calls.
+def parse_tool_calls(text: str, fmt: OutputFormat = QWEN35) -> tuple[str, list[dict]]:
+    """Split `text` into the content before the first tool call and the parsed calls.
 
     Text that starts a tool call but does not complete one stays in the content (nothing is invented).
     """
-    calls = []
-    for m in _CALL_RE.finditer(text):
-        args = {name.strip(): _value(val) for name, val in _PARAM_RE.findall(m.group(2))}
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": m.group(1).strip(), "arguments": json.dumps(args, ensure_ascii=False)}})
+    i = _first_start(text, fmt)
+    calls = fmt.parse_calls(text[i:]) if i >= 0 else []
     if not calls:
         return text, []
-    return text[: text.find(CALL_OPEN)].rstrip("\n"), calls
+    return text[:i].rstrip("\n"), calls
 
 
-def split_reasoning(text: str, opens_reasoning: bool) -> tuple[str | None, str]:
-    """(reasoning, rest). `opens_reasoning`: the prompt ended inside an open <think> block."""
+def split_reasoning(text: str, opens_reasoning: bool, think: tuple[str, str] | None = QWEN35.think
+                    ) -> tuple[str | None, str]:
+    """(reasoning, rest). `opens_reasoning`: the prompt ended inside an open reasoning block. `think`: the
+    format's (open, close) tags; None: no reasoning."""
+    if think is None:
+        return None, text.strip("\n")
+    think_open, think_close = think
     if opens_reasoning:
-        if THINK_CLOSE in text:
-            reasoning, rest = text.split(THINK_CLOSE, 1)
+        if think_close in text:
+            reasoning, rest = text.split(think_close, 1)
             return reasoning.strip("\n"), rest.strip("\n")
         return text.strip("\n"), ""  # cut off while thinking
-    if text.lstrip().startswith(THINK_OPEN):
-        return split_reasoning(text.lstrip()[len(THINK_OPEN):], True)
+    if text.lstrip().startswith(think_open):
+        return split_reasoning(text.lstrip()[len(think_open):], True, think)
     return None, text.strip("\n")
 
 
-def parse_output(text: str, opens_reasoning: bool, parse_tools: bool = True) -> ParsedOutput:
-    """Parse a whole completion. Reasoning and content lose leading and trailing newlines (the template puts
-    them around both), so the streamed pieces of `StreamParser` add up to the same strings."""
-    reasoning, rest = split_reasoning(text, opens_reasoning)
-    content, calls = parse_tool_calls(rest) if parse_tools else (rest, [])
+def parse_output(text: str, opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35
+                 ) -> ParsedOutput:
+    """Parse a whole completion in format `fmt`. Reasoning and content lose leading and trailing newlines (the
+    templates put them around both), so the streamed pieces of `StreamParser` add up to the same strings."""
+    if fmt is HARMONY:
+        return ParsedOutput(*parse_harmony(text, parse_tools))
+    reasoning, rest = split_reasoning(text, opens_reasoning, fmt.think)
+    content, calls = parse_tool_calls(rest, fmt) if parse_tools else (rest, [])
     return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls)
 
 
 class StreamParser:
     """Routes streamed text deltas to ("reasoning", s) / ("content", s) pieces; holds tool-call text back.
 
-    Tool calls are parsed once at the end (`finish`), from everything after the first <tool_call>.
+    Tool calls are parsed once at the end (`finish`), from everything after the first call-start marker of
+    `fmt`. For harmony, use `make_stream_parser`.
     """
 
-    def __init__(self, opens_reasoning: bool, parse_tools: bool = True) -> None:
+    def __init__(self, opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35) -> None:
+        self.fmt = fmt
+        self.think_open, self.think_close = fmt.think or ("", "")
+        opens_reasoning = opens_reasoning and fmt.think is not None
         self.in_reasoning = opens_reasoning
         self.parse_tools = parse_tools
         self.buf = ""  # text not yet routed (could be the start of a tag)
@@ -92,7 +94,7 @@ class StreamParser:
         self.in_tools = False
         self._held = ""  # trailing newlines not emitted yet
         self._started = False  # the current section has emitted text
-        self._may_open_think = not opens_reasoning
+        self._may_open_think = not opens_reasoning and fmt.think is not None
         self.saw_reasoning = opens_reasoning
 
     def push(self, delta: str) -> list[tuple[str, str]]:
@@ -100,20 +102,21 @@ class StreamParser:
         out: list[tuple[str, str]] = []
         if self._may_open_think:  # a completion may itself open with <think>
             head = self.buf.lstrip()
-            if len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head):
+            if len(head) < len(self.think_open) and self.think_open.startswith(head):
                 return out
             self._may_open_think = False
-            if head.startswith(THINK_OPEN):
+            if head.startswith(self.think_open):
                 self.in_reasoning = True
                 self.saw_reasoning = True
-                self.buf = head[len(THINK_OPEN):]
+                self.buf = head[len(self.think_open):]
         while self.buf:
             if self.in_tools:
                 self.tool_text += self.buf
                 self.buf = ""
                 break
-            tag = THINK_CLOSE if self.in_reasoning else (CALL_OPEN if self.parse_tools else None)
-            i = self.buf.find(tag) if tag else -1
+            tags = (self.think_close,) if self.in_reasoning else (self.fmt.call_starts if self.parse_tools else ())
+            found = [(j, t) for t in tags if (j := self.buf.find(t)) >= 0]
+            i, tag = min(found) if found else (-1, "")
             if i >= 0:
                 if self.in_reasoning:
                     self._end_section(out, self.buf[:i])
@@ -124,9 +127,9 @@ class StreamParser:
                     self.in_reasoning = False
                 else:
                     self.in_tools = True
-                    self.tool_text = CALL_OPEN
+                    self.tool_text = tag
                 continue
-            keep = _partial_suffix(self.buf, tag) if tag else 0
+            keep = max((_partial_suffix(self.buf, t) for t in tags), default=0)
             self._emit(out, self.buf[: len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
             break
@@ -153,7 +156,7 @@ class StreamParser:
         """Flush held text; returns the last pieces and the tool calls."""
         out: list[tuple[str, str]] = []
         if self.in_tools:
-            _, calls = parse_tool_calls(self.tool_text + self.buf)
+            _, calls = parse_tool_calls(self.tool_text + self.buf, self.fmt)
             if not calls:
                 self._end_section(out, self.tool_text + self.buf)
             return out, calls
@@ -167,3 +170,10 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
+
+
+def make_stream_parser(opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35):
+    """A streaming parser for `fmt`: push(delta) -> [(kind, text)], finish() -> ([(kind, text)], tool_calls)."""
+    if fmt is HARMONY:
+        return HarmonyStreamParser(parse_tools)
+    return StreamParser(opens_reasoning, parse_tools, fmt)

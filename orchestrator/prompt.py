@@ -7,11 +7,14 @@ template did not write it).
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from .boundaries import Boundaries, BoundaryDetector, detect
 from .engine import Engine
+from .formats import OutputFormat, detect_format
 from .template import ChatTemplate, templates_dir
 
 
@@ -32,41 +35,70 @@ class Prompt:
         return self.boundaries.positions(len(self.tokens)) if self.boundaries else []
 
 
+log = logging.getLogger("orchestrator.prompt")
+
+FALLBACK_TEMPLATES = {"gemma3": "gemma3.jinja"}  # GGUF architecture -> templates/ file; default qwen3.5.jinja
+
+
 def load_template(engine: Engine, override_path=None) -> ChatTemplate:
-    """The chat template: `override_path`, else the GGUF's, else the project's Qwen3.5 template."""
+    """The chat template: `override_path`, else the GGUF's, else the project's template for the model's
+    architecture (templates/gemma3.jinja for Gemma 3, whose small GGUFs often ship without one; Google's
+    published Gemma 3 template), else templates/qwen3.5.jinja."""
     info = engine.info
     if override_path is not None:
         source = open(override_path, encoding="utf-8").read()
     elif info.chat_template:
         source = info.chat_template
     else:
-        source = (templates_dir() / "qwen3.5.jinja").read_text(encoding="utf-8")
+        name = FALLBACK_TEMPLATES.get(info.architecture, "qwen3.5.jinja")
+        log.warning("%s has no chat template; using templates/%s (--chat-template-file overrides it)",
+                    info.path.name, name)
+        source = (templates_dir() / name).read_text(encoding="utf-8")
     return ChatTemplate(source, bos_token=info.bos_text, eos_token=info.eos_text)
 
 
 class PromptBuilder:
-    """Renders and tokenizes chat and plain-text prompts for one engine."""
+    """Renders and tokenizes chat and plain-text prompts for one engine. `output_format`: how replies to its
+    chat prompts are parsed (reasoning, tool calls), detected from the template's family."""
 
     def __init__(self, engine: Engine, template: ChatTemplate) -> None:
         self.engine = engine
         self.template = template
-        self.detector = BoundaryDetector(template, engine.info.eot_text)
+        self.output_format: OutputFormat = detect_format(template.source)
+        self.detector = BoundaryDetector(template)
 
-    def _tokens(self, text: str) -> tuple[list[int], list[int]]:
+    def _encode(self, text: str) -> tuple[list[int], bool]:
+        """(token ids of `text`, whether a BOS was inserted: the vocab asks for one and the template did not
+        write it)."""
         eng = self.engine
         tokens = eng.tokenize(text, add_special=False, parse_special=True)
-        lengths = [len(eng.piece(t)) for t in tokens]
         bos = eng.info.bos_text
         if eng.info.add_bos and not (bos and text.startswith(bos)):
-            tokens.insert(0, eng.bos_id)
-            lengths.insert(0, 0)
+            return [eng.bos_id] + tokens, True
+        return tokens, False
+
+    def _ids(self, text: str) -> list[int]:
+        return self._encode(text)[0]
+
+    def _tokens(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, byte length of each token's text in `text`: 0 for an inserted BOS)."""
+        tokens, inserted = self._encode(text)
+        lengths = [len(self.engine.piece(t)) for t in tokens]
+        if inserted:
+            lengths[0] = 0
         return tokens, lengths
 
-    def chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any]) -> Prompt:
-        """Render `messages` with the generation prompt; raises InvalidRequest if the template rejects them."""
+    def chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any],
+             breakpoints: Sequence[tuple[int, int]] = ()) -> Prompt:
+        """Render `messages` with the generation prompt; raises InvalidRequest if the template rejects them.
+
+        `breakpoints`: the caller's cache breakpoints as (message index, characters of its content before it).
+        """
+        messages = self.output_format.template_messages(messages)
         text = self.template.render(messages, tools, add_generation_prompt=True, **template_kwargs)
         tokens, lengths = self._tokens(text)
-        bounds = detect(self.detector, messages, tools, text, lengths, template_kwargs)
+        bounds = detect(self.detector, messages, tools, text, lengths, template_kwargs, tokens, self._ids,
+                        breakpoints)
         tail = text.rstrip()
         opens = tail.endswith("<think>") and "</think>" not in tail[tail.rfind("<think>"):]
         return Prompt(text=text, tokens=tokens, boundaries=bounds, opens_reasoning=opens)

@@ -173,6 +173,22 @@ class RadixTree:
             node = min((c for c in node.children.values() if c.kv_below), key=lambda c: c.depth)
         return node.entries[KV]
 
+    def deepest_kv(self, tokens: Sequence[int], max_tokens: int) -> tuple[int, int | None]:
+        """(p, id): the deepest p <= max_tokens such that a KV entry's prefix extends tokens[:p], and the id of
+        one such entry; (0, None) if none. For KV-only states, where any prefix of a KV entry is restorable."""
+        limit = min(max_tokens, len(tokens))
+        node, i, best = self._root, 0, 0
+        while i < limit:
+            child = node.children.get(tokens[i])
+            if child is None or child.kv_below == 0:
+                break
+            k = common_len(child.edge, tokens[i:limit])
+            best = i + k
+            if k < len(child.edge):
+                break
+            node, i = child, i + k
+        return (best, self.kv_covering(tokens, best)) if best else (0, None)
+
     def _node_at(self, tokens: Sequence[int], depth: int) -> _Node | None:
         node = self._root
         i = 0

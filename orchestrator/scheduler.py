@@ -1,31 +1,53 @@
-"""Scheduler: one worker thread that owns the engine and serves queued generation jobs one at a time.
+"""Scheduler: N slots (sequences of one llama.cpp context) served by one worker thread that owns the engine.
 
-Per job, as one step under the worker (so the cached_tokens reported are the tokens actually restored):
+A request waits in a bounded queue until a slot is free. Admission is one step of the worker, so the lookup,
+the restore and the cached_tokens the request reports are the tokens actually restored:
 
-  1. reuse: the deepest snapshot that prefixes the prompt and leaves at least MIN_SEGMENT tokens to prefill,
-     restored as a copy (llama_state_seq_set_data), else a cleared sequence;
-  2. prefill the rest in segments that end at each boundary, saving a snapshot at each boundary not yet stored
-     (prefill to a boundary, save, continue: no second pass over the prompt), and one at the end of the prompt;
-  3. decode token by token, streaming events;
-  4. after the result is delivered, before the next job: snapshot the state after generation by
-     restoring the end-of-prompt state and prefilling the generated tokens (plus the end-of-turn token) as one
-     batch.
+  1. pick the slot: the one whose live state restores the longest prefix of the prompt (its own KV plus a
+     stored checkpoint), else the least valuable idle slot (empty first, then least recently used);
+  2. reuse: the deepest snapshot that prefixes the prompt and leaves at least min_segment tokens to prefill,
+     else a cleared sequence.
 
-Why segments of at least MIN_SEGMENT (2) tokens, and why step 4 re-prefills instead of saving the decode state:
-with the engine's settings (flash attention off; see "Numerics" in engine.py) any split of a prefill into
-ubatches of two or more tokens gives bit-identical states and logits, but a token computed alone (a one-token
-ubatch, as in decoding) does not (measured max |Δlogit| 2e-4 on tiny F16, 0.18 on the random 0.8b Q4_K_M). So
-every stored state is one a cold prefill reproduces exactly, and cached runs equal cold runs bit for bit
-(tests/test_correctness.py).
+Then the worker loops over steps; each step is
 
-With `use_cache=False` the job is a cold run: the sequence is cleared, the whole prompt is prefilled with the
-same rules, nothing is read or stored. That is the correctness oracle the tests compare against.
+  * one decode step for every slot that is generating: their next tokens go into one llama_decode call when
+    the model is batch-invariant (Engine.check_batch_invariance), else one call per slot;
+  * one prefill chunk for one prefilling slot, in turn: at most `prefill_chunk` tokens while other slots are
+    busy (n_batch when it is alone), never crossing a snapshot position. A long prefill thus advances between
+    other conversations' tokens instead of stalling them for its whole duration.
+
+A prefill segment ends at each template boundary (and interval checkpoint), where a recurrent checkpoint is
+saved, and at the end of the prompt, where one more is saved. After the result is delivered, the slot stores
+the state after generation by restoring the end-of-prompt checkpoint and prefilling the generated tokens (plus
+the end-of-turn token) as one batch, in chunks like any prefill; the slot stays busy until then.
+
+Why segments of at least `min_segment` tokens, and why the after-generation state is re-prefilled instead of
+saved from decoding: with the engine's settings (flash attention off; see "Numerics" in engine.py) any split of
+a prefill into ubatches of at least Engine.min_segment tokens (measured at start: 2 for F16 weights, 8 for
+Q4_K_M on x86) gives bit-identical states and logits, but shorter ubatches, and a token computed alone (as in
+decoding), do not. So every stored state is one a cold prefill reproduces exactly,
+and cached runs equal cold runs bit for bit (tests/test_correctness.py, tests/test_slots.py).
+
+Sequential semantics: a request that shares a prefix with an earlier request still in flight (or still
+queued) waits while that request is about to store a snapshot deeper than anything stored now, instead of
+prefilling the shared prefix a second time. So concurrent requests report the cached_tokens a sequential run
+reports, and a fleet of agents sharing a tools block prefills it once. Requests that share nothing pass.
+
+Cancellation and limits: a cancelled request (client gone) leaves its slot at the next step; a request past
+its deadline (`timeout_s`) fails with RequestTimeout; a full queue refuses new requests with QueueFull (the
+server's 429). Checkpoints stored before a cancellation stay valid (each is complete at its position); the
+end-of-prompt state of a request cancelled during prefill is never stored.
+
+With `use_cache=False` a job is a cold run: its slot is cleared, the whole prompt is prefilled with the same
+rules, nothing is read or stored. That is the correctness oracle the tests compare against.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
-import queue
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,14 +56,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .cache import SnapshotCache
-from .radix import KV, REC
 from .engine import Engine, Sampler, SamplingParams
-from .errors import ContextOverflow, EngineError, OrchestratorError
+from .errors import ContextOverflow, EngineError, OrchestratorError, QueueFull, RequestCancelled, RequestTimeout
+from .radix import KV, REC, common_len
 from .stops import TextStream
 
 log = logging.getLogger("orchestrator.scheduler")
 
-MIN_SEGMENT = 2  # fewest tokens per prefill ubatch; see the module docstring
+PREFILL, DECODE, FOLLOWUP = "prefill", "decode", "followup"
 
 
 @dataclass
@@ -50,7 +72,9 @@ class Job:
 
     prompt_tokens: the prompt (n_prompt tokens). boundaries: token offsets where snapshots are taken
     (0 < b < n_prompt). max_tokens: completion budget. stop: stop strings. want_logits: keep the first-step
-    logits (float32, shape (n_vocab,)) in the result, for correctness checks.
+    logits (float32, shape (n_vocab,)) in the result, for correctness checks. prompt_cache_key: OpenAI's
+    routing hint; requests with the same key prefer the slot that last served it. timeout_s: seconds from
+    submission to completion (None: the scheduler's default; 0: none).
     """
 
     prompt_tokens: list[int]
@@ -60,18 +84,21 @@ class Job:
     stop: tuple[str, ...] = ()
     use_cache: bool = True
     want_logits: bool = False
+    prompt_cache_key: str = ""
+    timeout_s: float | None = None
+    cache_salt: str = ""  # snapshots are shared only among jobs with the same salt ("" = the shared cache)
 
 
 @dataclass
 class Result:
-    """What a job produced. Times in seconds."""
+    """What a job produced. Times in seconds; ttft_s and total_s count from submission (queue wait included)."""
 
     completion_tokens: list[int]
     text: str
     finish_reason: str  # "stop" (end-of-generation token or stop string) or "length"
     prompt_tokens: int
     cached_tokens: int
-    restore_source: str  # "live", "snapshot" or "none"
+    restore_source: str  # "live", "ram", "disk" or "none"
     restore_s: float
     prefill_s: float
     ttft_s: float
@@ -79,6 +106,8 @@ class Result:
     snapshots_saved: int
     snapshot_s: float = 0.0  # part of prefill_s (and ttft_s) spent saving snapshots
     first_logits: np.ndarray | None = None
+    queue_s: float = 0.0  # waiting for a slot
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,37 +123,114 @@ class Event:
 Sink = Callable[[Event], None]
 
 
+class _Task:
+    """A job from submission to release: its slot, phase and progress. Touched by the worker thread only
+    (after submission)."""
+
+    def __init__(self, job: Job, sink: Sink, cancel: threading.Event, order: int, deadline: float | None) -> None:
+        self.job, self.sink, self.cancel, self.order, self.deadline = job, sink, cancel, order, deadline
+        self.tokens = list(job.prompt_tokens)
+        self.n = len(self.tokens)
+        self.t_submit = time.perf_counter()
+        self.slot: Slot | None = None
+        self.phase = ""
+        self.work: list[int] = self.tokens  # what the current prefill-like phase brings into the sequence
+        self.pos = 0  # tokens of `work` in the sequence
+        self.positions: list[int] = []  # snapshot positions still ahead in `work`, ascending
+        self.store = False
+        self.cached, self.source, self.saved, self.snapshot_s = 0, "none", 0, 0.0
+        self.t_admit = self.t_restored = self.t_prefilled = 0.0
+        self.ttft: float | None = None
+        self.first_logits: np.ndarray | None = None
+        self.sampler: Sampler | None = None
+        self.stream: TextStream | None = None
+        self.out: list[int] = []
+        self.eog: int | None = None
+        self.finish = "length"
+        self.pending: int | None = None  # the token to decode next
+        self.delivered = False  # "done" or "error" was sent
+
+
+@dataclass
+class Slot:
+    """One sequence of the context. live: tokens whose KV the sequence holds, computed by prefill."""
+
+    seq: int
+    live: list[int] = field(default_factory=list)
+    key: str = ""  # prompt_cache_key of the last request served here
+    salt: str = ""  # cache_salt of the request whose state the sequence holds
+    last_used: float = 0.0
+    task: _Task | None = None
+
+
 class Scheduler:
-    """Queue + worker thread over one engine sequence (slot 0) and one snapshot cache.
+    """Bounded queue + worker thread over `n_slots` engine sequences and one snapshot cache.
+
+    Args:
+        engine: an Engine with n_seq_max >= n_slots.
+        cache: the snapshot cache.
+        checkpoint_interval: tokens between interval checkpoints inside long stretches (0 = off).
+        n_slots: concurrent requests (sequences 0..n_slots-1).
+        queue_size: most requests waiting for a slot; more are refused with QueueFull.
+        timeout_s: default per-request limit in seconds from submission (0 = none).
+        prefill_chunk: most prompt tokens prefilled in one step while other slots are busy (n_batch alone).
+        batch_decode: put the decode steps of all generating slots into one llama_decode call. Only set it when
+            that is bit-identical to decoding alone (Engine.check_batch_invariance), or cached and concurrent
+            outputs may differ from cold ones.
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
-    thread-safe (the server wraps asyncio's call_soon_threadsafe). A job that fails gets an "error" event,
-    the sequence is cleared, and the worker goes on with the next job.
+    thread-safe (the server wraps asyncio's call_soon_threadsafe). A job that fails gets an "error" event, its
+    sequence is cleared, and the worker goes on.
     """
 
-    SEQ = 0
-
-    def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0) -> None:
+    def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
+                 queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128,
+                 batch_decode: bool = False) -> None:
+        if not 1 <= n_slots <= engine.n_seq_max:
+            raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
+        self.min_segment = engine.min_segment  # fewest tokens per prefill ubatch; see the module docstring
         self.cache = cache
-        self.checkpoint_interval = checkpoint_interval  # tokens between interval checkpoints (0 = off)
-        self._live: list[int] = []  # tokens whose KV the sequence holds, computed by prefill
-        self._snapshot_s = 0.0  # seconds spent saving snapshots in the current job
-        self._queue: queue.Queue[tuple[Job, Sink, threading.Event] | threading.Event | None] = queue.Queue()
-        self._busy = False
+        self.checkpoint_interval = checkpoint_interval
+        self.queue_size = queue_size
+        self.timeout_s = timeout_s
+        self.prefill_chunk = min(max(prefill_chunk, 2 * self.min_segment), engine.n_batch)
+        self.batch_decode = batch_decode
+        self.slots = [Slot(seq) for seq in range(n_slots)]
+        self._waiting: collections.deque[_Task] = collections.deque()
+        self._cond = threading.Condition()
+        self._order = itertools.count()
+        self._turn = 0  # round-robin cursor over prefilling slots
+        self._job_s = 5.0  # moving average of request durations, for Retry-After
+        self._closed = False
         self._thread = threading.Thread(target=self._worker, name="orchestrator-worker", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public
 
     def submit(self, job: Job, sink: Sink, cancel: threading.Event | None = None) -> threading.Event:
-        """Queue a job; returns its cancel flag (set it to stop the job at the next token)."""
+        """Queue a job; returns its cancel flag (set it to stop the job at the next step).
+
+        Raises ContextOverflow (prompt does not fit a slot), OrchestratorError (empty prompt), QueueFull
+        (`queue_size` requests already waiting; `retry_after` says in how many seconds to retry).
+        """
         if len(job.prompt_tokens) + 1 > self.engine.n_ctx:
             raise ContextOverflow(len(job.prompt_tokens), self.engine.n_ctx)
         if not job.prompt_tokens:
             raise OrchestratorError("empty prompt")
         cancel = cancel or threading.Event()
-        self._queue.put((job, sink, cancel))
+        limit = self.timeout_s if job.timeout_s is None else job.timeout_s
+        with self._cond:
+            if self._closed:
+                raise OrchestratorError("the server is shutting down")
+            idle = sum(s.task is None for s in self.slots)
+            if len(self._waiting) >= self.queue_size + idle:
+                waves = (len(self._waiting) + len(self.slots)) / len(self.slots)
+                raise QueueFull(len(self._waiting), max(1, min(60, math.ceil(self._job_s * waves))))
+            task = _Task(job, sink, cancel, next(self._order), None)
+            task.deadline = task.t_submit + limit if limit else None
+            self._waiting.append(task)
+            self._cond.notify_all()
         return cancel
 
     def run(self, job: Job) -> Result:
@@ -144,64 +250,173 @@ class Scheduler:
         return box[0].result
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every job queued before this call, and its after-generation snapshot, is done."""
-        barrier = threading.Event()
-        self._queue.put(barrier)
-        return barrier.wait(timeout)
+        """Wait until no job is queued or in a slot (after-generation snapshots included). False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._waiting and not self._active(), timeout)
 
     @property
     def queue_length(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for a slot."""
+        return len(self._waiting)
 
     @property
-    def busy(self) -> bool:
-        return self._busy
+    def slots_busy(self) -> int:
+        """Slots serving a request (prefill, decode, or storing its after-generation snapshot)."""
+        return sum(s.task is not None for s in self.slots)
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop the worker; queued and running jobs get an error."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ worker
 
+    def _active(self) -> list[_Task]:
+        return [s.task for s in self.slots if s.task is not None]
+
     def _worker(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            job, sink, cancel = item
-            self._busy = True
+            with self._cond:
+                while not self._closed and not self._waiting and not self._active():
+                    self._cond.notify_all()  # wake drain()
+                    self._cond.wait()
+                if self._closed:
+                    break
             try:
-                result, followup = self._serve(job, sink, cancel)
-                sink(Event("done", result=result))
+                self._expire()
+                self._admit()
+                if not self._step():
+                    with self._cond:  # only requests waiting on others' snapshots, and nothing to compute
+                        self._cond.wait(0.01)
+            except Exception:  # noqa: BLE001 - the worker must survive anything; tasks fail on their own paths
+                log.exception("scheduler step failed")
+                for task in self._active():
+                    self._fail(task, EngineError("internal error in the scheduler; see the server log"))
+        with self._cond:
+            pending, self._waiting = list(self._waiting), collections.deque()
+        for task in pending + self._active():
+            self._fail(task, OrchestratorError("the server is shutting down"))
+
+    def _expire(self) -> None:
+        """Drop cancelled and timed-out requests, queued or running."""
+        now = time.perf_counter()
+        with self._cond:
+            gone = [t for t in self._waiting if t.cancel.is_set() or (t.deadline and now > t.deadline)]
+            for t in gone:
+                self._waiting.remove(t)
+        for t in gone:
+            self._deliver(t, Event("error", error=self._stop_error(t)))
+        for t in self._active():
+            if t.delivered:
+                continue  # storing its after-generation snapshot: not the caller's time any more
+            if t.cancel.is_set() or (t.deadline and now > t.deadline):
+                if t.phase == DECODE and t.cancel.is_set():
+                    self._finish(t)  # deliver what was generated; the caller is gone or done
+                else:
+                    self._fail(t, self._stop_error(t))
+
+    def _stop_error(self, t: _Task) -> OrchestratorError:
+        if t.cancel.is_set():
+            return RequestCancelled()
+        return RequestTimeout(time.perf_counter() - t.t_submit)
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self) -> None:
+        """Start waiting requests, oldest first, on free slots; a request that would reuse a snapshot an
+        earlier request is about to store waits (module docstring, "Sequential semantics")."""
+        free = [s for s in self.slots if s.task is None]
+        if not free:
+            return
+        with self._cond:
+            queued = list(self._waiting)
+        for task in queued:
+            if not free:
+                return
+            if task.job.use_cache and self._blocked(task, free, queued):
+                continue
+            slot = self._pick_slot(task, free)
+            with self._cond:
+                self._waiting.remove(task)
+            free.remove(slot)
+            try:
+                self._start(task, slot)
             except OrchestratorError as e:
-                self._reset()
-                sink(Event("error", error=e))
-            except Exception as e:  # noqa: BLE001 - the worker must survive any job
-                log.exception("job failed")
-                self._reset()
-                sink(Event("error", error=EngineError(f"internal error: {e}")))
-            else:
-                if followup is not None:
-                    try:
-                        followup()
-                    except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
-                        log.warning("after-generation snapshot failed", exc_info=True)
-                        self._reset()
-            finally:
-                self._busy = False
+                self._fail(task, e)
+            except Exception as e:  # noqa: BLE001
+                log.exception("admission failed")
+                self._fail(task, EngineError(f"internal error: {e}"))
 
-    def _reset(self) -> None:
-        self.engine.clear(self.SEQ)
-        self._live = []
+    def _plans(self, tokens: list[int], salt: str) -> list:
+        """The restore plan of `tokens` under `salt` with each slot's live KV (stored entries are the same for
+        all; a slot holding another salt's state offers none)."""
+        lim = len(tokens) - self.min_segment
+        return [self.cache.plan(tokens, lim, s.live if s.salt == salt else (), salt=salt) for s in self.slots]
 
-    def _reuse(self, tokens: list[int], use_cache: bool) -> tuple[int, str]:
-        """Bring the sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, tier)."""
+    def _blocked(self, task: _Task, free: Sequence[Slot], queued: Sequence[_Task]) -> bool:
+        avail = max(p.n_tokens for p in self._plans(task.tokens, task.job.cache_salt))
+        upto = task.n - self.min_segment
+        if upto <= avail:
+            return False
+        for other in self._active() + list(queued):
+            if other.order >= task.order or not other.job.use_cache or other.job.cache_salt != task.job.cache_salt:
+                continue
+            shared = min(common_len(other.tokens, task.tokens), upto)
+            if shared <= avail:
+                continue
+            if shared == other.n:
+                return True  # it extends the other's whole prompt: wait for its after-generation state too
+            if other.phase in ("", PREFILL):
+                ahead = other.positions if other.phase else self._positions(other.job, other.n)
+                if any(avail < p <= shared for p in ahead):
+                    return True
+        return False
+
+    def _pick_slot(self, task: _Task, free: Sequence[Slot]) -> Slot:
+        """The free slot whose own live KV restores the deepest prefix (no copy), else, by preference, the last
+        slot of the same prompt_cache_key, an empty slot, the least recently used."""
+        depth = ([p.n_tokens for p in self._plans(task.tokens, task.job.cache_salt)] if task.job.use_cache
+                 else [0] * len(self.slots))
+        best = max(depth)
+
+        def score(s: Slot):
+            key = bool(task.job.prompt_cache_key) and s.key == task.job.prompt_cache_key
+            return (best > 0 and depth[s.seq] == best, key, not s.live, -s.last_used)
+
+        return max(free, key=score)
+
+    def _start(self, task: _Task, slot: Slot) -> None:
+        """Bind the task to the slot and restore its deepest reusable prefix (one step: what is reported as
+        cached is what was restored)."""
+        task.slot, slot.task = slot, task
+        slot.key = task.job.prompt_cache_key
+        task.t_admit = time.perf_counter()
+        start, task.source = self._reuse(slot, task.tokens, task.job.use_cache, task.job.cache_salt)
+        slot.salt = task.job.cache_salt
+        task.cached = task.pos = start
+        task.t_restored = time.perf_counter()
+        task.store = task.job.use_cache and task.n >= self.min_segment  # else the prompt is a too-short ubatch
+        kept, pos = [], start
+        for b in ([] if self.engine.truncatable else self._positions(task.job, task.n)):
+            if b - pos >= self.min_segment and task.n - b >= self.min_segment:
+                kept.append(b)
+                pos = b
+        task.positions = kept
+        task.phase = PREFILL
+
+    def _reuse(self, slot: Slot, tokens: list[int], use_cache: bool, salt: str) -> tuple[int, str]:
+        """Bring the slot's sequence to the deepest reusable prefix of `tokens`; returns (n_tokens, tier).
+
+        The KV may come from a stored entry, the slot's own sequence, or another slot's sequence (busy or not:
+        its state is saved and its KV part loaded here, bytes llama.cpp itself wrote, so the copy is exact).
+        """
         if use_cache:
             for _attempt in range(3):  # a part that vanished (evicted, corrupt on disk) is dropped: plan again
-                plan = self.cache.plan(tokens, len(tokens) - MIN_SEGMENT, self._live)
+                plans = self._plans(tokens, salt)
+                src = max(self.slots, key=lambda s: (plans[s.seq].n_tokens, s is slot))
+                plan = plans[src.seq]
                 if plan.n_tokens == 0:
                     break
                 parts = self.cache.load(plan)
@@ -209,54 +424,18 @@ class Scheduler:
                     continue
                 kv, checkpoint = parts
                 try:
-                    self.engine.restore(self.SEQ, plan.n_tokens, kv, checkpoint)
-                except EngineError:
-                    log.warning("snapshot restore failed; prefilling cold", exc_info=True)
-                    break
-                self._live = tokens[: plan.n_tokens]
+                    if kv is None and src is not slot:  # the KV is live in another slot: copy it as bytes
+                        kv = self.engine.save_parts(src.seq)[0]
+                    self.engine.restore(slot.seq, plan.n_tokens, kv, checkpoint)
+                except EngineError:  # the sequence is cleared: drop what failed and plan again
+                    log.warning("llama.cpp refused a snapshot restore; its entries are dropped", exc_info=True)
+                    self._reset(slot)
+                    self.cache.discard(plan)
+                    continue
+                slot.live = tokens[: plan.n_tokens]
                 return plan.n_tokens, plan.tier
-        self._reset()
+        self._reset(slot)
         return 0, "none"
-
-    def _store(self, tokens: list[int], kinds: tuple[str, ...], boundary: bool) -> int:
-        """Save the entries of `kinds` missing for `tokens` from the sequence's current state (one full save
-        gives both KV and checkpoint); returns how many were stored."""
-        missing = [k for k in kinds if not self.cache.contains(tokens, k)]
-        if not missing:
-            return 0
-        t = time.perf_counter()
-        if KV in missing:
-            kv, rec = self.engine.save_parts(self.SEQ)
-            data = {KV: kv, REC: rec}
-        else:
-            data = {REC: self.engine.save_checkpoint(self.SEQ)}
-        stored = sum(self.cache.put(tokens, k, data[k], boundary) for k in missing)
-        self._snapshot_s += time.perf_counter() - t
-        return stored
-
-    def _checkpoint(self, tokens: list[int], boundary: bool = True) -> int:
-        return self._store(tokens, (REC,), boundary)
-
-    def _branch_end(self, tokens: list[int]) -> int:
-        """Store the KV and checkpoint of the deepest point of a request (where a radix-tree branch ends)."""
-        return self._store(tokens, (KV, REC), boundary=False)
-
-    def _prefill(self, tokens: list[int], start: int, boundaries: Sequence[int], use_cache: bool) -> int:
-        """Prefill tokens[start:], ending a segment (and saving a checkpoint) at each boundary; returns how
-        many entries were stored."""
-        n = len(tokens)
-        saved, pos = 0, start
-        for b in sorted(set(boundaries)):
-            if b - pos >= MIN_SEGMENT and n - b >= MIN_SEGMENT:
-                # _live is extended only after a segment is decoded; a failed decode resets the sequence.
-                self.engine.decode(self.SEQ, tokens[pos:b], pos, want_logits=False)
-                self._live = tokens[:b]
-                pos = b
-                if use_cache:
-                    saved += self._checkpoint(tokens[:b])
-        self.engine.decode(self.SEQ, tokens[pos:], pos, want_logits=True)
-        self._live = list(tokens)
-        return saved
 
     def _positions(self, job: Job, n: int) -> list[int]:
         """Snapshot positions: the template boundaries, plus a checkpoint every `checkpoint_interval` tokens
@@ -265,7 +444,7 @@ class Scheduler:
         Interval positions count from the boundary before them, so two prompts that share that boundary and
         diverge inside the long message share their interval checkpoints too.
         """
-        bounds = sorted(set(job.boundaries))
+        bounds = sorted(b for b in set(job.boundaries) if 0 < b < n)
         step = self.checkpoint_interval
         if not step:
             return bounds
@@ -274,94 +453,210 @@ class Scheduler:
             extra.extend(range(lo + step, hi, step))
         return sorted(set(bounds) | set(extra))
 
-    def _serve(self, job: Job, sink: Sink, cancel: threading.Event) -> tuple[Result, Callable[[], None] | None]:
-        eng = self.engine
-        tokens = list(job.prompt_tokens)
-        n = len(tokens)
-        t0 = time.perf_counter()
-        self._snapshot_s = 0.0
-        start, source = self._reuse(tokens, job.use_cache)
-        t_restored = time.perf_counter()
-        # A one-token prompt is prefilled as a one-token ubatch: its state must not be stored (module docstring).
-        store = job.use_cache and n >= MIN_SEGMENT
-        saved = self._prefill(tokens, start, self._positions(job, n), store)
-        if n < MIN_SEGMENT:
-            self._live = []  # its KV came from a one-token ubatch: not a reusable source either
-        t_prefilled = time.perf_counter()
-        first_logits = eng.logits() if job.want_logits else None
-        if store:
-            saved += self._checkpoint(tokens, boundary=False)
+    # ------------------------------------------------------------------ steps
 
-        sampler = Sampler(job.sampling)
-        stream = TextStream(stop=job.stop)
-        out: list[int] = []
-        eog: int | None = None
-        finish = "length"
-        ttft = None
+    def _step(self) -> bool:
+        """One decode step and one prefill chunk; False when there was nothing to compute."""
+        active = self._active()
+        decoding = [t for t in active if t.phase == DECODE and t.pending is not None]
+        if decoding:
+            self._decode(decoding)
+        filling = [t for t in self._active() if t.phase in (PREFILL, FOLLOWUP)]
+        if filling:
+            filling.sort(key=lambda t: (t.slot.seq - self._turn) % len(self.slots))
+            task = filling[0]
+            self._turn = (task.slot.seq + 1) % len(self.slots)
+            shared = any(t is not task for t in self._active())  # another request is prefilling or generating
+            self._guard(task, self._prefill_chunk, task, self.prefill_chunk if shared else self.engine.n_batch)
+        return bool(decoding or filling)
+
+    def _guard(self, task: _Task, fn, *args) -> None:
         try:
-            while len(out) < job.max_tokens and not cancel.is_set():
-                tok = sampler.sample(eng.ctx)
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                if eng.is_eog(tok):
-                    finish, eog = "stop", tok
-                    break
-                out.append(tok)
-                delta = stream.push(eng.piece(tok))
-                if delta:
-                    sink(Event("text", text=delta))
-                if stream.stopped:
-                    finish = "stop"
-                    break
-                if len(out) >= job.max_tokens or n + len(out) >= eng.n_ctx:
-                    break
-                eng.decode(self.SEQ, [tok], n + len(out) - 1)
-        finally:
-            sampler.close()
-        tail = stream.finish()
-        if tail:
-            sink(Event("text", text=tail))
-        t_end = time.perf_counter()
-        result = Result(
-            completion_tokens=out, text=stream.text, finish_reason=finish, prompt_tokens=n, cached_tokens=start,
-            restore_source=source, restore_s=t_restored - t0, prefill_s=t_prefilled - t_restored,
-            ttft_s=ttft if ttft is not None else t_end - t0, total_s=t_end - t0, snapshots_saved=saved,
-            snapshot_s=self._snapshot_s, first_logits=first_logits)
-        followup = None
-        if store:
-            generated = out + ([eog] if eog is not None else [])
-            if cancel.is_set() or stream.stopped or len(generated) < MIN_SEGMENT:
-                followup = lambda: self._end_of_prompt(tokens)  # noqa: E731
-            else:
-                followup = lambda: self._after_generation(tokens, generated)  # noqa: E731
-        return result, followup
+            fn(*args)
+        except OrchestratorError as e:
+            self._fail(task, e)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+            log.exception("request failed")
+            self._fail(task, EngineError(f"internal error: {e}"))
 
-    def _end_of_prompt(self, prompt: list[int]) -> None:
-        """The prompt is the deepest point of this request: store its KV there (from a batch-computed state)."""
-        if not self.cache.contains(prompt, KV) and self._rewind(prompt):
-            self._branch_end(prompt)
-
-    def _after_generation(self, prompt: list[int], generated: list[int]) -> None:
-        """Store the state after prompt + generated tokens, computed as a batch (see module docstring).
-
-        Runs after the caller has its result, before the next job: always, so that what a request reports as
-        cached_tokens does not depend on timing.
-        """
-        full = prompt + generated
-        if len(full) > self.engine.n_ctx:
-            return self._end_of_prompt(prompt)
-        if self.cache.contains(full, KV) or not self._rewind(prompt):
+    def _decode(self, tasks: list[_Task]) -> None:
+        """One decode step for the generating slots, then sample each."""
+        tasks.sort(key=lambda t: t.slot.seq)
+        if self.batch_decode and len(tasks) > 1:
+            items = [(t.slot.seq, t.pending, t.n + len(t.out) - 1) for t in tasks]
+            try:
+                self.engine.decode_step(items)
+            except EngineError as e:
+                for t in tasks:
+                    self._fail(t, e)
+                return
+            for i, t in enumerate(tasks):
+                self._guard(t, self._sample, t, i)
             return
-        self.engine.decode(self.SEQ, generated, len(prompt), want_logits=False)
-        self._live = full
-        self._branch_end(full)
+        for t in tasks:
+            self._guard(t, self._decode_one, t)
 
-    def _rewind(self, prompt: list[int]) -> bool:
-        """Drop the decoded tokens: back to the state after `prompt` (its checkpoint + the live KV)."""
-        plan = self.cache.plan(prompt, len(prompt), prompt)
+    def _decode_one(self, t: _Task) -> None:
+        self.engine.decode(t.slot.seq, [t.pending], t.n + len(t.out) - 1)
+        self._sample(t, -1)
+
+    def _prefill_chunk(self, t: _Task, chunk: int) -> None:
+        """Prefill the next chunk of the task's `work`, ending at the next snapshot position, where a checkpoint
+        is saved; at the end of the prompt, go on to decoding (or, after a followup, store the branch end)."""
+        slot, n = t.slot, len(t.work)
+        target = t.positions[0] if t.positions else n
+        end = min(t.pos + chunk, target)
+        if 0 < target - end < self.min_segment:  # never leave a remainder shorter than min_segment
+            end = target if target - t.pos <= self.engine.n_batch else target - self.min_segment
+        final = end == n
+        # live is extended only after a chunk is decoded; a failed decode clears the sequence.
+        self.engine.decode(slot.seq, t.work[t.pos:end], t.pos, want_logits=final and t.phase == PREFILL)
+        slot.live = t.work[:end] if n >= self.min_segment else []  # a too-short ubatch's KV is no reusable source
+        t.pos = end
+        if t.positions and end == t.positions[0]:
+            t.positions.pop(0)
+            if t.store:
+                t.saved += self._store(t, t.work[:end], (REC,), boundary=True)
+        if not final:
+            return
+        if t.phase == FOLLOWUP:
+            self._store(t, t.work, (KV, REC), boundary=False)
+            self._release(t)
+            return
+        self._prefilled(t)
+
+    def _prefilled(self, t: _Task) -> None:
+        t.t_prefilled = time.perf_counter()
+        if t.job.want_logits:
+            t.first_logits = self.engine.logits()
+        if t.store and not self.engine.truncatable:  # before sampling: a request ending now rewinds to it
+            t.saved += self._store(t, t.tokens, (REC,), boundary=False)
+        t.sampler = Sampler(t.job.sampling)
+        t.stream = TextStream(stop=t.job.stop)
+        t.phase = DECODE
+        self._sample(t, -1)  # now: the next llama_decode overwrites these logits
+
+    def _sample(self, t: _Task, idx: int) -> None:
+        eng = self.engine
+        tok = t.sampler.sample(eng.ctx, idx)
+        if t.ttft is None:
+            t.ttft = time.perf_counter() - t.t_submit
+        t.pending = None
+        if eng.is_eog(tok):
+            t.finish, t.eog = "stop", tok
+            return self._finish(t)
+        t.out.append(tok)
+        delta = t.stream.push(eng.piece(tok))
+        if delta:
+            t.sink(Event("text", text=delta))
+        if t.stream.stopped:
+            t.finish = "stop"
+            return self._finish(t)
+        if len(t.out) >= t.job.max_tokens or t.n + len(t.out) >= eng.n_ctx:
+            return self._finish(t)
+        t.pending = tok
+
+    # ------------------------------------------------------------------ completion
+
+    def _finish(self, t: _Task) -> None:
+        """Deliver the result, then store the state after generation (or at the end of the prompt)."""
+        tail = t.stream.finish()
+        if tail:
+            t.sink(Event("text", text=tail))
+        t_end = time.perf_counter()
+        total = t_end - t.t_submit
+        self._job_s = 0.8 * self._job_s + 0.2 * total
+        result = Result(
+            completion_tokens=t.out, text=t.stream.text, finish_reason=t.finish, prompt_tokens=t.n,
+            cached_tokens=t.cached, restore_source=t.source, restore_s=t.t_restored - t.t_admit,
+            prefill_s=t.t_prefilled - t.t_restored, ttft_s=t.ttft if t.ttft is not None else total, total_s=total,
+            snapshots_saved=t.saved, snapshot_s=t.snapshot_s, first_logits=t.first_logits,
+            queue_s=t.t_admit - t.t_submit, slot=t.slot.seq)
+        t.sampler.close()
+        t.pending = None
+        self._deliver(t, Event("done", result=result))
+        if not t.store:
+            return self._release(t)
+        generated = t.out + ([t.eog] if t.eog is not None else [])
+        full = t.tokens + generated
+        try:
+            if (t.cancel.is_set() or t.stream.stopped or len(generated) < self.min_segment
+                    or len(full) > self.engine.n_ctx or self.cache.contains(full, KV, salt=t.job.cache_salt)):
+                if not self.cache.contains(t.tokens, KV, salt=t.job.cache_salt) and self._rewind(t):
+                    self._store(t, t.tokens, (KV, REC), boundary=False)
+                return self._release(t)
+            if not self._rewind(t):
+                return self._release(t)
+        except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
+            log.warning("after-generation snapshot failed", exc_info=True)
+            self._reset(t.slot)
+            return self._release(t)
+        t.phase, t.work, t.pos, t.positions = FOLLOWUP, full, t.n, []
+
+    def _rewind(self, t: _Task) -> bool:
+        """Drop the decoded tokens: back to the state after the prompt (its checkpoint + the live KV)."""
+        prompt = t.tokens
+        if self.engine.truncatable:
+            self.engine.restore(t.slot.seq, len(prompt), None, None)
+            t.slot.live = list(prompt)
+            return True
+        plan = self.cache.plan(prompt, len(prompt), prompt, salt=t.job.cache_salt)
         parts = self.cache.load(plan) if plan.n_tokens == len(prompt) else None
         if parts is None or parts[0] is not None:
             return False
-        self.engine.restore(self.SEQ, len(prompt), None, parts[1])
-        self._live = list(prompt)
+        self.engine.restore(t.slot.seq, len(prompt), None, parts[1])
+        t.slot.live = list(prompt)
         return True
+
+    def _store(self, t: _Task, tokens: list[int], kinds: tuple[str, ...], boundary: bool) -> int:
+        """Save the entries of `kinds` missing for `tokens` from the slot's current state (one full save gives
+        both KV and checkpoint); returns how many were stored."""
+        if self.engine.truncatable:  # KV-only states: the KV is the whole state, no checkpoints
+            kinds = tuple(k for k in kinds if k == KV)
+        salt = t.job.cache_salt
+        missing = [k for k in kinds if not self.cache.contains(tokens, k, salt=salt)]
+        if not missing:
+            return 0
+        start = time.perf_counter()
+        seq = t.slot.seq
+        if KV in missing:
+            kv, rec = self.engine.save_parts(seq)
+            data = {KV: kv, REC: rec}
+        else:
+            data = {REC: self.engine.save_checkpoint(seq)}
+        stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=salt) for k in missing)
+        t.snapshot_s += time.perf_counter() - start
+        return stored
+
+    def _deliver(self, t: _Task, ev: Event) -> None:
+        if t.delivered:
+            return
+        t.delivered = True
+        try:
+            t.sink(ev)
+        except Exception:  # noqa: BLE001 - a broken sink must not stop the worker
+            log.warning("event sink failed", exc_info=True)
+
+    def _fail(self, t: _Task, err: OrchestratorError) -> None:
+        """End a task with an error. Checkpoints stored so far stay valid; the sequence keeps what was prefilled
+        (a valid state at `pos`, and `live` says so) unless llama.cpp failed, which clears it."""
+        if t.sampler is not None:
+            t.sampler.close()
+        if t.slot is not None and isinstance(err, EngineError):
+            self._reset(t.slot)
+        self._deliver(t, Event("error", error=err))
+        if t.slot is not None:
+            self._release(t)
+
+    def _release(self, t: _Task) -> None:
+        slot = t.slot
+        if slot is not None and slot.task is t:
+            slot.task = None
+            slot.last_used = time.perf_counter()
+        t.phase = "done"
+        with self._cond:
+            self._cond.notify_all()
+
+    def _reset(self, slot: Slot) -> None:
+        self.engine.clear(slot.seq)
+        slot.live = []

@@ -184,6 +184,7 @@ class Preset:
     vocab_size: int = PADDED_VOCAB_SIZE
     quantization: str | None = None
     seed: int = 0
+    architecture: str = "qwen35"  # or "qwen3": every layer full attention, no recurrent state (a non-hybrid model)
 
     def __post_init__(self) -> None:
         problems = []
@@ -194,7 +195,9 @@ class Preset:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
-        if 2 * sum(self.rope_sections) != self.rope_dimension_count:
+        if self.architecture not in ("qwen35", "qwen3"):
+            problems.append("architecture must be 'qwen35' or 'qwen3'")
+        if self.architecture == "qwen35" and 2 * sum(self.rope_sections) != self.rope_dimension_count:
             problems.append(f"rope_sections {self.rope_sections} must sum to rope_dimension_count / 2 "
                             f"= {self.rope_dimension_count // 2}")
         if self.vocab_size < PADDED_VOCAB_SIZE:
@@ -216,7 +219,7 @@ class Preset:
 
     def is_full_attention(self, layer: int) -> bool:
         """True when ``layer`` (0-based) is a full-attention layer, False for a Gated DeltaNet layer."""
-        return (layer + 1) % self.full_attention_interval == 0
+        return self.architecture == "qwen3" or (layer + 1) % self.full_attention_interval == 0
 
     def tensor_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
         """All tensors as ``(name, numpy shape, init)``; numpy shape is GGUF ``ne`` reversed (rows, cols).
@@ -235,8 +238,9 @@ class Preset:
             if self.is_full_attention(i):
                 q = self.head_dim * self.num_attention_heads
                 kv = self.head_dim * self.num_key_value_heads
+                gated = 2 if self.architecture == "qwen35" else 1  # qwen35's attention has an output gate
                 specs += [
-                    (p + "attn_q.weight", (2 * q, E), "normal"),
+                    (p + "attn_q.weight", (gated * q, E), "normal"),
                     (p + "attn_k.weight", (kv, E), "normal"),
                     (p + "attn_v.weight", (kv, E), "normal"),
                     (p + "attn_output.weight", (E, q), "normal"),
@@ -255,8 +259,9 @@ class Preset:
                     (p + "ssm_norm.weight", (self.linear_value_head_dim,), "ones"),
                     (p + "ssm_out.weight", (E, v_dim), "normal"),
                 ]
+            norm = "post_attention_norm" if self.architecture == "qwen35" else "ffn_norm"
             specs += [
-                (p + "post_attention_norm.weight", (E,), "ones"),
+                (p + norm + ".weight", (E,), "ones"),
                 (p + "ffn_gate.weight", (self.intermediate_size, E), "normal"),
                 (p + "ffn_up.weight", (self.intermediate_size, E), "normal"),
                 (p + "ffn_down.weight", (E, self.intermediate_size), "normal"),
@@ -284,6 +289,23 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
         num_attention_heads=2, num_key_value_heads=1, head_dim=256,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
         quantization=None,
+    ),
+    # tiny's layer pattern at the narrowest width K-quants take (256), Q4_K_M like a real download: the test
+    # model for batched decoding, which is bit-identical to decoding alone for K-quant weights but not for F16
+    # (engine.Engine.check_batch_invariance).
+    "tiny-q4": Preset(
+        name="tiny-q4", n_layer=8, hidden_size=256, intermediate_size=512,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+        quantization="Q4_K_M",
+    ),
+    # A non-hybrid model: tiny-q4's widths with every layer full attention (llama.cpp arch "qwen3"), so its
+    # state is KV only and any prefix can be restored by truncating the KV (no checkpoints needed).
+    "tiny-attn": Preset(
+        name="tiny-attn", n_layer=4, hidden_size=256, intermediate_size=512,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+        quantization="Q4_K_M", architecture="qwen3",
     ),
 })
 
@@ -535,7 +557,7 @@ def _write_f16_gguf(preset: Preset, vocab: Vocabulary, template: str, path: Path
     """Write the F16 (1-D and conv tensors F32) GGUF, streaming tensor by tensor (peak ~ the largest tensor)."""
     import gguf
 
-    arch = "qwen35"
+    arch = preset.architecture
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(general_name(preset))
     w.add_description("Synthetic model with RANDOM weights: Qwen3.5 architecture, tokenizer and chat template, "
@@ -551,14 +573,15 @@ def _write_f16_gguf(preset: Preset, vocab: Vocabulary, template: str, path: Path
     w.add_value_length(preset.head_dim)
     w.add_layer_norm_rms_eps(preset.rms_norm_eps)
     w.add_rope_freq_base(preset.rope_theta)
-    w.add_rope_dimension_count(preset.rope_dimension_count)
-    w.add_rope_dimension_sections(list(preset.rope_sections))
-    w.add_ssm_conv_kernel(preset.linear_conv_kernel_dim)
-    w.add_ssm_state_size(preset.linear_key_head_dim)
-    w.add_ssm_group_count(preset.linear_num_key_heads)
-    w.add_ssm_time_step_rank(preset.linear_num_value_heads)
-    w.add_ssm_inner_size(preset.ssm_inner_size)
-    w.add_full_attention_interval(preset.full_attention_interval)
+    if arch == "qwen35":
+        w.add_rope_dimension_count(preset.rope_dimension_count)
+        w.add_rope_dimension_sections(list(preset.rope_sections))
+        w.add_ssm_conv_kernel(preset.linear_conv_kernel_dim)
+        w.add_ssm_state_size(preset.linear_key_head_dim)
+        w.add_ssm_group_count(preset.linear_num_key_heads)
+        w.add_ssm_time_step_rank(preset.linear_num_value_heads)
+        w.add_ssm_inner_size(preset.ssm_inner_size)
+        w.add_full_attention_interval(preset.full_attention_interval)
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
@@ -692,6 +715,8 @@ def model_filename(preset: str | Preset) -> str:
     h = hashlib.sha256()
     h.update(f"v{GENERATOR_VERSION}\n".encode())
     for f in fields(pre):
+        if f.name == "architecture" and pre.architecture == "qwen35":
+            continue  # added later: presets from before keep their file names
         h.update(f"{f.name}={getattr(pre, f.name)!r}\n".encode())
     h.update(_read_chat_template().encode())
     try:

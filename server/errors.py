@@ -32,8 +32,11 @@ def error_payload(exc: Exception) -> tuple[dict, int]:
 
 
 def error_response(exc: Exception) -> JSONResponse:
+    """The JSON error response; a QueueFull (429) also carries Retry-After in seconds."""
     body, status = error_payload(exc)
-    return JSONResponse(body, status_code=status)
+    retry_after = getattr(exc, "retry_after", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def handle(request: Request, exc: Exception) -> JSONResponse:

@@ -2,19 +2,94 @@
 
 Every problem raises InvalidRequest naming the field (`param`, e.g. "messages[3].tool_calls[0].function.arguments"),
 which server/errors.py turns into HTTP 400 with an OpenAI-style body.
+
+`FIELDS` is the one list of top-level request fields the server accepts; everything else is refused by name, so a
+client never believes a setting took effect when it did not. `DEFAULT_ONLY` lists accepted fields the server
+cannot honour beyond their default: they pass when they carry what OpenAI-compatible clients send by default
+(or null), and are refused otherwise (e.g. n=2, logprobs=true, a json_schema response_format).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+from orchestrator.config import Config
 from orchestrator.engine import SamplingParams
 from orchestrator.errors import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+MAX_ID_CHARS = 1024  # longest cache_salt / user / prompt_cache_key / safety_identifier accepted
+
+CHAT, COMPLETION = "chat", "completion"
+_BOTH = (CHAT, COMPLETION)
+
+# Accepted top-level request fields -> the endpoints that accept them. New request fields are added here (and
+# to server/openapi.py, which tests/test_openapi.py checks against this table).
+FIELDS: dict[str, tuple[str, ...]] = {
+    # what to run
+    "model": _BOTH,  # any string: one model is served
+    "messages": (CHAT,),
+    "tools": (CHAT,),
+    "tool_choice": (CHAT,),  # "auto" | "none" | "required" | {"type": "function", ...}; see _tool_choice
+    "parallel_tool_calls": (CHAT,),
+    "chat_template_kwargs": (CHAT,),
+    "prompt": (COMPLETION,),
+    "echo": (COMPLETION,),
+    # generation
+    "max_tokens": _BOTH,
+    "max_completion_tokens": _BOTH,
+    "temperature": _BOTH,
+    "top_p": _BOTH,
+    "top_k": _BOTH,
+    "min_p": _BOTH,
+    "seed": _BOTH,
+    "stop": _BOTH,
+    "stream": _BOTH,
+    "stream_options": _BOTH,
+    # cache control and caller identity
+    "cache_prompt": _BOTH,  # false: a cold run that neither reads nor writes the cache
+    "cache_salt": _BOTH,  # tenant isolation: requests share snapshots only with the same salt
+    "prompt_cache_key": _BOTH,
+    "user": _BOTH,
+    "safety_identifier": _BOTH,
+    "metadata": (CHAT,),
+    # accepted only with their default value (DEFAULT_ONLY)
+    "n": _BOTH,
+    "best_of": (COMPLETION,),
+    "logprobs": _BOTH,
+    "top_logprobs": (CHAT,),
+    "presence_penalty": _BOTH,
+    "frequency_penalty": _BOTH,
+    "logit_bias": _BOTH,
+    "response_format": (CHAT,),
+    "suffix": (COMPLETION,),
+    "store": (CHAT,),
+    "service_tier": (CHAT,),
+    "reasoning_effort": (CHAT,),
+}
+
+# field -> (accepts the value?, the values accepted, for the error message). null is always accepted.
+DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v == 1 and not isinstance(v, bool), "1 (one choice per request)"),
+    "best_of": (lambda v: v == 1 and not isinstance(v, bool), "1"),
+    "logprobs": (lambda v: v is False or (v == 0 and not isinstance(v, bool)), "false (log probabilities are not "
+                                                                              "returned)"),
+    "top_logprobs": (lambda v: v == 0 and not isinstance(v, bool), "0"),
+    "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (penalties are not implemented)"),
+    "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (penalties are not implemented)"),
+    "logit_bias": (lambda v: v == {}, "an empty object"),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"} (no JSON mode or json_schema)'),
+    "suffix": (lambda v: v == "", 'an empty string'),
+    "store": (lambda v: v is False, "false (nothing is stored for later retrieval)"),
+    "service_tier": (lambda v: v in ("auto", "default"), '"auto" or "default"'),
+    "reasoning_effort": (lambda v: False, 'null; use chat_template_kwargs {"enable_thinking": false} to turn '
+                                          'thinking off'),
+}
+
+_STRING_FIELDS = ("model", "cache_salt", "prompt_cache_key", "user", "safety_identifier")
 
 
 @dataclass
@@ -28,6 +103,7 @@ class GenerationOptions:
     include_usage: bool
     cache_prompt: bool
     seed: int | None = None  # as given; None = not reproducible
+    cache_salt: str = ""  # "" = the shared cache; otherwise only requests with the same salt share snapshots
 
 
 @dataclass
@@ -37,6 +113,8 @@ class ChatRequest:
     template_kwargs: dict[str, Any]
     options: GenerationOptions
     parse_tools: bool = True
+    prompt_cache_key: str = ""  # OpenAI's; the scheduler may route requests with the same key together
+    cache_breakpoints: tuple[tuple[int, int], ...] = ()  # (message index, content characters before it)
 
 
 @dataclass
@@ -63,11 +141,30 @@ def _num(body: dict, key: str, lo: float, hi: float, default: float, integer: bo
     return v
 
 
-def _options(body: dict) -> GenerationOptions:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        max_tokens = _num(body, key, 1, 1 << 20, None, integer=True)
+def _check_fields(body: dict, endpoint: str) -> None:
+    """Refuse fields not in FIELDS for `endpoint`, DEFAULT_ONLY fields with another value, and identity fields
+    that are not short strings. Raises InvalidRequest naming the field."""
+    for key in body:
+        if endpoint not in FIELDS.get(key, ()):
+            where = "/v1/chat/completions" if endpoint == CHAT else "/v1/completions"
+            raise _bad(f"unrecognized request argument supplied: {str(key)[:80]!r} is not supported by {where}",
+                       str(key)[:80])
+        rule = DEFAULT_ONLY.get(key)
+        value = body[key]
+        if rule is not None and value is not None and not rule[0](value):
+            raise _bad(f"'{key}' is not supported with the value {json.dumps(value)[:60]}; accepted: {rule[1]}",
+                       key)
+    for key in _STRING_FIELDS:
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
+            raise _bad(f"'{key}' must be a string of at most {MAX_ID_CHARS} characters", key)
+    if "metadata" in body and body["metadata"] is not None and not isinstance(body["metadata"], dict):
+        raise _bad("'metadata' must be an object", "metadata")
+
+
+def _options(body: dict, cfg: Config) -> GenerationOptions:
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _num(body, key, 1, cfg.max_tokens_limit, None, integer=True)
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -79,11 +176,14 @@ def _options(body: dict) -> GenerationOptions:
         raise _bad("'stop' must be a string or a list of at most 16 strings", "stop")
     stop = tuple(s for s in stop if s)
     for key in ("stream", "cache_prompt"):
-        if key in body and not isinstance(body[key], bool):
+        if body.get(key) is not None and not isinstance(body[key], bool):
             raise _bad(f"'{key}' must be true or false", key)
-    stream_options = body.get("stream_options") or {}
+    stream_options = body.get("stream_options")
+    stream_options = {} if stream_options is None else stream_options
     if not isinstance(stream_options, dict):
         raise _bad("'stream_options' must be an object", "stream_options")
+    if not isinstance(stream_options.get("include_usage", False), bool):
+        raise _bad("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
     temperature = _num(body, "temperature", 0.0, 2.0, 1.0)
     seed = _num(body, "seed", -(2 ** 63), 2 ** 64 - 1, 0, integer=True)
     sampling = SamplingParams(
@@ -93,9 +193,11 @@ def _options(body: dict) -> GenerationOptions:
         min_p=float(_num(body, "min_p", 0.0, 1.0, 0.0)),
         seed=int(seed),
     )
+    cache_prompt = body.get("cache_prompt")
     return GenerationOptions(max_tokens=max_tokens, sampling=sampling, stop=stop, stream=bool(body.get("stream")),
                              include_usage=bool(stream_options.get("include_usage")),
-                             cache_prompt=body.get("cache_prompt", True), seed=body.get("seed"))
+                             cache_prompt=True if cache_prompt is None else cache_prompt, seed=body.get("seed"),
+                             cache_salt=body.get("cache_salt") or "")
 
 
 def _content(content: Any, param: str, allow_none: bool) -> str | list | None:
@@ -139,9 +241,12 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
     return out
 
 
-def _messages(raw: Any) -> list[dict]:
+def _messages(raw: Any, max_messages: int) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list", "messages")
+    if len(raw) > max_messages:
+        raise _bad(f"'messages' holds {len(raw)} messages; this server accepts at most {max_messages} "
+                   f"(--max-messages)", "messages")
     messages: list[dict] = []
     open_calls: set[str] = set()
     pending_unnamed = 0
@@ -184,6 +289,28 @@ def _messages(raw: Any) -> list[dict]:
     return messages
 
 
+def _breakpoints(raw: list) -> tuple[tuple[int, int], ...]:
+    """The caller's cache breakpoints: text parts carrying OpenAI's `"prompt_cache_breakpoint": {"mode":
+    "explicit"}` ("marks the exact end of a reusable prompt prefix"), as (message index, characters of the
+    message's joined content through that part). Call after _messages validated the parts."""
+    out = []
+    for i, m in enumerate(raw):
+        parts = m.get("content")
+        if not isinstance(parts, list):
+            continue
+        n_chars = 0
+        for j, part in enumerate(parts):
+            n_chars += len(part["text"])
+            mark = part.get("prompt_cache_breakpoint")
+            if mark is None:
+                continue
+            if not isinstance(mark, dict) or mark.get("mode") != "explicit":
+                p = f"messages[{i}].content[{j}].prompt_cache_breakpoint"
+                raise _bad(f"'{p}' must be {{\"mode\": \"explicit\"}}", p)
+            out.append((i, n_chars))
+    return tuple(out)
+
+
 def _tools(raw: Any) -> list[dict] | None:
     if raw is None:
         return None
@@ -201,10 +328,33 @@ def _tools(raw: Any) -> list[dict] | None:
     return raw or None
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    """Validate a /v1/chat/completions body. Raises InvalidRequest."""
+def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
+    """The tool choice: 'auto', 'none' or 'required' (a named function, which must be in `tools`, counts as
+    'required'). Not enforced by constrained decoding: 'none' drops the tools from the prompt; the others leave
+    the choice to the model. Raises InvalidRequest for another shape or an unknown function."""
+    if raw is None:
+        return "auto"
+    if raw in ("auto", "none", "required"):
+        return raw
+    fn = raw.get("function") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str):
+        raise _bad("'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                   "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if not any(t["function"]["name"] == fn["name"] for t in tools or ()):
+        raise _bad(f"'tool_choice' names the function {json.dumps(fn['name'])[:60]}, which is not in 'tools'",
+                   "tool_choice.function.name")
+    return "required"
+
+
+def parse_chat(body: Any, cfg: Config | None = None) -> ChatRequest:
+    """Validate a /v1/chat/completions body against the limits of `cfg` (defaults: Config()).
+
+    Raises InvalidRequest naming the field."""
+    cfg = cfg or Config(cache_ram_mib=0)
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
+    _check_fields(body, CHAT)
     kwargs = body.get("chat_template_kwargs")
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
@@ -213,24 +363,35 @@ def parse_chat(body: Any) -> ChatRequest:
     if reserved:
         raise _bad(f"'chat_template_kwargs' cannot set {', '.join(reserved)}: the server sets them",
                    "chat_template_kwargs")
-    tool_choice = body.get("tool_choice")
     tools = _tools(body.get("tools"))
-    if tool_choice == "none":
+    if _tool_choice(body.get("tool_choice"), tools) == "none":
         tools = None
-    return ChatRequest(messages=_messages(body.get("messages")), tools=tools, template_kwargs=dict(kwargs),
-                       options=_options(body), parse_tools=tools is not None)
+    key = body.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    messages = _messages(body.get("messages"), cfg.max_messages)
+    return ChatRequest(messages=messages, tools=tools, template_kwargs=dict(kwargs),
+                       options=_options(body, cfg), parse_tools=tools is not None, prompt_cache_key=key or "",
+                       cache_breakpoints=_breakpoints(body["messages"]))
 
 
-def parse_completion(body: Any) -> CompletionRequest:
-    """Validate a /v1/completions body. Raises InvalidRequest."""
+def parse_completion(body: Any, cfg: Config | None = None) -> CompletionRequest:
+    """Validate a /v1/completions body against the limits of `cfg` (defaults: Config()).
+
+    Raises InvalidRequest naming the field."""
+    cfg = cfg or Config(cache_ram_mib=0)
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
+    _check_fields(body, COMPLETION)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise _bad("'prompt' must be a non-empty string", "prompt")
-    echo = body.get("echo", False)
+    echo = body.get("echo")
+    echo = False if echo is None else echo
     if not isinstance(echo, bool):
         raise _bad("'echo' must be true or false", "echo")
-    return CompletionRequest(prompt=prompt, options=_options(body), echo=echo)
+    return CompletionRequest(prompt=prompt, options=_options(body, cfg), echo=echo)

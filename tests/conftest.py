@@ -36,7 +36,8 @@ def tiny_model() -> Path:
 
 
 def make_config(model: Path, **kw) -> Config:
-    base = dict(model=model, ctx_size=16384, batch_size=256, threads=2, cache_ram_mib=2048, checkpoint_interval=0)
+    base = dict(model=model, ctx_size=16384, batch_size=256, threads=2, cache_ram_mib=2048, checkpoint_interval=0,
+                parallel=1)
     base.update(kw)
     return Config(**base)
 
@@ -57,16 +58,18 @@ class Turn:
     result: Result
 
 
-def run_chat(rt: Runtime, messages, tools=None, use_cache=True, max_tokens=8, **template_kwargs) -> Turn:
+def run_chat(rt: Runtime, messages, tools=None, use_cache=True, max_tokens=8, cache_salt="",
+             **template_kwargs) -> Turn:
     prompt = rt.prompts.chat(messages, tools, template_kwargs)
     job = Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(), max_tokens=max_tokens,
-              sampling=SamplingParams(temperature=0.0), use_cache=use_cache, want_logits=True)
+              sampling=SamplingParams(temperature=0.0), use_cache=use_cache, want_logits=True,
+              cache_salt=cache_salt)
     return Turn(prompt.tokens, prompt.boundaries, rt.scheduler.run(job))
 
 
-def assert_same_as_cold(rt: Runtime, messages, tools=None, max_tokens=8, **template_kwargs) -> Turn:
+def assert_same_as_cold(rt: Runtime, messages, tools=None, max_tokens=8, cache_salt="", **template_kwargs) -> Turn:
     """Run with the cache, then cold (cache off), and assert identical greedy tokens and first-step logits."""
-    warm = run_chat(rt, messages, tools, True, max_tokens, **template_kwargs)
+    warm = run_chat(rt, messages, tools, True, max_tokens, cache_salt, **template_kwargs)
     cold = run_chat(rt, messages, tools, False, max_tokens, **template_kwargs)
     assert cold.result.cached_tokens == 0
     assert warm.result.completion_tokens == cold.result.completion_tokens

@@ -25,6 +25,7 @@ def sse_events(resp):
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    assert models["data"][0]["meta"]["chat_format"] == "qwen-xml"  # reply parsing follows the Qwen3.5 template
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["queue_length"] == 0
 
@@ -162,9 +163,10 @@ def test_bad_input_is_400_and_the_next_request_is_served_with_the_cache_intact(c
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_metrics_and_cache_stats(client):
+def test_metrics_and_cache_stats(client, runtime):
     client.post("/v1/chat/completions", json=chat_body("Where are the ladders?"))
     client.post("/v1/chat/completions", json=chat_body("Where are the light bulbs?"))
+    runtime.scheduler.drain()  # the after-generation snapshot is stored after the response: let it land first
     text = client.get("/metrics").text
     values = {}
     for line in text.splitlines():

@@ -3,15 +3,18 @@
 Each scenario also checks cached_tokens exactly against the offsets the boundary detector reports.
 """
 
+import json
 import random
 
 import numpy as np
 import pytest
 
 from orchestrator.engine import SamplingParams
-from orchestrator.scheduler import MIN_SEGMENT, Job
+from orchestrator.runtime import Runtime
+from orchestrator.scheduler import Job
+from orchestrator.synth import ensure_model
 
-from .conftest import assert_same_as_cold
+from .conftest import assert_same_as_cold, make_config
 
 TOOLS = [
     {"type": "function", "function": {
@@ -60,7 +63,7 @@ def test_byte_identical_repeat_restores_deepest_shorter_snapshot(runtime):
     # The end-of-prompt snapshot is not usable (at least MIN_SEGMENT tokens are prefilled); the end of the
     # last user message is the deepest boundary before it.
     assert again.result.cached_tokens == again.boundaries.message_ends[-1]
-    assert len(again.tokens) - again.result.cached_tokens >= MIN_SEGMENT
+    assert len(again.tokens) - again.result.cached_tokens >= runtime.scheduler.min_segment
 
 
 def test_turn_two_extension(runtime):
@@ -146,20 +149,56 @@ def test_changing_system_text_still_reuses_tools_block(runtime):
     assert third.result.cached_tokens == third.boundaries.tools_end
 
 
-def test_random_prefill_splits_are_bit_identical(runtime):
-    """The property the cache rests on: any split into segments of >= MIN_SEGMENT tokens, with a restore at
-    any segment end, gives the logits of one cold prefill."""
+@pytest.fixture(scope="module")
+def q4_runtime():
+    rt = Runtime.start(make_config(ensure_model("tiny-q4"), ctx_size=4096))
+    yield rt
+    rt.close()
+
+
+def test_min_segment_is_measured_per_model(runtime, q4_runtime):
+    """F16 weights are split-invariant down to 2-token ubatches; Q4_K_M weights only from 8 tokens on this CPU
+    class (a shorter ubatch takes other matmul kernels). Measured at start, not assumed."""
+    assert runtime.engine.min_segment == 2
+    assert q4_runtime.engine.min_segment > 2
+    eng = q4_runtime.engine
+    tokens = eng.tokenize("a quantized model gives other logits for short ubatches " * 8)
+    eng.clear(0)
+    eng.decode(0, tokens, 0)
+    whole = eng.logits()
+    short = eng.min_segment - 1
+    eng.clear(0)
+    eng.decode(0, tokens[:-short], 0, want_logits=False)
+    eng.decode(0, tokens[-short:], len(tokens) - short)
+    differs = not np.array_equal(eng.logits(), whole)
+    eng.clear(0)
+    assert differs  # so the measured minimum is needed, not just safe
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny-q4"])
+def test_random_prefill_splits_are_bit_identical(which, runtime, q4_runtime):
+    """The property the cache rests on: any split into segments of >= min_segment tokens, with a restore at
+    any segment end, gives the logits of one cold prefill. Cuts closer than that are skipped by the scheduler."""
+    runtime = runtime if which == "tiny" else q4_runtime
+    m = runtime.scheduler.min_segment
     rng = random.Random(3)
     text = " ".join(rng.choice(["alpha", "beta", "{\"k\": 1}", "数据", "🙂", "def f(x):", "\n\n"]) for _ in range(300))
     tokens = runtime.engine.tokenize(text)
     cold = runtime.scheduler.run(Job(tokens, max_tokens=1, use_cache=False, want_logits=True))
-    for _ in range(3):
-        cuts = sorted(rng.sample(range(2, len(tokens) - 2), 6))
+    n = len(tokens)
+    for _ in range(4):
+        cuts = sorted(rng.sample(range(2, n - 2), 6)) + [n - rng.randint(2, 9)]  # some cuts close to the end
         runtime.cache.clear()
         warm = runtime.scheduler.run(Job(tokens, boundaries=cuts, max_tokens=1, want_logits=True))
         assert np.array_equal(warm.first_logits, cold.first_logits)
+        runtime.scheduler.drain()
+        kept, pos = [], 0
+        for c in sorted(set(cuts)):
+            if c - pos >= m and n - c >= m:
+                kept.append(c)
+                pos = c
         again = runtime.scheduler.run(Job(tokens, boundaries=cuts, max_tokens=1, want_logits=True))
-        assert again.cached_tokens == max(c for c in cuts if len(tokens) - c >= MIN_SEGMENT)
+        assert again.cached_tokens == max(kept)
         assert np.array_equal(again.first_logits, cold.first_logits)
 
 
@@ -176,3 +215,17 @@ def test_after_generation_snapshot_equals_cold_prefill(runtime):
     assert warm.cached_tokens == len(prompt.tokens) + len(first.completion_tokens)
     assert warm.completion_tokens == cold.completion_tokens
     assert np.array_equal(warm.first_logits, cold.first_logits)
+
+
+def test_min_segment_is_measured_once_per_model_and_cpu(tmp_path, tiny_model, monkeypatch):
+    from orchestrator.engine import Engine
+
+    file = tmp_path / "calibration.json"
+    rt = Runtime.start(make_config(tiny_model, calibration_file=file))
+    measured = rt.engine.min_segment
+    rt.close()
+    assert list(json.loads(file.read_text()).values()) == [measured]
+    monkeypatch.setattr(Engine, "measure_min_segment", lambda self, *a, **k: pytest.fail("measured again"))
+    rt = Runtime.start(make_config(tiny_model, calibration_file=file))
+    assert rt.engine.min_segment == measured
+    rt.close()

@@ -100,16 +100,21 @@ def test_two_conversations_alternate_under_a_six_snapshot_budget_and_keep_the_sh
 def test_spilled_conversation_survives_a_restart(start, tmp_path):
     kw = dict(cache_ram_mib=4, cache_disk_dir=tmp_path / "snap", cache_disk_mib=512)
     rt = start(**kw)
-    msgs = conversation(6, 150, seed=3)
+    msgs = conversation(5, 150, seed=3)  # ends with a user message, as a request does
     assert_same_as_cold(rt, msgs, max_tokens=4)
     turn = msgs + [{"role": "assistant", "content": "short answer"}, {"role": "user", "content": "and then?"}]
     from_ram = assert_same_as_cold(rt, turn, max_tokens=4)
+    assert from_ram.result.cached_tokens > 0
+    # Two other conversations push this one's newest entries (its KV among them) out of the 4 MiB RAM tier.
+    for seed in (4, 5):
+        run_chat(rt, conversation(5, 150, seed=seed), max_tokens=4)
     assert rt.cache.stats().spills > 0
     rt.close()
     rt2 = start(**kw)
     assert rt2.cache.stats().disk_entries > 0
     from_disk = assert_same_as_cold(rt2, turn, max_tokens=4)
-    assert from_disk.result.cached_tokens == from_ram.result.cached_tokens > 0
+    # The same prompt again: the deepest of its own snapshots at least two tokens short of its end.
+    assert from_disk.result.cached_tokens == from_disk.boundaries.message_ends[-1] > from_ram.result.cached_tokens
     assert from_disk.result.restore_source == "disk"
     # An edited earlier assistant message hits through the message before it.
     edited = [dict(m) for m in turn]

@@ -1,0 +1,216 @@
+"""The OpenAPI 3.1 description of the server's routes, served at /openapi.json.
+
+Hand-written, with the request limits of the running server's Config (max_tokens, messages). The request
+properties are exactly server/schemas.py's FIELDS (tests/test_openapi.py checks it), and
+`additionalProperties: false` says what the server does with anything else: 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.config import Config
+
+from .schemas import CHAT, COMPLETION, FIELDS, MAX_ID_CHARS
+
+_NULL = {"type": "null"}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, _NULL]}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _request_properties(cfg: Config) -> dict[str, dict]:
+    """JSON schema of every field in FIELDS (both endpoints)."""
+    ident = _nullable({"type": "string", "maxLength": MAX_ID_CHARS})
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    tool_call = {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "minLength": 1},
+            "arguments": {"anyOf": [{"type": "object"}, {"type": "string", "description": "a JSON object as text "
+                                                                                     "(400 otherwise)"}]}}}}}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+    message = {"oneOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": ["system", "developer", "user"]}, "content": content, "name": {"type": "string"}}},
+        {"type": "object", "required": ["role"], "properties": {
+            "role": {"const": "assistant"}, "content": {"anyOf": [content, _NULL]}, "name": {"type": "string"},
+            "reasoning_content": {"type": "string"}, "tool_calls": {"type": "array", "items": tool_call}}},
+        {"type": "object", "required": ["role", "content", "tool_call_id"], "description": "answers a tool call of "
+         "an earlier assistant message (400 otherwise)", "properties": {
+            "role": {"const": "tool"}, "content": content, "tool_call_id": {"type": "string"}}}]}
+    tool = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+            "parameters": {"type": "object"}}}}}
+    max_tokens = _nullable({"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit})
+    boolean = _nullable({"type": "boolean"})
+    return {
+        "model": ident,
+        "messages": {"type": "array", "minItems": 1, "maxItems": cfg.max_messages, "items": message},
+        "tools": _nullable({"type": "array", "items": tool}),
+        "tool_choice": _nullable({"anyOf": [
+            {"enum": ["auto", "none", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
+        "parallel_tool_calls": boolean,
+        "chat_template_kwargs": _nullable({"type": "object", "description": "extra variables for the chat template, "
+                                                                             "e.g. {\"enable_thinking\": false}"}),
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "minItems": 1, "maxItems": 1,
+                              "items": {"type": "string", "minLength": 1}}]},
+        "echo": boolean,
+        "max_tokens": max_tokens,
+        "max_completion_tokens": max_tokens,
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 20}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "seed": _nullable({"type": "integer", "minimum": -(2 ** 63), "maximum": 2 ** 64 - 1}),
+        "stop": _nullable({"anyOf": [{"type": "string"},
+                                     {"type": "array", "maxItems": 16, "items": {"type": "string"}}]}),
+        "stream": boolean,
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+        "cache_prompt": _nullable({"type": "boolean", "description": "false: a cold run that neither reads nor "
+                                                                     "writes the prefix cache"}),
+        "cache_salt": _nullable({"type": "string", "maxLength": MAX_ID_CHARS,
+                                 "description": "requests share cached prefixes only with the same salt"}),
+        "prompt_cache_key": ident,
+        "user": ident,
+        "safety_identifier": ident,
+        "metadata": _nullable({"type": "object"}),
+        # accepted with their default value only (server/schemas.py DEFAULT_ONLY)
+        "n": _nullable({"const": 1}),
+        "best_of": _nullable({"const": 1}),
+        "logprobs": _nullable({"enum": [False, 0]}),
+        "top_logprobs": _nullable({"const": 0}),
+        "presence_penalty": _nullable({"const": 0}),
+        "frequency_penalty": _nullable({"const": 0}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+        "response_format": _nullable({"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}},
+                                      "additionalProperties": False}),
+        "suffix": _nullable({"const": ""}),
+        "store": _nullable({"const": False}),
+        "service_tier": _nullable({"enum": ["auto", "default"]}),
+        "reasoning_effort": _NULL,
+    }
+
+
+def _request(props: dict[str, dict], endpoint: str, required: list[str]) -> dict:
+    return {"type": "object", "required": required, "additionalProperties": False,
+            "properties": {k: v for k, v in props.items() if endpoint in FIELDS[k]}}
+
+
+def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = ()) -> dict:
+    content = {"application/json": {"schema": ok}}
+    if stream:
+        # one event per chunk: `data: {chunk JSON}` ... then `data: [DONE]`
+        content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                                   "properties": {"data": {"type": "string"}}}}
+    out: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+    errors = {400: "invalid request (the body names the field in error.param)", 401: "missing or wrong API key",
+              403: "turned off by the server's configuration", 413: "request body too large",
+              415: "the body is not JSON", 429: "all slots busy and the queue full (--queue-size); see Retry-After",
+              500: "internal error", 504: "the request ran past --timeout"}
+    for code in (401, 500) + extra:
+        out[str(code)] = {"description": errors[code],
+                          "content": {"application/json": {"schema": _ref("Error")}}}
+    return out
+
+
+def openapi_schema(cfg: Config) -> dict:
+    """The OpenAPI 3.1 document for a server running with `cfg` (limits filled in from it)."""
+    props = _request_properties(cfg)
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+        "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+    finish = {"enum": ["stop", "length", "tool_calls"]}
+    chat_response = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                     "properties": {
+                         "id": {"type": "string"}, "object": {"const": "chat.completion"},
+                         "created": {"type": "integer"}, "model": {"type": "string"},
+                         "choices": {"type": "array", "minItems": 1, "items": {
+                             "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+                                 "index": {"type": "integer"}, "finish_reason": finish,
+                                 "message": {"type": "object", "required": ["role", "content"], "properties": {
+                                     "role": {"const": "assistant"},
+                                     "content": {"type": ["string", "null"]},
+                                     "reasoning_content": {"type": "string"},
+                                     "tool_calls": {"type": "array", "items": {"type": "object"}}}}}}},
+                         "usage": usage, "timings": {"type": "object"}}}
+    completion_response = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                           "properties": {
+                               "id": {"type": "string"}, "object": {"const": "text_completion"},
+                               "created": {"type": "integer"}, "model": {"type": "string"},
+                               "choices": {"type": "array", "minItems": 1, "items": {
+                                   "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+                                       "index": {"type": "integer"}, "text": {"type": "string"},
+                                       "finish_reason": finish}}},
+                               "usage": usage, "timings": {"type": "object"}}}
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    json_body = ("application/json",)
+
+    def body(schema: dict) -> dict:
+        return {"required": True, "content": {t: {"schema": schema} for t in json_body}}
+
+    bad_body = (400, 413, 415)
+    security = [{"bearer": []}] if cfg.api_key is not None else []
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "orchestrator", "version": "0.1.0",
+                 "description": "OpenAI-compatible server with a prefix cache of llama.cpp state snapshots."},
+        "security": security,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {"Error": error, "ChatCompletionRequest": _request(props, CHAT, ["messages"]),
+                        "CompletionRequest": _request(props, COMPLETION, ["prompt"])}},
+        "paths": {
+            "/v1/chat/completions": {"post": {
+                "operationId": "createChatCompletion", "summary": "chat completion (stream: server-sent events)",
+                "requestBody": body(_ref("ChatCompletionRequest")),
+                "responses": _responses(chat_response, stream=True, extra=bad_body + (429, 504))}},
+            "/v1/completions": {"post": {
+                "operationId": "createCompletion", "summary": "plain-text completion (stream: server-sent events)",
+                "requestBody": body(_ref("CompletionRequest")),
+                "responses": _responses(completion_response, stream=True, extra=bad_body + (429, 504))}},
+            "/v1/models": {"get": {
+                "operationId": "listModels", "summary": "the served model",
+                "responses": _responses({"type": "object", "required": ["object", "data"], "properties": {
+                    "object": {"const": "list"}, "data": {"type": "array", "items": {
+                        "type": "object", "required": ["id", "object"], "properties": {
+                            "id": {"type": "string"}, "object": {"const": "model"}}}}}})}},
+            "/health": {"get": {
+                "operationId": "health", "summary": "liveness, queue and cache figures (no API key needed)",
+                "security": [],
+                "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}}}}}}},
+            "/metrics": {"get": {
+                "operationId": "metrics", "summary": "Prometheus text exposition",
+                "responses": {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                              "401": _responses({})["401"]}}},
+            "/v1/cache/stats": {"get": {
+                "operationId": "cacheStats", "summary": "snapshot cache counters (JSON)",
+                "responses": _responses({"type": "object", "required": ["ram_entries", "ram_bytes"], "properties": {
+                    "ram_entries": {"type": "integer"}, "ram_bytes": {"type": "integer"}}})}},
+            "/v1/cache/flush": {"post": {
+                "operationId": "cacheFlush",
+                "summary": "drop every snapshot (needs --api-key; 403 on a server without one)",
+                "responses": _responses({"type": "object", "required": ["flushed_entries"], "properties": {
+                    "flushed_entries": {"type": "integer"}}}, extra=(403,))}},
+            "/openapi.json": {"get": {
+                "operationId": "openapi", "summary": "this document",
+                "responses": _responses({"type": "object"})}},
+        },
+    }

@@ -1,0 +1,181 @@
+"""Property tests (hypothesis) of the boundary detector, the radix tree and the snapshot cache.
+
+* Random Qwen3.5 conversations (roles, lengths, tools and tool calls, thinking on or off, edits of earlier
+  messages, extensions, prefixes) run through the scheduler: every response equals the cold response bit for bit,
+  and cached_tokens never exceeds the longest prefix shared with an earlier request (its prompt and output).
+* Random cache operations with salts against a brute-force model: a plan is the deepest restorable prefix of
+  its own salt, and the tree and tiers stay consistent within the budget.
+
+Bounded: few examples, no deadline (the model runs on shared CPUs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.cache import SnapshotCache
+from orchestrator.radix import KV, REC, common_len
+
+from .conftest import run_chat
+
+WORDS = ("the cache restores state tokens a prefix of every request, tool call result 42 {\"ok\": true} 数据 "
+         "🙂 def f(x): return x\n\n- item").split(" ")
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "run_tests", "description": "Run the tests.", "parameters": {
+        "type": "object", "properties": {"selector": {"type": "string"}}}}},
+]
+
+text = st.lists(st.sampled_from(WORDS), min_size=1, max_size=40).map(" ".join)
+
+
+@st.composite
+def assistant_turn(draw, tools):
+    """An assistant message, or an assistant tool call with its tool result(s) and a closing answer."""
+    msg = {"role": "assistant", "content": draw(text)}
+    if draw(st.booleans()):
+        msg["reasoning_content"] = draw(text)
+    if not tools or not draw(st.booleans()):
+        return [msg]
+    n = draw(st.integers(1, 2))
+    calls = [{"id": f"call_{i}", "type": "function", "function": {
+        "name": draw(st.sampled_from([t["function"]["name"] for t in tools])),
+        "arguments": {"city": draw(text)}}} for i in range(n)]
+    out = [{**msg, "content": "", "tool_calls": calls}]
+    out += [{"role": "tool", "tool_call_id": c["id"], "content": draw(text)} for c in calls]
+    return out
+
+
+@st.composite
+def conversation(draw):
+    tools = draw(st.sampled_from([None, TOOLS[:1], TOOLS]))
+    msgs = []
+    if draw(st.booleans()):
+        msgs.append({"role": "system", "content": draw(text)})
+    for i in range(draw(st.integers(1, 3))):
+        if i:
+            msgs += draw(assistant_turn(tools))
+        msgs.append({"role": "user", "content": draw(text)})
+    return msgs, tools
+
+
+@st.composite
+def request_sequence(draw):
+    """A first conversation, then up to three requests derived from earlier ones."""
+    msgs, tools = draw(conversation())
+    seq = [(msgs, tools, draw(st.booleans()))]
+    for _ in range(draw(st.integers(1, 3))):
+        base, tools, _thinking = seq[draw(st.integers(0, len(seq) - 1))]
+        op = draw(st.sampled_from(["extend", "edit", "prefix", "fresh"]))
+        if op == "extend":
+            new = base + draw(assistant_turn(tools)) + [{"role": "user", "content": draw(text)}]
+        elif op == "edit":
+            i = draw(st.integers(0, len(base) - 1))
+            new = [dict(m) for m in base]
+            if new[i].get("tool_calls"):
+                new[i]["reasoning_content"] = draw(text)
+            else:
+                new[i]["content"] = draw(text)
+        elif op == "prefix":
+            users = [i for i, m in enumerate(base) if m["role"] == "user"]
+            new = base[: draw(st.sampled_from(users)) + 1]
+        else:  # another conversation with the same system message and tools
+            fresh, _ = draw(conversation())
+            new = [m for m in base[:1] if m["role"] == "system"] + [m for m in fresh if m["role"] != "system"]
+        seq.append((new, tools, draw(st.booleans())))
+    return seq
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(request_sequence())
+def test_random_conversations_equal_cold_and_never_over_report_cached_tokens(runtime, seq):
+    rt = runtime
+    rt.cache.clear()
+    earlier: list[tuple[list[int], bool]] = []  # (prompt + completion, ended by an end-of-generation token)
+    for msgs, tools, thinking in seq:
+        warm = run_chat(rt, msgs, tools, True, 4, enable_thinking=thinking)
+        cold = run_chat(rt, msgs, tools, False, 4, enable_thinking=thinking)
+        assert warm.result.completion_tokens == cold.result.completion_tokens
+        assert np.array_equal(warm.result.first_logits, cold.result.first_logits)
+        bound = 0
+        for full, eog in earlier:
+            shared = common_len(warm.tokens, full)
+            bound = max(bound, shared + (1 if eog and shared == len(full) else 0))  # the stored end-of-turn token
+        assert warm.result.cached_tokens <= bound
+        event("hit" if warm.result.cached_tokens else "miss")
+        assert warm.result.cached_tokens <= len(warm.tokens) - 2
+        if warm.result.cached_tokens:
+            assert warm.result.cached_tokens in set(warm.boundaries.positions(len(warm.tokens))) | {
+                len(f) for f, _ in earlier} | {len(f) + 1 for f, _ in earlier}
+        full = warm.tokens + warm.result.completion_tokens
+        earlier.append((full, warm.result.finish_reason == "stop"))
+    rt.scheduler.drain()
+    rt.cache.check()
+
+
+# ---------------------------------------------------------------- cache model (no llama.cpp)
+
+ops = st.lists(st.tuples(
+    st.sampled_from(["put_rec", "put_kv", "plan"]),
+    st.sampled_from(["", "a", "b"]),
+    st.lists(st.integers(0, 3), min_size=1, max_size=8),  # small alphabet: many shared prefixes
+), min_size=1, max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_cache_plans_are_the_deepest_restorable_prefix_of_their_own_salt(operations):
+    cache = SnapshotCache(1 << 30)  # no eviction: the model below is exact
+    model: dict[str, dict[str, set[tuple[int, ...]]]] = {}
+    for op, salt, tokens in operations:
+        entries = model.setdefault(salt, {REC: set(), KV: set()})
+        if op == "put_rec":
+            assert cache.put(tokens, REC, b"r" * len(tokens), salt=salt)
+            entries[REC].add(tuple(tokens))
+        elif op == "put_kv":
+            assert cache.put(tokens, KV, b"k" * len(tokens), salt=salt)
+            # Storing KV may drop KV it supersedes (SnapshotCache._drop_superseded): read back what is left.
+            entries[KV] = {k for kind, _tier, k in _entries_of(cache, salt) if kind == KV}
+            entries[REC] = {k for kind, _tier, k in _entries_of(cache, salt) if kind == REC}
+        else:
+            plan = cache.plan(tokens, len(tokens), salt=salt)
+            best = 0
+            for p in range(len(tokens), 0, -1):
+                prefix = tuple(tokens[:p])
+                if prefix in entries[REC] and any(k[:p] == prefix for k in entries[KV]):
+                    best = p
+                    break
+            assert plan.n_tokens == best
+            if best:
+                data = cache.load(plan)
+                assert data is not None and data[1] == b"r" * best  # its own checkpoint, of its own length
+                assert len(data[0]) >= best
+        cache.check()
+
+
+def _entries_of(cache: SnapshotCache, salt: str):
+    from orchestrator.cache import salt_id
+    sid = salt_id(salt)
+    with cache._lock:
+        return [(m.kind, m.tier, cache._tree_of(e).tokens_of(e)) for e, m in cache._meta.items() if m.salt == sid]
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops, st.integers(8, 64))
+def test_cache_under_a_small_budget_stays_consistent_and_never_crosses_salts(operations, budget):
+    cache = SnapshotCache(budget)
+    for op, salt, tokens in operations:
+        if op == "plan":
+            plan = cache.plan(tokens, len(tokens), salt=salt)
+            if plan.n_tokens:
+                got = cache.load(plan)
+                if got is not None:
+                    assert got[1] == (salt.encode() or b"-") * plan.n_tokens
+        else:
+            kind = REC if op == "put_rec" else KV
+            cache.put(tokens, kind, (salt.encode() or b"-") * len(tokens), salt=salt)  # salt-marked bytes
+        assert cache.stats().ram_bytes <= budget
+        cache.check()
