@@ -16,6 +16,7 @@ request), results.md, ttft_<W>.png, cached_<W>.png; server logs under logs/ (not
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shlex
 import subprocess
@@ -44,6 +45,11 @@ def default_model() -> Path:
     out = subprocess.run([sys.executable, "-m", "orchestrator", "synth-model", "--preset", "qwen3.5-0.8b"],
                          check=True, capture_output=True, text=True, cwd=ROOT, timeout=900)
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _digest(text: str) -> str:
+    """A short stable id of a prompt (the JSON keeps ids, not whole conversations)."""
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def log(msg: str) -> None:
@@ -91,8 +97,8 @@ def run_phase(reqs: list[Req], systems, args, texts, tokens, oracle, sampler: Rs
                     idle = r.wait_idle()
                     rec = {
                         "workload": q.workload, "round": q.round, "label": q.label, "index": q.meta["index"],
-                        "system": s.name, "cold_group": s.cold_group, "cold": cold, "key": q.key,
-                        "prompt_key": json.dumps(q.body, sort_keys=True),
+                        "system": s.name, "cold_group": s.cold_group, "cold": cold,
+                        "key": _digest(q.key), "prompt_key": _digest(json.dumps(q.body, sort_keys=True)),
                         "max_tokens": q.max_tokens, "meta": q.meta, "prompt_tokens": len(tokens[q.key]),
                         "oracle": oracle.get((q.round, q.meta["index"]), 0),
                         "prompt_tokens_reported": o.prompt_tokens, "cached_reported": o.cached_tokens,
