@@ -7,7 +7,9 @@ default-scale W3 fleet (3 agents x 3 turns, interleaved, 8 tokens each, greedy, 
 agent's last turn again with `cache_prompt: false` to the same server and prints whether the texts match.
 Measured on 2026-11-29 (before the parallel-slot merge), with --cache-ram 192 (restores from disk) and 4096
 (restores from RAM) alike: agent 1 turn 3 and agent 2 turn 3 differ from their cold runs from the 7th token
-on, agent 3 turn 3 matches. Exit status 1 if any differs.
+on, agent 3 turn 3 matches. After merging the parallel-slot scheduler the committed run
+(bench/results/2026-11-29) found no difference on these three; run this to check a server version.
+Exit status 1 if any differs.
 """
 
 from __future__ import annotations
