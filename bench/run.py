@@ -1,0 +1,254 @@
+"""Side-by-side benchmark (issue 5): orchestrator vs llama-server vs llama-cpp-python's server on W1/W2/W3.
+
+    python -m bench                    # default scale (about 30-40 min on 2 cores), all systems and workloads
+    python -m bench --quick            # a smoke run of every code path (a few minutes)
+    python -m bench --full             # the issue's full W3 scale (8 agents x 6 turns, 200-1,500-token results)
+    python -m bench --systems orchestrator,llama-server --workloads W1
+
+Each round of a workload runs against freshly started servers, all systems at once on their own ports, and
+every request goes to each system in turn (only one computes at a time, and the next waits until the previous
+server's CPU is idle), so machine drift hits all systems alike. After a workload's warm rounds, its distinct
+prompts are run once more on cold variants of each system (see bench/systems.py) for the correctness check
+and the prefill-speed fit behind "implied cached tokens". Writes bench/results/<date>/: requests.json (every
+request), results.md, ttft_<W>.png, cached_<W>.png; server logs under logs/ (not committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import report  # noqa: E402
+from bench.client import request_body, send  # noqa: E402
+from bench.render import Renderer  # noqa: E402
+from bench.scenarios import Req, Scale, w1, w2, w3  # noqa: E402
+from bench.systems import LLAMA_SERVER, SYSTEMS, RssSampler, Running, cold_variant, launch  # noqa: E402
+
+BASE_PORT = 18400
+
+
+def default_model() -> Path:
+    """The synthetic qwen3.5-0.8b Q4_K_M (built once into the user cache by orchestrator)."""
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "synth-model", "--preset", "qwen3.5-0.8b"],
+                         check=True, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _digest(text: str) -> str:
+    """A short stable id of a prompt (the JSON keeps ids, not whole conversations)."""
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Progress:
+    """Counts requests sent against the total planned, with an elapsed-time estimate of what is left."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.t0 = time.monotonic()
+
+    def step(self) -> str:
+        self.done += 1
+        el = time.monotonic() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        return f"{self.done}/{self.total} ({el / 60:.1f} min, ~{eta / 60:.0f} min left)"
+
+
+def run_phase(reqs: list[Req], systems, args, texts, tokens, oracle, sampler: RssSampler, prog: Progress,
+              log_dir: Path, cold: bool, cache_ram: dict[str, int | None]) -> list[dict]:
+    """Start `systems`, send every request to each in turn (rotating who goes first), stop them; records."""
+    running: dict[str, Running] = {}
+    records: list[dict] = []
+    try:
+        for i, s in enumerate(systems):
+            port = BASE_PORT + (50 if cold else 0) + i
+            t = time.monotonic()
+            running[s.name] = launch(s, args.model, port, args.threads, args.scale.ctx_size, log_dir,
+                                     cache_ram.get(s.kind), reqs[0].workload)
+            sampler.add(s.name + ("-cold" if cold else ""), running[s.name])
+            log(f"  started {s.name}{' (cold)' if cold else ''} on :{port} in {time.monotonic() - t:.1f} s")
+        with httpx.Client() as client:
+            for idx, q in enumerate(reqs):
+                order = systems[idx % len(systems):] + systems[:idx % len(systems)]
+                for s in order:
+                    r = running[s.name]
+                    key = s.name + ("-cold" if cold else "")
+                    sampler.window_start(key)
+                    body = request_body(s.api, s.kind, q.body, texts[q.key], q.max_tokens, cold)
+                    o = send(client, r.url, s.api, body, timeout_s=args.request_timeout)
+                    rss = sampler.window_peak(key)
+                    idle = r.wait_idle()
+                    rec = {
+                        "workload": q.workload, "round": q.round, "label": q.label, "index": q.meta["index"],
+                        "system": s.name, "cold_group": s.cold_group, "cold": cold,
+                        "key": _digest(q.key), "prompt_key": _digest(json.dumps(q.body, sort_keys=True)),
+                        "max_tokens": q.max_tokens, "meta": q.meta, "prompt_tokens": len(tokens[q.key]),
+                        "oracle": oracle.get((q.round, q.meta["index"]), 0),
+                        "prompt_tokens_reported": o.prompt_tokens, "cached_reported": o.cached_tokens,
+                        "ttft_s": o.ttft_s, "total_s": o.total_s, "output": o.output, "ok": o.ok,
+                        "error": o.error, "rss_peak_bytes": rss, "idle_wait_s": idle,
+                        "server_timings": o.server_timings,
+                    }
+                    records.append(rec)
+                    cached = "—" if o.cached_tokens is None else o.cached_tokens
+                    status = "ok" if o.ok else f"FAILED {o.error[:120]}"
+                    log(f"{prog.step()} {q.round} {q.label:<18} {s.name + (' cold' if cold else ''):<24} "
+                        f"TTFT {o.ttft_s:7.3f} s  total {o.total_s:7.3f} s  prompt {len(tokens[q.key]):>5} "
+                        f"cached {cached!s:>5} (oracle {rec['oracle'] if not cold else '-'})  {status}")
+    finally:
+        for name, r in running.items():
+            sampler.remove(name + ("-cold" if cold else ""))
+            r.stop()
+    return records
+
+
+def cold_selection(reqs: list[Req], mode: str) -> list[Req]:
+    """Distinct prompts to run cold: one per prompt at its largest max_tokens ('all'); 'last' keeps on W3 only
+    each agent's last turn (its deepest restore, after the most evictions to disk)."""
+    best: dict[str, Req] = {}
+    for q in reqs:
+        pk = json.dumps(q.body, sort_keys=True)
+        if pk not in best or q.max_tokens > best[pk].max_tokens:
+            best[pk] = q
+    out = list(best.values())
+    if mode == "last":
+        last_turn = max((q.meta.get("turn", 0) for q in out if q.workload == "W3"), default=0)
+        out = [q for q in out if q.workload != "W3" or q.meta.get("turn") == last_turn]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_const", dest="scale_name", const="quick", help="smoke-run scale")
+    g.add_argument("--full", action="store_const", dest="scale_name", const="full", help="issue 5's full scale")
+    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b Q4_K_M)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument("--cache-ram", type=int, default=4096, help="orchestrator --cache-ram on W1/W2, MiB")
+    ap.add_argument("--w3-cache-ram", type=int, default=192,
+                    help="orchestrator --cache-ram on W3, MiB: small enough that the disk tier serves restores")
+    ap.add_argument("--cold", choices=["all", "last", "none"], default=None,
+                    help="cold references: every distinct prompt (all), or on W3 only each agent's last turn "
+                         "(last); default: all with --quick, else last")
+    ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/<UTC date>/")
+    args = ap.parse_args(argv)
+    args.scale_name = args.scale_name or "default"
+    args.scale = Scale.named(args.scale_name)
+    args.cold = args.cold or ("all" if args.scale_name == "quick" else "last")
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        ap.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+    systems = [SYSTEMS[n] for n in names]
+    workloads = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    out = args.out or ROOT / "bench" / "results" / day
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = out / "logs"
+    t_start = time.monotonic()
+
+    if any(s.kind == "llama-server" for s in systems) and not LLAMA_SERVER.exists():
+        log("llama-server is not built; running bench/install_llama_server.sh (several minutes on 2 cores)")
+        subprocess.run(["bash", str(ROOT / "bench" / "install_llama_server.sh")], check=True)
+    args.model = args.model or default_model()
+    log(f"model {args.model}")
+    rend = Renderer(args.model)
+    pt = lambda b: len(rend.tokens(b))  # noqa: E731
+    gens = {"W1": lambda: w1(rend.tokenize, args.scale, pt), "W2": lambda: w2(rend.tokenize, args.scale),
+            "W3": lambda: w3(rend.tokenize, args.scale, pt)}
+    plan: dict[str, list[Req]] = {w: gens[w]() for w in workloads}
+    texts: dict[str, str] = {}
+    tokens: dict[str, list[int]] = {}
+    oracle: dict[tuple[str, int], int] = {}
+    for reqs in plan.values():
+        by_round: dict[str, list[Req]] = {}
+        for q in reqs:
+            texts[q.key] = rend.text(q.body)
+            tokens[q.key] = rend.tokens(q.body)
+            by_round.setdefault(q.round, []).append(q)
+        for rnd, rq in by_round.items():
+            for i, (q, o) in enumerate(zip(rq, report.oracle([tokens[x.key] for x in rq]))):
+                q.meta["index"] = i
+                oracle[(rnd, i)] = o
+    cold_groups = list({cold_variant(s).name: cold_variant(s) for s in systems}.values())
+    colds = {w: (cold_selection(reqs, args.cold) if args.cold != "none" else []) for w, reqs in plan.items()}
+    total = sum(len(r) for r in plan.values()) * len(systems) + sum(len(c) for c in colds.values()) * len(cold_groups)
+    log(f"scale {args.scale_name}: {asdict(args.scale)}")
+    for w, reqs in plan.items():
+        log(f"{w}: {len(reqs)} requests, {sum(len(tokens[q.key]) for q in reqs):,} prompt tokens; "
+            f"{len(colds[w])} cold references")
+    prog = Progress(total)
+    sampler = RssSampler()
+    records: list[dict] = []
+    meta = {"command": "python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+            "date": day, "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "scale_name": args.scale_name, "scale": asdict(args.scale), "model": str(args.model),
+            "threads": args.threads, "ctx_size": args.scale.ctx_size, "systems": names,
+            "cold_groups": [c.name for c in cold_groups], "cold_mode": args.cold,
+            "orchestrator_cache_ram_mib": {"W1": args.cache_ram, "W2": args.cache_ram, "W3": args.w3_cache_ram},
+            "commands": {}}
+    from bench.systems import command  # noqa: E402 - only for recording the exact command lines
+    for w in workloads:
+        for s in systems + cold_groups:
+            meta["commands"][f"{w} {s.name}" + (" (cold)" if s.cold else "")] = " ".join(
+                command(s, args.model, 0, args.threads, args.scale.ctx_size,
+                        args.w3_cache_ram if w == "W3" else args.cache_ram, Path("$TMP"), w))
+
+    def save() -> None:
+        fits = report.annotate(records)
+        summary = report.summarize(records, names)
+        w1rows = report.w1_speedups(records, names)
+        meta["wall_s"] = time.monotonic() - t_start
+        meta["cold_fits"] = {g: ({"a_s": f[0], "s_per_token": f[1], "tokens_per_s": 1 / f[1]} if f else None)
+                             for g, f in fits.items()}
+        (out / "requests.json").write_text(json.dumps({"meta": meta, "summary": summary, "w1": w1rows,
+                                                       "requests": records}, indent=1))
+        (out / "results.md").write_text(report.markdown(summary, w1rows, records, names, meta))
+        report.plots(records, names, out)
+
+    try:
+        for w, reqs in plan.items():
+            cache_ram = {"orchestrator": args.w3_cache_ram if w == "W3" else args.cache_ram}
+            rounds: dict[str, list[Req]] = {}
+            for q in reqs:
+                rounds.setdefault(q.round, []).append(q)
+            for rnd, rq in rounds.items():
+                log(f"== {rnd}: {len(rq)} requests x {len(systems)} systems")
+                records += run_phase(rq, systems, args, texts, tokens, oracle, sampler, prog, log_dir, False,
+                                     cache_ram)
+            if colds[w]:
+                log(f"== {w} cold references: {len(colds[w])} prompts x {len(cold_groups)} systems")
+                records += run_phase(colds[w], cold_groups, args, texts, tokens, oracle, sampler, prog, log_dir,
+                                     True, cache_ram)
+            save()
+    finally:
+        sampler.close()
+        if records:
+            save()
+    log(f"done in {(time.monotonic() - t_start) / 60:.1f} min; results in {out}")
+    print((out / "results.md").read_text().split("## W1")[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The side-by-side benchmark's pure functions: oracle, prefill fit, correctness check, summary table.
+
+No servers, no model, no timing assertions (figures depend on the machine).
+"""
+
+from bench import report
+
+
+def test_oracle_is_longest_prefix_shared_with_any_earlier_prompt():
+    prompts = [[1, 2, 3, 4], [1, 2, 9], [7, 7], [1, 2, 3, 4, 5], [7, 7]]
+    assert report.oracle(prompts) == [0, 2, 0, 4, 2]
+
+
+def test_implied_cached_from_a_cold_fit():
+    fit = report.fit_prefill([(1000, 4.1), (2000, 8.1), (3000, 12.1)])
+    a, b = fit
+    assert abs(b - 0.004) < 1e-9 and abs(a - 0.1) < 1e-9
+    assert report.implied_cached(2000, 0.1 + 0.004 * 100, fit) == 1900
+    assert report.implied_cached(2000, 50.0, fit) == 0          # slower than cold: nothing cached
+    assert report.implied_cached(2000, 0.0, fit) == 2000        # clamped to the prompt
+    assert report.fit_prefill([(1000, 1.0), (1000, 2.0)]) is None
+    assert report.fit_prefill([(1000, 1.0), (1100, 2.0)]) is None   # too narrow a range to fit
+
+
+def _rec(system, cold, key, out, ttft, prompt=100, oracle=0, cached=None, mt=8, label="A", index=0):
+    return {"workload": "W1", "round": "W1 r", "label": label, "index": index, "system": system,
+            "cold_group": system, "cold": cold, "key": key, "prompt_key": key, "max_tokens": mt, "prompt_tokens": prompt,
+            "prompt_tokens_reported": prompt, "cached_reported": cached, "oracle": oracle, "ttft_s": ttft,
+            "total_s": ttft + 1, "output": out, "ok": True, "rss_peak_bytes": 2**20}
+
+
+def test_annotate_summary_and_markdown_flag_a_mismatch():
+    recs = [
+        _rec("orchestrator", False, "k1", "abc", 1.0, prompt=100, cached=0),
+        _rec("orchestrator", False, "k2", "xyz", 0.1, prompt=200, oracle=100, cached=98, label="B", index=1),
+        _rec("orchestrator", True, "k1", "abc", 1.0, prompt=100),
+        _rec("orchestrator", True, "k2", "xyQ", 2.0, prompt=200),
+        _rec("peer", False, "k1", "abc", 1.0, prompt=100),
+        _rec("peer", False, "k2", "a", 2.0, prompt=200, oracle=100, mt=1, label="B", index=1),
+        _rec("peer", True, "k1", "abc", 1.0, prompt=100),
+        _rec("peer", True, "k2", "abc", 2.0, prompt=200),
+    ]
+    report.annotate(recs)
+    assert recs[1]["cold_match"] is False                  # same budget, different text
+    assert recs[5]["cold_match"] is True                   # shorter budget: a prefix of the cold output
+    assert recs[5]["cached_implied"] == 0
+    rows = {r["system"]: r for r in report.summarize(recs, ["orchestrator", "peer"])}
+    assert rows["orchestrator"]["mismatches"] == 1 and rows["orchestrator"]["compared"] == 2
+    assert rows["orchestrator"]["cached_over_oracle"] == 0.98
+    assert abs(rows["peer"]["ttft_ratio_to_orchestrator"] - 3.0 / 1.1) < 1e-9
+    md = report.markdown(report.summarize(recs, ["orchestrator", "peer"]),
+                         report.w1_speedups(recs, ["orchestrator", "peer"]), recs, ["orchestrator", "peer"], {})
+    assert "**1** (2)" in md and "✗" in md
