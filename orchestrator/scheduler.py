@@ -17,9 +17,11 @@ Then the worker loops over steps; each step is
     other conversations' tokens instead of stalling them for its whole duration.
 
 A prefill segment ends at each template boundary (and interval checkpoint), where a recurrent checkpoint is
-saved, and at the end of the prompt, where one more is saved. After the result is delivered, the slot stores
-the state after generation by restoring the end-of-prompt checkpoint and prefilling the generated tokens (plus
-the end-of-turn token) as one batch, in chunks like any prefill; the slot stays busy until then.
+saved, and at the repeat point, min_segment tokens before the end of the prompt: the last position any request
+can restore, so an identical repeat prefills only min_segment tokens. After the result is delivered, the slot
+stores the state after generation by restoring the repeat point and prefilling the rest of the prompt and the
+generated tokens (plus the end-of-turn token) as one batch, in chunks like any prefill; the slot stays busy
+until then.
 
 Why segments of at least `min_segment` tokens, and why the after-generation state is re-prefilled instead of
 saved from decoding: with the engine's settings (flash attention off; see "Numerics" in engine.py) any split of
@@ -149,6 +151,7 @@ class _Task:
         self.eog: int | None = None
         self.finish = "length"
         self.pending: int | None = None  # the token to decode next
+        self.repeat_point = 0  # n - min_segment: the end-of-request checkpoint (see Scheduler._start)
         self.delivered = False  # "done" or "error" was sent
 
 
@@ -403,7 +406,13 @@ class Scheduler:
         task.t_restored = time.perf_counter()
         task.store = task.job.use_cache and task.n >= self.min_segment  # else the prompt is a too-short ubatch
         kept, pos = [], start
-        for b in ([] if self.engine.truncatable else self._positions(task.job, task.n)):
+        candidates = [] if self.engine.truncatable else self._positions(task.job, task.n)
+        if task.store and not self.engine.truncatable:
+            # The repeat point: the last position an identical request can restore (it must prefill at least
+            # min_segment tokens). Taken instead of a checkpoint at the very end, which nothing could restore.
+            task.repeat_point = task.n - self.min_segment
+            candidates = sorted(set(candidates) | {task.repeat_point})
+        for b in candidates:
             if b - pos >= self.min_segment and task.n - b >= self.min_segment:
                 kept.append(b)
                 pos = b
@@ -521,7 +530,8 @@ class Scheduler:
         t.pos = end
         if t.positions and end == t.positions[0]:
             t.positions.pop(0)
-            if t.store:
+            if t.store:  # the repeat point too counts as a boundary: it keeps its branch's KV, as a user-message
+                # end did when restores could leave 2 tokens to prefill
                 t.saved += self._store(t, t.work[:end], (REC,), boundary=True)
         if not final:
             return
@@ -535,8 +545,6 @@ class Scheduler:
         t.t_prefilled = time.perf_counter()
         if t.job.want_logits:
             t.first_logits = self.engine.logits()
-        if t.store and not self.engine.truncatable:  # before sampling: a request ending now rewinds to it
-            t.saved += self._store(t, t.tokens, (REC,), boundary=False)
         t.sampler = Sampler(t.job.sampling)
         t.stream = TextStream(stop=t.job.stop)
         t.phase = DECODE
@@ -586,33 +594,40 @@ class Scheduler:
         generated = t.out + ([t.eog] if t.eog is not None else [])
         full = t.tokens + generated
         try:
-            if (t.cancel.is_set() or t.stream.stopped or len(generated) < self.min_segment
-                    or len(full) > self.engine.n_ctx or self.cache.contains(full, KV, salt=t.job.cache_salt)):
-                if not self.cache.contains(t.tokens, KV, salt=t.job.cache_salt) and self._rewind(t):
-                    self._store(t, t.tokens, (KV, REC), boundary=False)
+            if (t.cancel.is_set() or t.stream.stopped or len(full) > self.engine.n_ctx
+                    or self.cache.contains(full, KV, salt=t.job.cache_salt)):
+                work = t.tokens  # store the KV where the prompt ends, unless stored already
+                if self.cache.contains(work, KV, salt=t.job.cache_salt):
+                    return self._release(t)
+            else:
+                work = full  # the state after the generated tokens (and the end-of-turn token)
+            start = self._rewind(t)
+            if not start:
                 return self._release(t)
-            if not self._rewind(t):
-                return self._release(t)
+            if 0 < len(work) - start < self.min_segment:  # too few generated tokens for an exact prefill
+                work = t.tokens
         except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
             log.warning("after-generation snapshot failed", exc_info=True)
             self._reset(t.slot)
             return self._release(t)
-        t.phase, t.work, t.pos, t.positions = FOLLOWUP, full, t.n, []
+        t.phase, t.work, t.pos, t.positions = FOLLOWUP, work, start, []
 
-    def _rewind(self, t: _Task) -> bool:
-        """Drop the decoded tokens: back to the state after the prompt (its checkpoint + the live KV)."""
+    def _rewind(self, t: _Task) -> int:
+        """Drop the decoded tokens: back to a state the followup can prefill on from exactly, and return its
+        position (0: none). Truncation to the prompt's end on a KV-only model; otherwise the deepest checkpoint
+        at least min_segment tokens before the prompt's end (the repeat point, as a rule) with the live KV."""
         prompt = t.tokens
         if self.engine.truncatable:
             self.engine.restore(t.slot.seq, len(prompt), None, None)
             t.slot.live = list(prompt)
-            return True
-        plan = self.cache.plan(prompt, len(prompt), prompt, salt=t.job.cache_salt)
-        parts = self.cache.load(plan) if plan.n_tokens == len(prompt) else None
+            return len(prompt)
+        plan = self.cache.plan(prompt, len(prompt) - self.min_segment, prompt, salt=t.job.cache_salt)
+        parts = self.cache.load(plan) if plan.n_tokens else None
         if parts is None or parts[0] is not None:
-            return False
-        self.engine.restore(t.slot.seq, len(prompt), None, parts[1])
-        t.slot.live = list(prompt)
-        return True
+            return 0
+        self.engine.restore(t.slot.seq, plan.n_tokens, None, parts[1])
+        t.slot.live = prompt[:plan.n_tokens]
+        return plan.n_tokens
 
     def _store(self, t: _Task, tokens: list[int], kinds: tuple[str, ...], boundary: bool) -> int:
         """Save the entries of `kinds` missing for `tokens` from the slot's current state (one full save gives

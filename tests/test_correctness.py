@@ -60,10 +60,9 @@ def test_byte_identical_repeat_restores_deepest_shorter_snapshot(runtime):
     first = assert_same_as_cold(runtime, msgs, TOOLS)
     assert first.result.cached_tokens == 0
     again = assert_same_as_cold(runtime, msgs, TOOLS)
-    # The end-of-prompt snapshot is not usable (at least MIN_SEGMENT tokens are prefilled); the end of the
-    # last user message is the deepest boundary before it.
-    assert again.result.cached_tokens == again.boundaries.message_ends[-1]
-    assert len(again.tokens) - again.result.cached_tokens >= runtime.scheduler.min_segment
+    # At least min_segment tokens are always prefilled; the first run stored a checkpoint exactly there (its
+    # repeat point), so an identical request prefills only those.
+    assert again.result.cached_tokens == len(again.tokens) - runtime.scheduler.min_segment
 
 
 def test_turn_two_extension(runtime):
@@ -83,9 +82,10 @@ def test_tool_call_turn_extends_the_previous_prompt_end(runtime):
     msgs2 = msgs + [call, {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18, "sky": "clear"}'}]
     second = assert_same_as_cold(runtime, msgs2, TOOLS)
     # The assistant turn after the last user query keeps its <think> block, so the whole previous prompt
-    # (which ended with "<think>\n") is a prefix: the end-of-prompt snapshot is restored.
+    # (which ended with "<think>\n") is a prefix: the previous request's repeat point (min_segment tokens before
+    # its end, the last position an identical request could restore) is restored.
     assert second.tokens[: len(first.tokens)] == first.tokens
-    assert second.result.cached_tokens == len(first.tokens)
+    assert second.result.cached_tokens == len(first.tokens) - runtime.scheduler.min_segment
 
 
 def test_x_then_y_then_x_again(runtime):
@@ -193,7 +193,7 @@ def test_random_prefill_splits_are_bit_identical(which, runtime, q4_runtime):
         assert np.array_equal(warm.first_logits, cold.first_logits)
         runtime.scheduler.drain()
         kept, pos = [], 0
-        for c in sorted(set(cuts)):
+        for c in sorted(set(cuts) | {n - m}):  # n - m: the repeat point the scheduler adds
             if c - pos >= m and n - c >= m:
                 kept.append(c)
                 pos = c

@@ -95,6 +95,8 @@ def test_random_conversations_equal_cold_and_never_over_report_cached_tokens(run
     rt = runtime
     rt.cache.clear()
     earlier: list[tuple[list[int], bool]] = []  # (prompt + completion, ended by an end-of-generation token)
+    prompt_lengths: list[int] = []  # of the earlier prompts: their repeat points are restorable
+    earlier_positions: set[int] = set()  # checkpoints earlier requests stored at their own boundaries
     for msgs, tools, thinking in seq:
         warm = run_chat(rt, msgs, tools, True, 4, enable_thinking=thinking)
         cold = run_chat(rt, msgs, tools, False, 4, enable_thinking=thinking)
@@ -108,10 +110,14 @@ def test_random_conversations_equal_cold_and_never_over_report_cached_tokens(run
         event("hit" if warm.result.cached_tokens else "miss")
         assert warm.result.cached_tokens <= len(warm.tokens) - 2
         if warm.result.cached_tokens:
+            m = rt.scheduler.min_segment  # earlier requests' repeat points: min_segment before their prompt's end
             assert warm.result.cached_tokens in set(warm.boundaries.positions(len(warm.tokens))) | {
-                len(f) for f, _ in earlier} | {len(f) + 1 for f, _ in earlier}
+                len(f) for f, _ in earlier} | {len(f) + 1 for f, _ in earlier} | {n - m for n in prompt_lengths} | (
+                earlier_positions)
         full = warm.tokens + warm.result.completion_tokens
         earlier.append((full, warm.result.finish_reason == "stop"))
+        prompt_lengths.append(len(warm.tokens))
+        earlier_positions.update(warm.boundaries.positions(len(warm.tokens)))
     rt.scheduler.drain()
     rt.cache.check()
 
