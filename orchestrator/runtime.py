@@ -22,16 +22,11 @@ from .scheduler import Scheduler
 log = logging.getLogger("orchestrator")
 
 
-def state_fingerprint(model_path: Path, engine: Engine) -> bytes:
-    """32 bytes that change whenever a stored state could not be loaded into this engine as it is.
-
-    Covers the model file (size, modification time in ns, and hashes of its first and last MiB, where GGUF
-    metadata and the last tensors live, and of 64 KiB at each of 64 evenly spaced offsets: about 6 MiB read),
-    the llama-cpp-python / llama.cpp version, and the context parameters that shape the state layout: n_ctx,
-    sequences, flash attention, and the split layout of saved states. The modification time makes a model file
-    replaced in place (same path, size and ends) a different fingerprint; touching or copying the file without
-    -p therefore also empties the disk tier, which costs only misses.
-    """
+def model_file_digest(model_path: Path) -> bytes:
+    """32 bytes identifying the model file as it is now: its size, modification time in ns, and hashes of its first
+    and last MiB (where GGUF metadata and the last tensors live) and of 64 KiB at each of 64 evenly spaced
+    offsets: about 6 MiB read. The modification time makes a model file replaced in place (same path, size and
+    ends) a different file; touching or copying it without -p counts as a change too."""
     h = hashlib.blake2b(digest_size=32)
     st = model_path.stat()
     size = st.st_size
@@ -42,33 +37,42 @@ def state_fingerprint(model_path: Path, engine: Engine) -> bytes:
             h.update(f.read(64 * 1024))
         f.seek(max(0, size - MiB))
         h.update(f.read(MiB))
-    for part in (size, st.st_mtime_ns, llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn,
-                 engine.split_layout):
+    h.update(repr((size, st.st_mtime_ns)).encode())
+    return h.digest()
+
+
+def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | None = None) -> bytes:
+    """32 bytes that change whenever a stored state could not be loaded into this engine as it is.
+
+    Covers the model file (`model_file_digest`, computed here unless given), the llama-cpp-python / llama.cpp
+    version, and the context parameters that shape the state layout: n_ctx, sequences, flash attention, and the
+    split layout of saved states. A changed model file (even touched, or copied without -p) therefore empties
+    the disk tier, which costs only misses.
+    """
+    h = hashlib.blake2b(digest_size=32)
+    h.update(file_digest if file_digest is not None else model_file_digest(model_path))
+    for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.split_layout):
         h.update(repr(part).encode())
     return h.digest()
 
 
 class Calibration:
     """The measured `Engine.min_segment` of a model on this machine, kept in a small JSON file so that a restart
-    does not measure again. Keyed by the model file (size, first and last MiB), the llama-cpp-python version,
+    does not measure again. Keyed by the model file (`model_file_digest`), the llama-cpp-python version,
     the CPU's instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), n_batch and
     weight repacking. No file (None) or an unreadable one: measure every time."""
 
-    def __init__(self, file: Path | None, model: Path, n_batch: int, extra_bufts: bool) -> None:
+    def __init__(self, file: Path | None, file_digest: bytes, n_batch: int, extra_bufts: bool) -> None:
         self.file = file
         h = hashlib.blake2b(digest_size=16)
-        size = model.stat().st_size
-        with open(model, "rb") as f:
-            h.update(f.read(MiB))
-            f.seek(max(0, size - MiB))
-            h.update(f.read(MiB))
+        h.update(file_digest)
         cpu = ""
         try:
             cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
                         if ln.startswith(("flags", "Features"))), "")
         except OSError:
             self.file = None  # no way to tell this CPU from another: do not trust a stored value
-        for part in (size, llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts):
+        for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts):
             h.update(repr(part).encode())
         self.key = h.hexdigest()
 
@@ -139,7 +143,8 @@ class Runtime:
     def start(cls, cfg: Config) -> "Runtime":
         """Load the model and start the worker. Raises ModelLoadError."""
         path = resolve_model(cfg)
-        calibration = Calibration(cfg.calibration_file, path, cfg.batch_size, cfg.use_extra_bufts)
+        file_digest = model_file_digest(path)  # read once: the calibration key and the disk tier's fingerprint
+        calibration = Calibration(cfg.calibration_file, file_digest, cfg.batch_size, cfg.use_extra_bufts)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, min_segment=calibration.get())
         calibration.put(engine.min_segment)
@@ -160,7 +165,7 @@ class Runtime:
         disk = None
         if cfg.cache_enabled and cfg.cache_disk_dir is not None and cfg.cache_disk_mib > 0:
             try:
-                disk = DiskTier(cfg.cache_disk_dir, cfg.cache_disk_mib * MiB, state_fingerprint(path, engine))
+                disk = DiskTier(cfg.cache_disk_dir, cfg.cache_disk_mib * MiB, state_fingerprint(path, engine, file_digest))
                 log.info("snapshot disk tier: %s, %d MiB, %d entries found", cfg.cache_disk_dir,
                          cfg.cache_disk_mib, len(disk))
             except OrchestratorError as e:

@@ -342,7 +342,7 @@ class Scheduler:
         for task in queued:
             if not free:
                 return
-            if task.job.use_cache and self._blocked(task, free, queued):
+            if task.job.use_cache and self._blocked(task, queued):
                 continue
             slot = self._pick_slot(task, free)
             with self._cond:
@@ -362,7 +362,7 @@ class Scheduler:
         lim = len(tokens) - self.min_segment
         return [self.cache.plan(tokens, lim, s.live if s.salt == salt else (), salt=salt) for s in self.slots]
 
-    def _blocked(self, task: _Task, free: Sequence[Slot], queued: Sequence[_Task]) -> bool:
+    def _blocked(self, task: _Task, queued: Sequence[_Task]) -> bool:
         avail = max(p.n_tokens for p in self._plans(task.tokens, task.job.cache_salt))
         upto = task.n - self.min_segment
         if upto <= avail:

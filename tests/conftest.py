@@ -6,6 +6,7 @@ ORCHESTRATOR_TEST_MODEL=path runs the model-level tests against another GGUF (e.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -42,6 +43,21 @@ def make_config(model: Path, **kw) -> Config:
     return Config(**base)
 
 
+@pytest.fixture()
+def start(tiny_model):
+    """start(model=None, **config) -> a Runtime (default: the tiny model), closed after the test."""
+    runtimes = []
+
+    def _start(model=None, **kw):
+        rt = Runtime.start(make_config(model or tiny_model, **kw))
+        runtimes.append(rt)
+        return rt
+
+    yield _start
+    for rt in runtimes:
+        rt.close()
+
+
 @pytest.fixture(scope="module")
 def runtime(tiny_model):
     rt = Runtime.start(make_config(tiny_model))
@@ -76,6 +92,15 @@ def assert_same_as_cold(rt: Runtime, messages, tools=None, max_tokens=8, cache_s
     assert np.array_equal(warm.result.first_logits, cold.result.first_logits), (
         f"first-step logits differ: max |Δ| = {np.abs(warm.result.first_logits - cold.result.first_logits).max()}")
     return warm
+
+
+def write_then_disk_full(path, parts) -> None:
+    """A stand-in for orchestrator.disk._write_parts on a disk that fills up mid-write: the first part lands, then
+    ENOSPC."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "xb") as f:
+        f.write(parts[0])
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
 def free_port() -> int:

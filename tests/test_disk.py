@@ -3,7 +3,6 @@ killed writers. Small fake snapshots (bytes whose length is the cost); no model.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
@@ -23,6 +22,8 @@ import pytest
 import orchestrator.disk as disk
 from orchestrator.disk import DiskTier, EntryInfo
 from orchestrator.errors import OrchestratorError
+
+from .conftest import write_then_disk_full
 
 FP = bytes(range(32))
 OTHER_FP = bytes(range(1, 33))
@@ -341,13 +342,7 @@ def test_full_disk_warns_once_returns_false_and_keeps_serving_reads(tmp_path, ca
     with DiskTier(tmp_path, 100_000, FP) as t:
         t.put("old", [1], "full", b"o" * 100)
 
-        def full_disk(path, parts):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "xb") as f:
-                f.write(parts[0])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-
-        monkeypatch.setattr(disk, "_write_parts", full_disk)
+        monkeypatch.setattr(disk, "_write_parts", write_then_disk_full)
         with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
             assert t.put("new", [2], "full", b"n" * 100) is False
             assert t.disabled

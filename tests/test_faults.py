@@ -7,7 +7,6 @@ DiskTier-level versions of the file faults are in tests/test_disk.py.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
@@ -24,7 +23,7 @@ import orchestrator.disk as disk
 from orchestrator.radix import KV, REC
 from orchestrator.runtime import Runtime, state_fingerprint
 
-from .conftest import assert_same_as_cold, make_config
+from .conftest import assert_same_as_cold, write_then_disk_full
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = {"role": "system", "content": "You are the on-call assistant for a data centre. Be exact and brief. " * 6}
@@ -44,20 +43,6 @@ def assert_disk_consistent(rt: Runtime, d: Path) -> None:
     assert sum(p.stat().st_size for p in files) == rt.cache.disk.bytes <= rt.cache.disk.budget_bytes
     assert len(files) == len(rt.cache.disk)
     rt.cache.check()
-
-
-@pytest.fixture()
-def start(tiny_model):
-    runtimes = []
-
-    def _start(model=None, **kw):
-        rt = Runtime.start(make_config(model or tiny_model, **kw))
-        runtimes.append(rt)
-        return rt
-
-    yield _start
-    for rt in runtimes:
-        rt.close()
 
 
 def _replace_ram_bytes(rt: Runtime, kind: str, corrupt) -> int:
@@ -129,13 +114,7 @@ def test_disk_filling_during_spills_keeps_serving_from_ram(start, tmp_path, monk
     rt.scheduler.drain()
     assert rt.cache.stats().spills > 0
 
-    def full_disk(path, parts):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "xb") as f:
-            f.write(parts[0])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-
-    monkeypatch.setattr(disk, "_write_parts", full_disk)
+    monkeypatch.setattr(disk, "_write_parts", write_then_disk_full)
     with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
         for q in ("Second question.", "Third question, longer: " + "details " * 40, "Fourth."):
             assert_same_as_cold(rt, ask(q))

@@ -22,7 +22,7 @@ from orchestrator.runtime import Runtime
 from orchestrator.scheduler import Event, Job
 from orchestrator.synth import ensure_model
 
-from .conftest import LiveServer, make_config
+from .conftest import LiveServer
 
 SYSTEM = "You are a release engineer. Answer in one short paragraph and cite the file you used."
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository",
@@ -37,19 +37,14 @@ def q4_model():
 
 
 @pytest.fixture()
-def start():
-    runtimes = []
-
+def start(start):
+    """conftest's `start` with the defaults of these tests: 4 slots, 4,096 tokens each; the model is required."""
     def _start(model, **kw):
         kw.setdefault("parallel", 4)
         kw.setdefault("ctx_size", 4096)
-        rt = Runtime.start(make_config(model, **kw))
-        runtimes.append(rt)
-        return rt
+        return start(model, **kw)
 
-    yield _start
-    for rt in runtimes:
-        rt.close()
+    return _start
 
 
 def chat_job(rt: Runtime, messages, use_cache=True, max_tokens=8) -> Job:

@@ -6,12 +6,10 @@ Every request is also run cold (cache off) and must give the same greedy tokens 
 import random
 import shutil
 
-import pytest
 
 from orchestrator.radix import KV, REC
-from orchestrator.runtime import Runtime
 
-from .conftest import assert_same_as_cold, make_config, run_chat
+from .conftest import assert_same_as_cold, run_chat
 
 MiB = 1 << 20
 WORDS = ("cache state token prefix layer model server request snapshot budget disk memory restore branch "
@@ -26,20 +24,6 @@ def conversation(n_messages: int, words: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"[{i}] " + text(rng, words)}
             for i in range(n_messages)]
-
-
-@pytest.fixture()
-def start(tiny_model, tmp_path):
-    runtimes = []
-
-    def _start(model=None, **kw):
-        rt = Runtime.start(make_config(model or tiny_model, **kw))
-        runtimes.append(rt)
-        return rt
-
-    yield _start
-    for rt in runtimes:
-        rt.close()
 
 
 def test_edit_message_9_hits_through_message_8_and_after_20_turns_still_hits_from_disk(start, tmp_path):
