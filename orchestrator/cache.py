@@ -78,7 +78,7 @@ class CacheStats:
     evictions: int = 0  # entries leaving RAM (spilled or dropped)
     spills: int = 0  # evictions that reached the disk tier
     promotions: int = 0  # disk hits copied back to RAM
-    dropped: int = 0  # entries lost (no disk tier, disk full, or corrupt on disk)
+    dropped: int = 0  # entries lost (no disk tier, disk full or evicted by its budget, or corrupt on disk)
     rejected_too_large: int = 0
 
 
@@ -117,6 +117,8 @@ class SnapshotCache:
         self.policy = policy or EvictionPolicy()
         self._trees: dict[str, RadixTree] = {"": RadixTree()}  # salt id -> its tree
         self._meta: dict[int, _Meta] = {}
+        self._by_key: dict[str, int] = {}  # disk key -> entry id, for the disk tier's evictions
+        self._gone_from_disk: list[str] = []  # keys the disk tier evicted, not yet forgotten (`_settle`)
         self._ram: dict[int, bytes] = {}
         self._ram_bytes = 0
         self._ids = itertools.count(1)
@@ -126,6 +128,7 @@ class SnapshotCache:
         self._warned_too_large = False
         if disk is not None:
             self._index_disk()
+            disk.on_evict = self._gone_from_disk.append
 
     # ------------------------------------------------------------------ lookup
 
@@ -184,8 +187,11 @@ class SnapshotCache:
         """
         with self._lock:
             pinned = {i for i in (plan.rec_id, plan.kv_id) if i is not None}
-            rec = self._fetch(plan.rec_id, pinned) if plan.rec_id is not None else None
-            kv = self._fetch(plan.kv_id, pinned) if plan.kv_id is not None else None
+            try:
+                rec = self._fetch(plan.rec_id, pinned) if plan.rec_id is not None else None
+                kv = self._fetch(plan.kv_id, pinned) if plan.kv_id is not None else None
+            finally:
+                self._settle()  # promotions make room by spilling, and spills make the disk tier evict
             if (plan.rec_id is not None and rec is None) or (plan.kv_id is not None and kv is None):
                 return None
             return kv, rec
@@ -240,45 +246,49 @@ class SnapshotCache:
         hit); without a disk tier it is not kept (a warning says so once). Returns False when nothing was
         stored. Raises ValueError for an empty prefix or an unknown kind.
         """
-        nbytes = len(data)
         with self._lock:
-            too_large = nbytes > self.budget_bytes
-            if too_large and self.disk is None:
+            try:
+                return self._put(tokens, kind, data, boundary, salt)
+            finally:
+                self._settle()
+
+    def _put(self, tokens: Sequence[int], kind: str, data: bytes, boundary: bool, salt: str) -> bool:
+        nbytes = len(data)
+        too_large = nbytes > self.budget_bytes
+        if too_large and self.disk is None:
+            self._stats.rejected_too_large += 1
+            if not self._warned_too_large:
+                self._warned_too_large = True
+                log.warning("a %.1f MiB snapshot exceeds the %.1f MiB RAM budget and there is no disk tier: "
+                            "such snapshots are not kept (raise --cache-ram or set --cache-disk-dir)",
+                            nbytes / 2**20, self.budget_bytes / 2**20)
+            return False
+        sid = salt_id(salt)
+        if not tokens:
+            raise ValueError("cannot store a snapshot of an empty prefix")
+        tree = self._trees.get(sid)
+        old = tree.find(tokens, kind) if tree is not None else None
+        if old is not None:
+            self._forget(old)
+        if not too_large and not self._make_room(nbytes, set()):
+            return False
+        if kind == KV:
+            self._drop_superseded(tokens, sid)
+        eid = next(self._ids)
+        if too_large:  # straight to disk
+            key = disk_key(kind, tokens, sid)
+            if not self.disk.put(key, tokens, _DISK_KIND[kind], data):
                 self._stats.rejected_too_large += 1
-                if not self._warned_too_large:
-                    self._warned_too_large = True
-                    log.warning("a %.1f MiB snapshot exceeds the %.1f MiB RAM budget and there is no disk tier: "
-                                "such snapshots are not kept (raise --cache-ram or set --cache-disk-dir)",
-                                nbytes / 2**20, self.budget_bytes / 2**20)
                 return False
-            sid = salt_id(salt)
-            if not tokens:
-                raise ValueError("cannot store a snapshot of an empty prefix")
-            tree = self._trees.get(sid)
-            old = tree.find(tokens, kind) if tree is not None else None
-            if old is not None:
-                self._forget(old)
-            if not too_large and not self._make_room(nbytes, set()):
-                return False
-            if kind == KV:
-                self._drop_superseded(tokens, sid)
-            eid = next(self._ids)
-            if too_large:  # straight to disk
-                key = disk_key(kind, tokens, sid)
-                if not self.disk.put(key, tokens, _DISK_KIND[kind], data):
-                    self._stats.rejected_too_large += 1
-                    return False
-                self._tree(sid).insert(tokens, kind, eid)
-                self._meta[eid] = _Meta(kind, nbytes, DISK, self._tick, key, boundary, sid)
-                self._stats.inserts += 1
-                self._stats.spills += 1
-                return True
-            self._tree(sid).insert(tokens, kind, eid)
-            self._meta[eid] = _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens, sid), boundary, sid)
-            self._ram[eid] = data
-            self._ram_bytes += nbytes
+            self._index(eid, tokens, _Meta(kind, nbytes, DISK, self._tick, key, boundary, sid))
             self._stats.inserts += 1
+            self._stats.spills += 1
             return True
+        self._index(eid, tokens, _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens, sid), boundary, sid))
+        self._ram[eid] = data
+        self._ram_bytes += nbytes
+        self._stats.inserts += 1
+        return True
 
     def _drop_superseded(self, tokens: Sequence[int], sid: str) -> None:
         """Before storing KV for `tokens`: drop the KV entries it supersedes.
@@ -323,15 +333,37 @@ class SnapshotCache:
             meta.tier = DISK
             self._stats.spills += 1
         else:
-            self._remove_from_tree(eid, tree)
-            del self._meta[eid]
+            self._detach(eid)
             self._stats.dropped += 1
 
-    def _remove_from_tree(self, eid: int, tree: RadixTree) -> None:
+    def _index(self, eid: int, tokens: Sequence[int], meta: _Meta) -> None:
+        """Add entry `eid` (stored in the tier `meta.tier` names) to its salt's tree and the indexes."""
+        self._tree(meta.salt).insert(tokens, meta.kind, eid)
+        self._meta[eid] = meta
+        self._by_key[meta.key] = eid
+
+    def _detach(self, eid: int) -> None:
+        """Remove entry `eid` from its tree and the indexes (its bytes are the caller's business)."""
+        meta = self._meta.pop(eid)
+        tree = self._trees[meta.salt]
         tree.remove(eid)
-        sid = self._meta[eid].salt
-        if sid and not len(tree):
-            del self._trees[sid]  # an idle salt leaves nothing behind
+        del self._by_key[meta.key]
+        if meta.salt and not len(tree):
+            del self._trees[meta.salt]  # an idle salt leaves nothing behind
+
+    def _settle(self) -> None:
+        """Forget the entries whose only copy the disk tier evicted to fit its budget (`DiskTier.on_evict`).
+
+        Run at the end of each operation that writes to the disk tier, when the index is consistent again.
+        Without it the index kept every snapshot ever spilled: the soak (bench/soak.py) saw radix nodes and
+        metadata grow by about 1,000 a minute, and plans named snapshots that were gone."""
+        while self._gone_from_disk:
+            eid = self._by_key.get(self._gone_from_disk.pop())
+            meta = self._meta.get(eid) if eid is not None else None
+            # A promoted (RAM) entry only lost its old disk copy; it stays.
+            if meta is not None and meta.tier == DISK and meta.key not in self.disk:
+                self._detach(eid)
+                self._stats.dropped += 1
 
     def _forget(self, eid: int) -> None:
         meta = self._meta[eid]
@@ -339,8 +371,7 @@ class SnapshotCache:
             self._ram_bytes -= len(self._ram.pop(eid))
         if self.disk is not None:  # a promoted entry keeps its disk copy: delete it too
             self.disk.delete(meta.key)
-        self._remove_from_tree(eid, self._tree_of(eid))
-        del self._meta[eid]
+        self._detach(eid)
 
     def _index_disk(self) -> None:
         n = 0
@@ -353,9 +384,7 @@ class SnapshotCache:
                 continue
             if self._tree(sid).find(info.tokens, kind) is not None:
                 continue
-            eid = next(self._ids)
-            self._tree(sid).insert(info.tokens, kind, eid)
-            self._meta[eid] = _Meta(kind, info.nbytes, DISK, 0, info.key, True, sid)
+            self._index(next(self._ids), info.tokens, _Meta(kind, info.nbytes, DISK, 0, info.key, True, sid))
             n += 1
         if n:
             log.info("snapshot cache: indexed %d entries from the disk tier", n)
@@ -403,6 +432,10 @@ class SnapshotCache:
                 assert all(self._meta[e].salt == sid for e in tree_ids), "entry in another salt's tree"
                 ids |= tree_ids
             assert set(self._meta) == ids
+            assert self._by_key == {m.key: e for e, m in self._meta.items()}
+            assert not self._gone_from_disk
+            assert self.disk is None or all(m.key in self.disk for m in self._meta.values() if m.tier == DISK), \
+                "an entry whose snapshot the disk tier no longer holds"
             assert set(self._ram) == {e for e, m in self._meta.items() if m.tier == RAM}
             assert self._ram_bytes == sum(len(d) for d in self._ram.values()) <= self.budget_bytes
 

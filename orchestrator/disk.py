@@ -43,7 +43,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 import diskcache
 import numpy as np
@@ -105,6 +105,9 @@ class DiskTier:
     * `get(key)` returns (kind, tokens, payload) after checking magic, version, fingerprint, lengths and CRC-32,
       and marks the entry used. An entry that fails a check is deleted, logged, and reported as a miss (None).
     * `entries()` lists what is stored, least recently used first, reading only headers and token ids.
+    * `on_evict`, if set, is called with each key that `put` evicted to fit its budget, after `put` has released
+      the tier's lock (not for deletes, replacements or rejected entries). The RAM tier's index uses it to forget
+      snapshots that are gone, so that it stays as small as what the tiers hold.
 
     Opening validates every header (entries of another fingerprint or format are deleted), sweeps files no row
     refers to, restores the LRU order and evicts until the budget holds, so a smaller budget after a restart
@@ -127,6 +130,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._disabled = False
         self._closed = False
+        self.on_evict: Callable[[str], None] | None = None
         self._hits = self._misses = self._inserts = self._evictions = self._too_large = self._invalid = 0
         self._lock_fd = _lock_directory(self.directory)
         try:
@@ -188,29 +192,37 @@ class DiskTier:
         crc = zlib.crc32(payload, zlib.crc32(token_bytes, zlib.crc32(checked)))
         blob = _Blob((checked + struct.pack("<I", crc), token_bytes, payload))
         nbytes = _HEADER.size + len(token_bytes) + payload_nbytes
-        with self._lock:
-            self._check_open()
-            if self._disabled:
-                return False
-            if nbytes > self._budget:
-                self._too_large += 1
-                return False
-            try:
-                if key in self._lru:
-                    self._remove(key)
-                while self._bytes + nbytes > self._budget:
-                    self._remove(next(iter(self._lru)))
-                    self._evictions += 1
-                with self._cache.transact():
-                    self._cache.set(key, blob)
-                    self._cache.set(_use_key(key), next(self._uses))
-            except _DISK_ERRORS as e:
-                self._fail(f"writing snapshot {key!r} ({nbytes} bytes)", e)
-                return False
-            self._lru[key] = nbytes
-            self._bytes += nbytes
-            self._inserts += 1
-            return True
+        evicted: list[str] = []
+        try:
+            with self._lock:
+                self._check_open()
+                if self._disabled:
+                    return False
+                if nbytes > self._budget:
+                    self._too_large += 1
+                    return False
+                try:
+                    if key in self._lru:
+                        self._remove(key)
+                    while self._bytes + nbytes > self._budget:
+                        victim = next(iter(self._lru))
+                        self._remove(victim)
+                        self._evictions += 1
+                        evicted.append(victim)
+                    with self._cache.transact():
+                        self._cache.set(key, blob)
+                        self._cache.set(_use_key(key), next(self._uses))
+                except _DISK_ERRORS as e:
+                    self._fail(f"writing snapshot {key!r} ({nbytes} bytes)", e)
+                    return False
+                self._lru[key] = nbytes
+                self._bytes += nbytes
+                self._inserts += 1
+                return True
+        finally:
+            if self.on_evict is not None:
+                for victim in evicted:
+                    self.on_evict(victim)
 
     def get(self, key: str) -> tuple[str, tuple[int, ...], bytes] | None:
         """(kind, tokens, payload) of the snapshot under `key`, or None if absent or invalid.

@@ -182,3 +182,30 @@ def test_an_entry_larger_than_the_ram_budget_goes_straight_to_disk(tmp_path):
         assert c.load(plan) == (b"k" * 500, b"r" * 50)  # read from disk, not promoted (it cannot fit)
         assert c.stats().ram_bytes == 50
         c.check()
+
+
+def test_entries_the_disk_tier_evicts_leave_the_index(tmp_path):
+    """The disk tier's LRU evicts to stay within its budget; the index must forget those entries. It used to keep
+    them: the soak's radix nodes and metadata grew without bound, and plans named snapshots that were gone."""
+    from orchestrator.disk import DiskTier
+
+    with DiskTier(tmp_path, 4100, b"f" * 32) as disk:  # 7 files of 59 + 16 + 500 bytes
+        c = SnapshotCache(budget_bytes=1000, disk=disk)  # 2 entries of 500 bytes
+        for i in range(1, 101):
+            assert c.put([i, 7, 7, 7], REC, bytes([i]) * 500)
+            c.check()
+        s = c.stats()
+        assert (s.ram_entries, s.disk_entries, len(c.entries())) == (2, 7, 9)  # RAM 99, 100; disk 92..98
+        assert s.dropped == 100 - 9
+
+        def plan(i):
+            return c.plan([i, 7, 7, 7, 8], 4, live_tokens=[i, 7, 7, 7])  # live KV, so only the checkpoint is planned
+
+        assert plan(91).n_tokens == 0  # spilled, then evicted from disk: gone from the index too
+        oldest_on_disk = plan(92)
+        assert (oldest_on_disk.n_tokens, oldest_on_disk.tier) == (4, "disk")
+        assert c.load(oldest_on_disk) == (None, bytes([92]) * 500)
+        # The promotion spilled a RAM entry; the disk tier made room by evicting 93 (92 was just read).
+        c.check()
+        assert plan(93).n_tokens == 0 and plan(92).tier == "live" and plan(94).tier == "disk"
+        assert len(c.entries()) == 8 and c.stats().disk_entries == 7  # 92 is in RAM and keeps its disk copy
