@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mmap-threshold", type=int, metavar="BYTES",
                    help="set glibc's MALLOC_MMAP_THRESHOLD_ for the server (fixed threshold: freed snapshots go back "
                         "to the OS; default: glibc's dynamic threshold)")
+    p.add_argument("--probe", action="store_true",
+                   help="run the server under bench/memprobe.py: writes memprobe.jsonl (RSS split into heap, mmap, "
+                        "file-backed and Python objects, and the allocation sites that grew)")
     a = p.parse_args(argv)
     if a.model is None:
         from orchestrator.synth import ensure_model
@@ -265,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         log = open(out / "server.log", "w")
-        cmd = [sys.executable, "-m", "orchestrator", "serve", "--model", str(a.model), "--port", str(port),
+        launcher = [str(ROOT / "bench" / "memprobe.py"), str(out / "memprobe.jsonl")] if a.probe else ["-m", "orchestrator"]
+        if a.probe:
+            (out / "memprobe.jsonl").unlink(missing_ok=True)
+        cmd = [sys.executable, *launcher, "serve", "--model", str(a.model), "--port", str(port),
                "--ctx-size", "8192", "--threads", str(a.threads), "--cache-ram", str(a.cache_ram),
                "--cache-disk", str(a.cache_disk), "--cache-disk-dir", str(Path(tmp) / "snapshots"),
                "--max-body-size", "1", "--log-level", "warning"]
