@@ -11,11 +11,14 @@ Bounded: few examples, no deadline (the model runs on shared CPUs).
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.cache import SnapshotCache
+from orchestrator.disk import DiskTier
 from orchestrator.radix import KV, REC, common_len
 
 from .conftest import run_chat
@@ -170,18 +173,23 @@ def _entries_of(cache: SnapshotCache, salt: str):
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops, st.integers(8, 64))
-def test_cache_under_a_small_budget_stays_consistent_and_never_crosses_salts(operations, budget):
-    cache = SnapshotCache(budget)
-    for op, salt, tokens in operations:
-        if op == "plan":
-            plan = cache.plan(tokens, len(tokens), salt=salt)
-            if plan.n_tokens:
-                got = cache.load(plan)
-                if got is not None:
-                    assert got[1] == (salt.encode() or b"-") * plan.n_tokens
-        else:
-            kind = REC if op == "put_rec" else KV
-            cache.put(tokens, kind, (salt.encode() or b"-") * len(tokens), salt=salt)  # salt-marked bytes
-        assert cache.stats().ram_bytes <= budget
-        cache.check()
+@given(ops, st.integers(8, 64), st.integers(0, 1200))
+def test_cache_under_a_small_budget_stays_consistent_and_never_crosses_salts(operations, budget, disk_budget):
+    """With a RAM budget and a disk tier that both evict (a disk file is 59 + 5 bytes per token here), the index
+    stays what the tiers hold (`check`), within budget, and bytes read back are the salt's own."""
+    with tempfile.TemporaryDirectory() as d, DiskTier(d, disk_budget, b"f" * 32) as disk:
+        cache = SnapshotCache(budget, disk=disk)
+        for op, salt, tokens in operations:
+            if op == "plan":
+                plan = cache.plan(tokens, len(tokens), salt=salt)
+                if plan.n_tokens:
+                    got = cache.load(plan)
+                    if got is not None:
+                        assert got[1] == (salt.encode() or b"-") * plan.n_tokens
+            else:
+                kind = REC if op == "put_rec" else KV
+                cache.put(tokens, kind, (salt.encode() or b"-") * len(tokens), salt=salt)  # salt-marked bytes
+            s = cache.stats()
+            assert s.ram_bytes <= budget and s.disk_bytes <= disk_budget
+            assert len(cache.entries()) <= s.ram_entries + s.disk_entries  # nothing indexed that no tier holds
+            cache.check()
