@@ -3,18 +3,20 @@
     python bench/memprobe.py OUT.jsonl serve --model ... (the same arguments as `python -m orchestrator`)
 
 Every `ORCHESTRATOR_MEMPROBE_INTERVAL` seconds (default 10) it appends one JSON line to OUT.jsonl:
-  * `rss_mib`, `anon_mib`, `file_mib`: /proc/self/smaps_rollup's Rss, Anonymous and the file-backed rest (the
-    model's mmap, shared libraries, SQLite);
-  * glibc's mallinfo2(): `heap_mib` (arena: bytes the main and thread heaps hold from the OS), `heap_used_mib`
-    (uordblks: allocated), `heap_free_mib` (fordblks: free inside the heaps), `mmap_mib` (hblkhd: blocks glibc
-    mapped one by one, such as large snapshot buffers);
-  * `py_mib`: what Python objects hold (tracemalloc; on by default, `ORCHESTRATOR_MEMPROBE_TRACE=0` turns it
-    off), and `gc_objects`.
-With tracing on, every `ORCHESTRATOR_MEMPROBE_TOP` seconds (default 300) it also appends the 15 allocation sites
-whose live bytes grew most since the first such report (`top_growth`).
+  * `rss_mib`, `anon_mib`, `file_mib`: /proc/self/smaps_rollup's Rss, Anonymous and the file-backed rest;
+  * resident MiB per kind of mapping (/proc/self/smaps, see `_regions`): `brk_mib`, `arenas_mib`, `anon_big_mib`,
+    `anon_small_mib`, `model_mib`, `libs_mib`, `files_mib`;
+  * glibc's mallinfo2(): `heap_mib` (arena: bytes the heaps span), `heap_used_mib` (uordblks: allocated),
+    `heap_free_mib` (fordblks: free inside them), `mmap_mib` (hblkhd: blocks mapped one by one, such as ggml's
+    buffers; address space, not all resident);
+  * `gc_objects` (Python objects the collector tracks) and `threads`; with tracing on, `py_mib` (tracemalloc).
+Every `ORCHESTRATOR_MEMPROBE_TOP` seconds (default 300, the first after 60 s as the baseline) a line also has
+`types_growth`: the 15 object types whose count grew most since the baseline; with tracing on, `top_growth`: the
+15 allocation sites whose live bytes grew most. Tracing (`ORCHESTRATOR_MEMPROBE_TRACE=1`) slows the server about
+threefold and its snapshots take memory of their own; the default is off.
 
-A bench tool: it only observes. anon_mib − heap_mib − mmap_mib is what neither glibc's malloc nor the file
-mappings account for (llama.cpp's own mmaps, thread stacks).
+A bench tool: it only observes. A leak of Python objects shows as `gc_objects` and `types_growth` climbing; one
+in native code as a region climbing while `gc_objects` stays flat.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     path = sys.argv[1]
-    if os.environ.get("ORCHESTRATOR_MEMPROBE_TRACE", "1") != "0":
+    if os.environ.get("ORCHESTRATOR_MEMPROBE_TRACE", "0") == "1":
         tracemalloc.start(6)
     interval = float(os.environ.get("ORCHESTRATOR_MEMPROBE_INTERVAL", "10"))
     top_every = float(os.environ.get("ORCHESTRATOR_MEMPROBE_TOP", "300"))

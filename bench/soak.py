@@ -207,22 +207,35 @@ def sample(http: httpx.Client, proc: psutil.Process, t0: float, c: Counters) -> 
                 "errors": c.errors}
 
 
-def plot(rows: list[dict], ram_budget: int, path: Path) -> None:
+def plot(rows: list[dict], ram_budget: int, path: Path, marks: dict[str, float | None], probe: list[dict]) -> None:
+    """RSS, cache bytes and (with --probe) the server's live Python objects over time; `marks`: label -> seconds,
+    drawn as vertical lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t = [r["t_s"] / 60 for r in rows]
-    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    fig, axes = plt.subplots(3 if probe else 2, 1, figsize=(9, 8 if probe else 6), sharex=True)
+    a, b = axes[0], axes[1]
     a.plot(t, [r["rss_mib"] for r in rows], color="tab:red")
     a.set_ylabel("server RSS (MiB)")
     a.grid(alpha=0.3)
+    for (label, at), color in zip(marks.items(), ("tab:green", "tab:purple")):
+        if at is not None:
+            for ax in axes:
+                ax.axvline(at / 60, color=color, ls=":", lw=1, label=label if ax is a else None)
+    a.legend(loc="lower right")
+    if probe:
+        c = axes[2]
+        c.plot([r["t_s"] / 60 for r in probe], [r["gc_objects"] for r in probe], color="tab:brown")
+        c.set_ylabel("Python objects (gc)")
+        c.grid(alpha=0.3)
     b.plot(t, [r["ram_bytes"] / 2**20 for r in rows], label="cache RAM")
     b.plot(t, [r["disk_bytes"] / 2**20 for r in rows], label="cache disk")
     b.axhline(ram_budget / 2**20, color="grey", ls="--", lw=1, label="RAM budget")
     b.set_ylabel("MiB")
-    b.set_xlabel("minutes")
+    axes[-1].set_xlabel("minutes")
     b.legend()
     b.grid(alpha=0.3)
     fig.suptitle("orchestrator soak: RSS and snapshot cache bytes")
@@ -232,13 +245,33 @@ def plot(rows: list[dict], ram_budget: int, path: Path) -> None:
 
 def slope_mib_per_min(rows: list[dict]) -> float:
     """Least-squares slope of RSS over the given samples, MiB per minute."""
-    if len(rows) < 2:
-        return 0.0
+    return slope_with_error(rows)[0]
+
+
+def slope_with_error(rows: list[dict], key: str = "rss_mib") -> tuple[float, float]:
+    """(least-squares slope of `key` per minute, its standard error); (0, 0) for fewer than 3 samples."""
+    if len(rows) < 3:
+        return 0.0, 0.0
     xs = [r["t_s"] / 60 for r in rows]
-    ys = [r["rss_mib"] for r in rows]
+    ys = [r[key] for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     den = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+    if not den:
+        return 0.0, 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den
+    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys))
+    return slope, (resid / (len(xs) - 2) / den) ** 0.5
+
+
+def window_medians(rows: list[dict], start_s: float, width_s: float) -> list[list[float]]:
+    """[minute the window starts, median RSS in MiB] for consecutive windows of `width_s` from `start_s`."""
+    out = []
+    while True:
+        w = sorted(r["rss_mib"] for r in rows if start_s <= r["t_s"] < start_s + width_s)
+        if not w:
+            return out
+        out.append([round(start_s / 60, 1), w[len(w) // 2]])
+        start_s += width_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mmap-threshold", type=int, metavar="BYTES",
                    help="set glibc's MALLOC_MMAP_THRESHOLD_ for the server (fixed threshold: freed snapshots go back "
                         "to the OS; default: glibc's dynamic threshold)")
+    p.add_argument("--warmup", type=float, default=300, metavar="S",
+                   help="seconds after both cache tiers are full that count as warm-up: KV pages first touched, "
+                        "bounded memos filling, allocator arenas settling (default 300)")
+    p.add_argument("--flat-slope", type=float, default=0.2, metavar="MiB/min",
+                   help="RSS counts as flat after warm-up when its slope is at most this (default 0.2 MiB/min, "
+                        "12 MiB an hour)")
     p.add_argument("--probe", action="store_true",
                    help="run the server under bench/memprobe.py: writes memprobe.jsonl (RSS split into heap, mmap, "
                         "file-backed and Python objects, and the allocation sites that grew)")
@@ -329,9 +368,17 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
     budget = a.cache_ram * 2**20
-    full_at = next((r["t_s"] for r in rows if r["ram_bytes"] >= 0.9 * budget), None)
+    # Full: both tiers at 90% of their budgets (a tier with no budget counts as full).
+    full_at = next((r["t_s"] for r in rows if r["ram_bytes"] >= 0.9 * budget
+                    and r["disk_bytes"] >= 0.9 * a.cache_disk * 2**20), None)
     after_full = [r for r in rows if full_at is not None and r["t_s"] >= full_at]
-    tail = after_full[len(after_full) // 2:]  # the second half of the time with a full cache
+    warm_at = full_at + a.warmup if full_at is not None else None
+    after_warmup = [r for r in after_full if r["t_s"] >= warm_at]
+    slope, slope_err = slope_with_error(after_warmup)
+    probe = []
+    if a.probe and (out / "memprobe.jsonl").exists():
+        probe = [json.loads(line) for line in (out / "memprobe.jsonl").read_text().splitlines() if line.strip()]
+    probe_warm = [r for r in probe if warm_at is not None and r["t_s"] >= warm_at]
     summary = {
         "duration_s": a.duration, "clients": a.clients, "model": str(a.model), "cache_ram_mib": a.cache_ram,
         "cache_disk_mib": a.cache_disk, "max_tokens": a.max_tokens, "malloc_mmap_threshold": a.mmap_threshold,
@@ -339,11 +386,19 @@ def main(argv: list[str] | None = None) -> int:
         "bad_requests_refused": counters.bad_requests_refused, "disconnects": counters.disconnects,
         "prompt_tokens": counters.prompt_tokens, "cached_tokens": counters.cached_tokens,
         "server_alive_at_end": alive,
-        "cache_ram_full_at_s": full_at,
+        "cache_full_at_s": full_at, "warmup_s": a.warmup,
         "rss_mib_start": rows[0]["rss_mib"], "rss_mib_when_cache_full": after_full[0]["rss_mib"] if after_full else None,
+        "rss_mib_after_warmup": after_warmup[0]["rss_mib"] if after_warmup else None,
         "rss_mib_end": rows[-1]["rss_mib"], "rss_mib_max": max(r["rss_mib"] for r in rows),
+        "rss_mib_max_after_warmup": max((r["rss_mib"] for r in after_warmup), default=None),
+        "rss_median_mib_per_5_min_after_full": window_medians(after_full, full_at, 300) if after_full else [],
         "rss_slope_mib_per_min_after_full": round(slope_mib_per_min(after_full), 3) if after_full else None,
-        "rss_slope_mib_per_min_last_half_of_full": round(slope_mib_per_min(tail), 3) if tail else None,
+        "rss_slope_mib_per_min_after_warmup": round(slope, 3) if after_warmup else None,
+        "rss_slope_stderr_after_warmup": round(slope_err, 3) if after_warmup else None,
+        "rss_flat_after_warmup": (slope <= a.flat_slope) if len(after_warmup) >= 3 else None,
+        "flat_slope_mib_per_min": a.flat_slope,
+        "py_objects_after_warmup": probe_warm[0]["gc_objects"] if probe_warm else None,
+        "py_objects_end": probe[-1]["gc_objects"] if probe else None,
         "cache_ram_bytes_max": max(r["ram_bytes"] for r in rows), "cache_disk_bytes_max": max(r["disk_bytes"] for r in rows),
         "command": " ".join([sys.executable, "bench/soak.py", *(argv if argv is not None else sys.argv[1:])]),
     }
@@ -353,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     try:
-        plot(rows, budget, out / "soak.png")
+        plot(rows, budget, out / "soak.png", {"both tiers full": full_at, "warm-up over": warm_at}, probe)
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
     print(json.dumps({k: v for k, v in summary.items() if k != "error_samples"}, indent=2))

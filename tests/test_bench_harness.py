@@ -51,3 +51,15 @@ def test_annotate_summary_and_markdown_flag_a_mismatch():
     md = report.markdown(report.summarize(recs, ["orchestrator", "peer"]),
                          report.w1_speedups(recs, ["orchestrator", "peer"]), recs, ["orchestrator", "peer"], {})
     assert "**1** (2)" in md and "✗" in md
+
+
+def test_soak_slope_error_and_window_medians():
+    from bench import soak
+
+    rows = [{"t_s": 60.0 * m, "rss_mib": 400 + 0.5 * m + (3 if m % 2 else -3)} for m in range(20)]
+    slope, err = soak.slope_with_error(rows)
+    assert abs(slope - 0.5) < 0.05 and 0 < err < 0.5  # noise of ±3 MiB around 0.5 MiB/min
+    flat = [{"t_s": 60.0 * m, "rss_mib": 400.0} for m in range(5)]
+    assert soak.slope_with_error(flat) == (0.0, 0.0)
+    assert soak.slope_with_error(flat[:2]) == (0.0, 0.0)  # too few samples to fit with an error
+    assert soak.window_medians(rows, 0, 300) == [[0.0, 399.0], [5.0, 405.5], [10.0, 404.0], [15.0, 410.5]]
