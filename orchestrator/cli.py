@@ -151,8 +151,10 @@ def serve(cfg: Config, log_level: str = "info") -> int:
     from server.app import create_app
 
     from .errors import OrchestratorError
+    from .memory import limit_malloc_arenas
     from .runtime import Runtime
 
+    limit_malloc_arenas(1)  # before any thread starts: one heap to fragment instead of one per thread
     log = logging.getLogger("orchestrator")
     if cfg.cache_enabled:
         log.info("snapshot RAM budget: %d MiB", cfg.cache_ram_mib)
