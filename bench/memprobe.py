@@ -149,6 +149,11 @@ def main() -> int:
         tracemalloc.start(6)
     interval = float(os.environ.get("ORCHESTRATOR_MEMPROBE_INTERVAL", "10"))
     top_every = float(os.environ.get("ORCHESTRATOR_MEMPROBE_TOP", "300"))
+    # `serve` caps malloc arenas first thing; so must the probe, before its thread gets an arena of its own (a
+    # thread keeps the arena it got first, and later threads would share it).
+    from orchestrator.memory import limit_malloc_arenas
+
+    limit_malloc_arenas(1)
     threading.Thread(target=_probe, args=(path, interval, top_every), daemon=True, name="memprobe").start()
     from orchestrator.cli import main as cli_main
 
