@@ -5,9 +5,9 @@ such blocks are freed, so later ones come from the heaps, whose free space fragm
 are evicted; malloc_trim(0) gives the free pages inside the heaps back (madvise) as well as their tops. Each thread
 that allocates (the scheduler's worker, the HTTP event loop, the threads that render and tokenize prompts) gets
 its own arena, up to 8 per core, and each fragments on its own: the soak saw the thread arenas' resident bytes
-creep up (117 to 139 MiB in 30 minutes, RSS slope 0.34 MiB/min) while Python objects and cache bytes stayed flat;
-with one arena RSS stayed flat (slope 0.03 ± 0.07 MiB/min) and lower. Measurements: README, "Soak".
-Elsewhere than glibc both are no-ops.
+creep up (121 to 137 MiB in 30 minutes, RSS slope 0.34 MiB/min) while Python objects and cache bytes stayed flat;
+with one arena RSS stayed flat (slopes 0.02 ± 0.07 and 0.17 ± 0.07 MiB/min in two 30-minute runs).
+Measurements: README, "Soak". Elsewhere than glibc both are no-ops.
 """
 
 from __future__ import annotations
