@@ -124,17 +124,16 @@ def _probe(path: str, interval: float, top_every: float) -> None:
             if types0 is None:
                 types0 = types
             else:
-                row["types_growth"] = {k: v for k, v in (types - types0).most_common(15)}
-        if tracemalloc.is_tracing() and time.time() >= next_top:
-            snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
-            if base is None:
-                base = snap
-            else:
-                row["top_growth"] = [f"{s.size_diff / 1024:+.0f} KiB {s.count_diff:+d} blocks: "
-                                     + " < ".join(f"{fr.filename.rsplit('/', 2)[-1]}:{fr.lineno}"
-                                                  for fr in list(reversed(s.traceback))[:4])
-                                     for s in snap.compare_to(base, "traceback")[:15]]
-        if time.time() >= next_top:
+                row["types_growth"] = dict((types - types0).most_common(15))
+            if tracemalloc.is_tracing():
+                snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+                if base is None:
+                    base = snap
+                else:
+                    row["top_growth"] = [f"{s.size_diff / 1024:+.0f} KiB {s.count_diff:+d} blocks: "
+                                         + " < ".join(f"{fr.filename.rsplit('/', 2)[-1]}:{fr.lineno}"
+                                                      for fr in list(reversed(s.traceback))[:4])
+                                         for s in snap.compare_to(base, "traceback")[:15]]
             next_top = time.time() + top_every
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -243,11 +243,6 @@ def plot(rows: list[dict], ram_budget: int, path: Path, marks: dict[str, float |
     fig.savefig(path, dpi=110)
 
 
-def slope_mib_per_min(rows: list[dict]) -> float:
-    """Least-squares slope of RSS over the given samples, MiB per minute."""
-    return slope_with_error(rows)[0]
-
-
 def slope_with_error(rows: list[dict], key: str = "rss_mib") -> tuple[float, float]:
     """(least-squares slope of `key` per minute, its standard error); (0, 0) for fewer than 3 samples."""
     if len(rows) < 3:
@@ -392,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_mib_end": rows[-1]["rss_mib"], "rss_mib_max": max(r["rss_mib"] for r in rows),
         "rss_mib_max_after_warmup": max((r["rss_mib"] for r in after_warmup), default=None),
         "rss_median_mib_per_5_min_after_full": window_medians(after_full, full_at, 300) if after_full else [],
-        "rss_slope_mib_per_min_after_full": round(slope_mib_per_min(after_full), 3) if after_full else None,
+        "rss_slope_mib_per_min_after_full": round(slope_with_error(after_full)[0], 3) if after_full else None,
         "rss_slope_mib_per_min_after_warmup": round(slope, 3) if after_warmup else None,
         "rss_slope_stderr_after_warmup": round(slope_err, 3) if after_warmup else None,
         "rss_flat_after_warmup": (slope <= a.flat_slope) if len(after_warmup) >= 3 else None,

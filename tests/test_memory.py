@@ -1,5 +1,6 @@
 """orchestrator.memory: the malloc arena cap really leaves threads on the one main heap (glibc, Linux)."""
 
+import os
 import subprocess
 import sys
 
@@ -29,8 +30,6 @@ print(n)
 
 
 def _arenas(mode: str, env_arenas: str | None) -> int:
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
     if env_arenas is not None:
         env["MALLOC_ARENA_MAX"] = env_arenas
