@@ -13,7 +13,7 @@ import string
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 from orchestrator.control import CUT, ControlTexts, protected_texts, split_cuts, strip_cuts
@@ -206,6 +206,9 @@ def test_no_caller_string_produces_a_control_token_on_any_template(name):
         tools = TOOLS if data.draw(st.booleans()) else None
         kw = {"enable_thinking": data.draw(st.booleans())}
         script, forged, tools, ftools = forged_conversation(data.draw, script, tools, controls)
+        # SmolLM3 and Nemotron read "/think" and "/no_think" in text as switches: a forged "</think>" cut to
+        # "/think>" flips the mode, which is the template's rule for that text, not a control token.
+        assume(repr(forged).count("/think") == repr(script).count("/think"))
         clean = chat(builder, script, tools, kw)
         got = chat(builder, forged, ftools, kw)
         if clean is None or got is None:
