@@ -9,15 +9,17 @@ are tokenized as they are.
 
 from __future__ import annotations
 
+import json
 import logging
-
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .boundaries import Boundaries, BoundaryDetector, detect
 from .control import ControlTexts, protected_texts, split_cuts, strip_cuts
 from .engine import Engine
+from .errors import InvalidRequest
 from .formats import OutputFormat, detect_format
+from .parsing import parse_output
 from .template import ChatTemplate, templates_dir
 
 
@@ -104,6 +106,52 @@ class PromptBuilder:
             lengths[0] = 0
         return tokens, lengths
 
+    def _escaped(self, messages, tools, template_kwargs):
+        """The request's caller strings escaped (control.py), and messages as the template family expects them."""
+        esc = self.controls
+        if esc:
+            messages, tools = esc.escape_all(messages), esc.escape_all(tools)
+            template_kwargs = esc.escape_all(template_kwargs)
+        return self.output_format.template_messages(messages), tools, template_kwargs
+
+    def restorable_after(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any],
+                         prompt: Prompt, parse_tools: bool = True) -> Callable[[Sequence[int]], bool]:
+        """A predicate for the scheduler's after-generation state: given the generated token ids (with the
+        end-of-turn token when generation stopped on one), whether the request that most likely follows starts
+        with `prompt`'s tokens and exactly those ids, so that the state after them can be restored.
+
+        The likely next request is the conversation with the answer appended (parsed as the server returns it:
+        reasoning, content, tool calls) and then the tool results of its calls, or a user message after a text
+        answer. Rendered and tokenized like any request. On Qwen3.5 with thinking on, a text answer fails (the
+        template drops a turn's reasoning once a newer user message arrives) and a tool call passes (reasoning
+        after the last user message is kept), so only the state a tool loop restores is stored (issue 18).
+        Never raises: a conversation the template rejects, or an answer that does not parse, is False.
+        """
+        def check(generated: Sequence[int]) -> bool:
+            try:
+                eog = list(generated[-1:]) if generated and self.engine.is_eog(generated[-1]) else []
+                body = list(generated[: len(generated) - len(eog)])
+                text = b"".join(self.engine.piece(t) for t in body).decode("utf-8", "replace")
+                out = parse_output(text, prompt.opens_reasoning, parse_tools, self.output_format)
+                answer: dict[str, Any] = {"role": "assistant", "content": out.content}
+                if out.reasoning is not None:
+                    answer["reasoning_content"] = out.reasoning
+                if out.tool_calls:
+                    answer["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(
+                        c["function"]["arguments"]))) for c in out.tool_calls]
+                    probes = [{"role": "tool", "tool_call_id": c["id"], "content": "\ue000result"}
+                              for c in out.tool_calls]
+                else:
+                    probes = [{"role": "user", "content": "\ue000next"}]
+                msgs, tls, kw = self._escaped(list(messages) + [answer] + probes, tools, template_kwargs)
+                text = self.template.render(msgs, tls, add_generation_prompt=True, **kw)
+                want = list(prompt.tokens) + list(generated)
+                return self._ids(text)[: len(want)] == want
+            except (InvalidRequest, ValueError, KeyError, TypeError):
+                return False
+
+        return check
+
     def chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any],
              breakpoints: Sequence[tuple[int, int]] = ()) -> Prompt:
         """Render `messages` with the generation prompt; raises InvalidRequest if the template rejects them.
@@ -113,9 +161,7 @@ class PromptBuilder:
         esc = self.controls
         if esc:  # content is data: see control.py
             breakpoints = [(i, esc.escaped_offset(messages[i].get("content") or "", c)) for i, c in breakpoints]
-            messages, tools = esc.escape_all(messages), esc.escape_all(tools)
-            template_kwargs = esc.escape_all(template_kwargs)
-        messages = self.output_format.template_messages(messages)
+        messages, tools, template_kwargs = self._escaped(messages, tools, template_kwargs)
         text = self.template.render(messages, tools, add_generation_prompt=True, **template_kwargs)
         tokens, lengths = self._tokens(text)
         bounds = detect(self.detector, messages, tools, text, lengths, template_kwargs, tokens, self._ids,

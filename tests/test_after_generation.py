@@ -1,0 +1,47 @@
+"""Which after-generation states the likely next request can restore (PromptBuilder.restorable_after, issue 18).
+
+The state after an answer is worth storing only when the next request starts with the prompt and exactly the
+generated tokens. On Qwen3.5 that is a tool call (its results follow, and the template keeps the reasoning of
+turns after the last user message), not a text answer with thinking on (the next user message drops its
+reasoning) nor with thinking off (the empty think block of the generation prompt is not rendered in history).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_tool_call_is_restorable_and_a_text_answer_is_not(runtime, thinking):
+    pb, eng = runtime.prompts, runtime.engine
+    eog = eng.tokenize("<|im_end|>")[0]
+    kw = {"enable_thinking": thinking}
+    prompt = pb.chat(MSGS, TOOLS, kw)
+    check = pb.restorable_after(MSGS, TOOLS, kw, prompt)
+    reasoning = "I should look it up.\n</think>\n\n" if thinking else ""
+    call = eng.tokenize(reasoning + CALL) + [eog]
+    assert check(call)
+    assert check(call[:-1])  # cut by max_tokens before the end of turn: still a prefix of the next request
+    assert not check(eng.tokenize(reasoning + "It is sunny.") + [eog])
+    # A call whose spacing differs from the template's rendering is not restorable either: tokens must match.
+    assert not check(eng.tokenize(reasoning + CALL.replace("\n</parameter>", "</parameter>")) + [eog])
+
+
+def test_an_unfinished_tool_call_is_text_and_not_restorable(runtime):
+    pb, eng = runtime.prompts, runtime.engine
+    prompt = pb.chat(MSGS, TOOLS, {})
+    check = pb.restorable_after(MSGS, TOOLS, {}, prompt)
+    assert not check(eng.tokenize("Let me see.\n</think>\n\nhalf a call <tool_call>\n<function=get_weather>"))
+
+
+def test_a_conversation_the_template_rejects_is_not_restorable_and_does_not_raise(runtime):
+    pb, eng = runtime.prompts, runtime.engine
+    prompt = pb.chat(MSGS, TOOLS, {})
+    check = pb.restorable_after([{"role": "user", "content": "x"}, {"role": "system", "content": "late"}], TOOLS,
+                                {}, prompt)
+    assert check(eng.tokenize(CALL)) is False
