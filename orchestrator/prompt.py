@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -28,13 +29,17 @@ class Prompt:
     """A rendered prompt. tokens: n_prompt ids; boundaries: offsets in tokens; text: the rendered text.
 
     opens_reasoning: the generation prompt ends inside an open <think> block, so generated text starts as
-    reasoning (Qwen3.5 with thinking on).
+    reasoning (Qwen3.5 with thinking on). render_s, tokenize_s, boundaries_s: where building it took its time
+    (the request's time breakdown, with the scheduler's).
     """
 
     text: str
     tokens: list[int]
     boundaries: Boundaries | None
     opens_reasoning: bool = False
+    render_s: float = 0.0  # seconds spent rendering the template (escaping included)
+    tokenize_s: float = 0.0  # seconds spent tokenizing the rendered text
+    boundaries_s: float = 0.0  # seconds spent finding the boundaries (probe renders and their tokens)
 
     def snapshot_positions(self) -> list[int]:
         return self.boundaries.positions(len(self.tokens)) if self.boundaries else []
@@ -158,21 +163,26 @@ class PromptBuilder:
 
         `breakpoints`: the caller's cache breakpoints as (message index, characters of its content before it).
         """
+        t0 = time.perf_counter()
         esc = self.controls
         if esc:  # content is data: see control.py
             breakpoints = [(i, esc.escaped_offset(messages[i].get("content") or "", c)) for i, c in breakpoints]
         messages, tools, template_kwargs = self._escaped(messages, tools, template_kwargs)
         text = self.template.render(messages, tools, add_generation_prompt=True, **template_kwargs)
+        t1 = time.perf_counter()
         tokens, lengths = self._tokens(text)
+        t2 = time.perf_counter()
         bounds = detect(self.detector, messages, tools, text, lengths, template_kwargs, tokens, self._ids,
                         breakpoints)
         text = strip_cuts(text)
         tail = text.rstrip()
         opens = tail.endswith("<think>") and "</think>" not in tail[tail.rfind("<think>"):]
-        return Prompt(text=text, tokens=tokens, boundaries=bounds, opens_reasoning=opens)
+        return Prompt(text=text, tokens=tokens, boundaries=bounds, opens_reasoning=opens, render_s=t1 - t0,
+                      tokenize_s=t2 - t1, boundaries_s=time.perf_counter() - t2)
 
     def completion(self, text: str) -> Prompt:
         """A plain-text prompt (/v1/completions): no template, no boundaries."""
+        t0 = time.perf_counter()
         tokens, _ = self._tokens(text)
-        return Prompt(text=text, tokens=tokens, boundaries=None)
+        return Prompt(text=text, tokens=tokens, boundaries=None, tokenize_s=time.perf_counter() - t0)
 
