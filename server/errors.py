@@ -1,6 +1,8 @@
 """The one place where exceptions become HTTP errors with OpenAI-style bodies:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "messages[2].role", "code": null}}
+
+`error_status` gives the (status, code) that the server counts and logs for every refused or failed request.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ from starlette.responses import JSONResponse
 from orchestrator.errors import OrchestratorError
 
 log = logging.getLogger("orchestrator.server")
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+class NotFound(OrchestratorError):
+    """A resource that does not exist, e.g. GET /v1/models/{id} with another id (HTTP 404)."""
+
+    status = 404
+    type = "invalid_request_error"
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -31,6 +42,16 @@ def error_payload(exc: Exception) -> tuple[dict, int]:
     return error_body(f"internal error: {exc}", "server_error"), 500
 
 
+def error_status(exc: Exception) -> tuple[int, str]:
+    """(HTTP status, a short reason: the error's code, else its type) of a refused or failed request; status
+    499 (code "cancelled") is a client that disconnected."""
+    if isinstance(exc, OrchestratorError):
+        return exc.status, exc.code or exc.type
+    if isinstance(exc, HTTPException):
+        return exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error")
+    return 500, "server_error"
+
+
 def error_response(exc: Exception) -> JSONResponse:
     """The JSON error response; a QueueFull (429) also carries Retry-After in seconds."""
     body, status = error_payload(exc)
@@ -40,6 +61,10 @@ def error_response(exc: Exception) -> JSONResponse:
 
 
 async def handle(request: Request, exc: Exception) -> JSONResponse:
+    """Errors raised outside a route (no route matches: 404; wrong method: 405), counted like the others."""
+    record = getattr(request.app.state, "record_failure", None)
+    if record is not None:
+        record("unmatched", exc)
     return error_response(exc)
 
 

@@ -117,7 +117,7 @@ def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = ()) -> d
                                                    "properties": {"data": {"type": "string"}}}}
     out: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     errors = {400: "invalid request (the body names the field in error.param)", 401: "missing or wrong API key",
-              403: "turned off by the server's configuration", 413: "request body too large",
+              403: "turned off by the server's configuration", 404: "no such model", 413: "request body too large",
               415: "the body is not JSON", 429: "all slots busy and the queue full (--queue-size); see Retry-After",
               500: "internal error", 504: "the request ran past --timeout"}
     for code in (401, 500) + extra:
@@ -156,6 +156,8 @@ def openapi_schema(cfg: Config) -> dict:
                                        "index": {"type": "integer"}, "text": {"type": "string"},
                                        "finish_reason": finish}}},
                                "usage": usage, "timings": {"type": "object"}}}
+    model = {"type": "object", "required": ["id", "object"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "model"}}}
     error = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "properties": {
             "message": {"type": "string"}, "type": {"type": "string"},
@@ -188,9 +190,11 @@ def openapi_schema(cfg: Config) -> dict:
             "/v1/models": {"get": {
                 "operationId": "listModels", "summary": "the served model",
                 "responses": _responses({"type": "object", "required": ["object", "data"], "properties": {
-                    "object": {"const": "list"}, "data": {"type": "array", "items": {
-                        "type": "object", "required": ["id", "object"], "properties": {
-                            "id": {"type": "string"}, "object": {"const": "model"}}}}}})}},
+                    "object": {"const": "list"}, "data": {"type": "array", "items": model}}})}},
+            "/v1/models/{model_id}": {"get": {
+                "operationId": "retrieveModel", "summary": "the served model, by its id (404 for another id)",
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": _responses(model, extra=(404,))}},
             "/health": {"get": {
                 "operationId": "health", "summary": "liveness, queue and cache figures (no API key needed)",
                 "security": [],

@@ -184,7 +184,8 @@ def test_json_content_types_and_none_are_accepted(authed, ctype):
 
 # ------------------------------------------------------------------ authentication
 
-@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/v1/cache/stats"),
+@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("GET", "/metrics"),
+                                         ("GET", "/v1/cache/stats"),
                                          ("GET", "/openapi.json"), ("POST", "/v1/chat/completions"),
                                          ("POST", "/v1/completions"), ("POST", "/v1/cache/flush")])
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", f"{KEY}"])
