@@ -1,7 +1,8 @@
 """Starlette app: OpenAI-compatible routes over an orchestrator `Runtime`.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
-GET /metrics (Prometheus), GET /v1/cache/stats (JSON), POST /v1/cache/flush (administration), GET /openapi.json.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages and /v1/messages/count_tokens
+(Anthropic's Messages API, server/anthropic.py), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
+(Prometheus), GET /v1/cache/stats (JSON), POST /v1/cache/flush (administration), GET /openapi.json.
 Request-level extensions: `cache_prompt` (false = cold run, the cache is neither read nor written),
 `cache_salt` (tenant isolation) and `chat_template_kwargs` (e.g. {"enable_thinking": false}). Responses add
 `timings` (llama-server's name).
@@ -38,9 +39,12 @@ from orchestrator.prompt import Prompt
 from orchestrator.runtime import Runtime
 from orchestrator.scheduler import Event, Job, Result
 
-from .errors import EXCEPTION_HANDLERS, NotFound, error_body, error_payload, error_response, error_status
+from .errors import (ANTHROPIC, EXCEPTION_HANDLERS, OPENAI, NotFound, anthropic_payload, error_body, error_payload,
+                     error_response, error_status)
 from .metrics import Metrics
 from .openapi import openapi_schema
+from . import anthropic
+from .anthropic import MessagesRequest, parse_messages
 from .schemas import GenerationOptions, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
@@ -89,8 +93,11 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
 
 
 def _authorize(request: Request, api_key: str) -> None:
-    """Raise Unauthorized unless the request carries `Authorization: Bearer <api_key>` (constant-time compare)."""
+    """Raise Unauthorized unless the request carries `Authorization: Bearer <api_key>`, or Anthropic's
+    `x-api-key: <api_key>` (constant-time compare)."""
     header = request.headers.get("authorization")
+    if header is None and "x-api-key" in request.headers:
+        header = "Bearer " + request.headers["x-api-key"]
     if header is None:
         raise Unauthorized("missing API key: send the header 'Authorization: Bearer <key>' (this server was "
                            "started with --api-key)")
@@ -349,6 +356,118 @@ class Api:
             "choices": [{"index": 0, "text": text, "finish_reason": r.finish_reason, "logprobs": None}],
             "usage": _usage(r), "timings": _timings(r)})
 
+    # ------------------------------------------------------------------ Anthropic Messages API
+
+    async def _messages_prompt(self, request: Request, route: str) -> tuple[MessagesRequest, Prompt]:
+        cfg = self.rt.config
+        req = parse_messages(await _json_body(request, cfg.max_body_bytes), cfg, route)
+        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
+                                         req.cache_breakpoints)
+        return req, prompt
+
+    async def messages(self, request: Request):
+        req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
+        job = self._job(prompt, req.options)
+        events, cancel = self._submit(job)
+        mid = f"msg_{uuid.uuid4().hex}"
+        if req.options.stream:
+            return StreamingResponse(self._messages_stream(events, cancel, mid, prompt, req),
+                                     media_type="text/event-stream")
+        r = await self._collect(request, events, cancel)
+        self._log("messages", r)
+        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
+        reason, sequence = self._stop_reason(r, bool(out.tool_calls), req.options.stop)
+        return JSONResponse({
+            "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
+            "content": anthropic.content_blocks(out), "stop_reason": reason, "stop_sequence": sequence,
+            "usage": anthropic.usage(r), "timings": _timings(r)})
+
+    def _stop_reason(self, r: Result, has_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
+        """Anthropic's (stop_reason, stop_sequence); which stop string ended the text is read from the text of
+        all completion tokens, the stop string included (Result.text ends before it)."""
+        full = b"".join(self.rt.engine.piece(t) for t in r.completion_tokens).decode("utf-8", "replace") \
+            if stop and r.finish_reason == "stop" else r.text
+        return anthropic.stop_reason(r, has_calls, stop, full)
+
+    def _messages_stream(self, events: asyncio.Queue, cancel: threading.Event, mid: str, prompt: Prompt,
+                         req: MessagesRequest) -> AsyncIterator[str]:
+        """Anthropic's events: message_start, then per content block content_block_start, its deltas and
+        content_block_stop (thinking, text; tool_use blocks at the end, each input as one input_json_delta),
+        message_delta (stop reason, final usage) and message_stop; an error event if the job fails.
+
+        message_start carries the prompt's length as input_tokens and null cache figures, which are known only
+        at the end: message_delta carries the final input_tokens, cache_read_input_tokens and
+        cache_creation_input_tokens (the Anthropic clients take them from there)."""
+        parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
+        block = {"index": -1, "type": None}
+
+        def event(name: str, data: dict) -> str:
+            return f"event: {name}\ndata: {json.dumps(dict(type=name, **data), ensure_ascii=False)}\n\n"
+
+        def close() -> list[str]:
+            if block["type"] is None:
+                return []
+            block["type"] = None
+            return [event("content_block_stop", {"index": block["index"]})]
+
+        def start(content_block: dict) -> list[str]:
+            out = close()
+            block["index"] += 1
+            block["type"] = content_block["type"]
+            return out + [event("content_block_start", {"index": block["index"], "content_block": content_block})]
+
+        def pieces(items) -> list[str]:
+            out = []
+            for kind, text in items:
+                if kind == "reasoning":
+                    if block["type"] != "thinking":
+                        out += start({"type": "thinking", "thinking": "", "signature": ""})
+                    delta = {"type": "thinking_delta", "thinking": text}
+                else:
+                    if block["type"] != "text":
+                        out += start({"type": "text", "text": ""})
+                    delta = {"type": "text_delta", "text": text}
+                out.append(event("content_block_delta", {"index": block["index"], "delta": delta}))
+            return out
+
+        def on_done(r: Result) -> list[str]:
+            rest, calls = parser.finish()
+            out = pieces(rest)
+            for call in calls:
+                use = anthropic.tool_use(call)
+                out += start(dict(use, input={}))
+                out.append(event("content_block_delta", {"index": block["index"], "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(use["input"], ensure_ascii=False)}}))
+            out += close()
+            reason, sequence = self._stop_reason(r, bool(calls), req.options.stop)
+            out.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                               "usage": anthropic.usage(r)}))
+            out.append(event("message_stop", {}))
+            return out
+
+        def on_error(e: Exception) -> list[str]:
+            return close() + [event("error", {"error": anthropic_payload(e)[0]["error"]})]
+
+        async def gen() -> AsyncIterator[str]:
+            yield event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": len(prompt.tokens), "output_tokens": 0,
+                          "cache_creation_input_tokens": None, "cache_read_input_tokens": None}}})
+            inner = self._stream(events, cancel, "/v1/messages", "messages-stream",
+                                 lambda t: pieces(parser.push(t)), on_done, on_error)
+            try:
+                async for line in inner:
+                    yield line
+            finally:
+                await inner.aclose()
+
+        return gen()
+
+    async def count_tokens(self, request: Request):
+        _req, prompt = await self._messages_prompt(request, anthropic.COUNT_TOKENS)
+        return JSONResponse({"input_tokens": len(prompt.tokens)})
+
     # ------------------------------------------------------------------ models, metrics, cache, health
 
     def _model_card(self) -> dict:
@@ -402,12 +521,14 @@ def create_app(runtime: Runtime) -> Starlette:
     api = Api(runtime)
     cfg = runtime.config
 
-    def route(path: str, handler, method: str, public: bool = False) -> Route:
-        return Route(path, _guard(api, path.replace(":path", ""), handler, cfg, public), methods=[method])
+    def route(path: str, handler, method: str, public: bool = False, flavor: str = OPENAI) -> Route:
+        return Route(path, _guard(api, path.replace(":path", ""), handler, cfg, public, flavor), methods=[method])
 
     routes = [
         route("/v1/chat/completions", api.chat, "POST"),
         route("/v1/completions", api.completions, "POST"),
+        route("/v1/messages", api.messages, "POST", flavor=ANTHROPIC),
+        route("/v1/messages/count_tokens", api.count_tokens, "POST", flavor=ANTHROPIC),
         route("/v1/models", api.models, "GET"),
         route("/v1/models/{model_id:path}", api.model, "GET"),
         route("/health", api.health, "GET", public=True),
@@ -421,18 +542,18 @@ def create_app(runtime: Runtime) -> Starlette:
     return app
 
 
-def _guard(api: Api, path: str, handler, cfg: Config, public: bool):
+def _guard(api: Api, path: str, handler, cfg: Config, public: bool, flavor: str):
     """Check the API key (unless `public` or none is configured), then run the route, turning any exception into
-    an error response here, so the connection stays usable (an exception that reaches Starlette's outermost
-    middleware is re-raised and closes the keep-alive connection); every such refusal or failure is counted and
-    logged."""
+    an error response in the route's flavor (OpenAI's or Anthropic's shape) here, so the connection stays usable
+    (an exception that reaches Starlette's outermost middleware is re-raised and closes the keep-alive
+    connection); every such refusal or failure is counted and logged."""
     async def guarded(request: Request):
         try:
             if cfg.api_key is not None and not public:
                 _authorize(request, cfg.api_key)
             return await handler(request)
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx in one place: server/errors.py
-            response = error_response(e)
+            response = error_response(e, flavor)
             api.record_failure(path, e)
             return response
 

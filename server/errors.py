@@ -1,6 +1,12 @@
-"""The one place where exceptions become HTTP errors with OpenAI-style bodies:
+"""The one place where exceptions become HTTP errors.
+
+OpenAI-style bodies on the OpenAI routes:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "messages[2].role", "code": null}}
+
+and Anthropic's shape on the Anthropic route (/v1/messages):
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
 
 `error_status` gives the (status, code) that the server counts and logs for every refused or failed request.
 """
@@ -17,6 +23,12 @@ from orchestrator.errors import OrchestratorError
 
 log = logging.getLogger("orchestrator.server")
 
+OPENAI, ANTHROPIC = "openai", "anthropic"
+
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+                    429: "rate_limit_error", 500: "api_error", 504: "timeout_error"}
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
@@ -42,6 +54,13 @@ def error_payload(exc: Exception) -> tuple[dict, int]:
     return error_body(f"internal error: {exc}", "server_error"), 500
 
 
+def anthropic_payload(exc: Exception) -> tuple[dict, int]:
+    """(Anthropic-style body, HTTP status): the same status and message as error_payload."""
+    body, status = error_payload(exc)
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}, status
+
+
 def error_status(exc: Exception) -> tuple[int, str]:
     """(HTTP status, a short reason: the error's code, else its type) of a refused or failed request; status
     499 (code "cancelled") is a client that disconnected."""
@@ -52,9 +71,9 @@ def error_status(exc: Exception) -> tuple[int, str]:
     return 500, "server_error"
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    """The JSON error response; a QueueFull (429) also carries Retry-After in seconds."""
-    body, status = error_payload(exc)
+def error_response(exc: Exception, flavor: str = OPENAI) -> JSONResponse:
+    """The JSON error response in the route's `flavor`; a QueueFull (429) also carries Retry-After in seconds."""
+    body, status = (anthropic_payload if flavor == ANTHROPIC else error_payload)(exc)
     retry_after = getattr(exc, "retry_after", None)
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(body, status_code=status, headers=headers)
