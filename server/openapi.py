@@ -41,12 +41,15 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
     content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
     message = {"oneOf": [
         {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"enum": ["system", "developer", "user"]}, "content": content, "name": {"type": "string"}}},
+            "role": {"enum": ["system", "developer", "user"]}, "content": content, "name": {"type": "string"}},
+         "description": "leading system and developer messages are merged into one; a later one is rendered where "
+                        "the chat template renders it (400 otherwise)"},
         {"type": "object", "required": ["role"], "properties": {
             "role": {"const": "assistant"}, "content": {"anyOf": [content, _NULL]}, "name": {"type": "string"},
             "reasoning_content": {"type": "string"}, "tool_calls": {"type": "array", "items": tool_call}}},
         {"type": "object", "required": ["role", "content", "tool_call_id"], "description": "answers a tool call of "
-         "an earlier assistant message (400 otherwise)", "properties": {
+         "the assistant message before it, bound by id: rendered in call order (400 for an id that matches no call, "
+         "a call answered twice, or a turn answered in part)", "properties": {
             "role": {"const": "tool"}, "content": content, "tool_call_id": {"type": "string"}}}]}
     tool = {"type": "object", "required": ["type", "function"], "properties": {
         "type": {"const": "function"},
