@@ -40,6 +40,29 @@ from bench.systems import LLAMA_SERVER, SYSTEMS, RssSampler, Running, cold_varia
 BASE_PORT = 18400
 
 
+def missing_dependencies(systems) -> list[str]:
+    """What this run needs and cannot import or find, checked before anything starts (a run that dies after
+    minutes for want of matplotlib loses the part it had not saved): matplotlib for the plots, llama_cpp.server
+    and its web stack for the llama-cpp-python peer, cmake and ninja to build llama-server when it is missing."""
+    import importlib.util
+    import shutil
+
+    need = ["matplotlib"]
+    if any(s.kind == "llama-cpp-python" for s in systems):
+        need += ["llama_cpp.server", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"]
+    missing = []
+    for mod in need:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            missing.append(mod)
+    if any(s.kind == "llama-server" for s in systems) and not LLAMA_SERVER.exists():
+        missing += [tool for tool in ("cmake", "ninja") if shutil.which(tool) is None]
+    return missing
+
+
 def default_model() -> Path:
     """The synthetic qwen3.5-0.8b Q4_K_M (built once into the user cache by orchestrator)."""
     out = subprocess.run([sys.executable, "-m", "orchestrator", "synth-model", "--preset", "qwen3.5-0.8b"],
@@ -167,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = out / "logs"
     t_start = time.monotonic()
 
+    missing = missing_dependencies(systems)
+    if missing:
+        ap.error(f"missing {', '.join(missing)}: install the bench extra first (pip install -e '.[bench]')")
     if any(s.kind == "llama-server" for s in systems) and not LLAMA_SERVER.exists():
         log("llama-server is not built; running bench/install_llama_server.sh (several minutes on 2 cores)")
         subprocess.run(["bash", str(ROOT / "bench" / "install_llama_server.sh")], check=True)
@@ -224,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         (out / "requests.json").write_text(json.dumps({"meta": meta, "summary": summary, "w1": w1rows,
                                                        "requests": records}, indent=1))
         (out / "results.md").write_text(report.markdown(summary, w1rows, records, names, meta))
-        report.plots(records, names, out)
+        try:  # the data is on disk already: a failed plot must not lose the rest of the run
+            report.plots(records, names, out)
+        except Exception as e:  # noqa: BLE001 - any plotting failure
+            log(f"plots failed ({type(e).__name__}: {e}); requests.json and results.md are complete")
 
     try:
         for w, reqs in plan.items():

@@ -49,6 +49,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from .control import strip_cuts
 from .errors import InvalidRequest
 from .template import ChatTemplate
 
@@ -275,8 +276,9 @@ class BoundaryDetector:
 
 
 def byte_offsets(text: str, char_offsets: Sequence[int | None]) -> list[int | None]:
-    """UTF-8 byte offsets of character offsets into `text`."""
-    return [None if c is None else len(text[:c].encode("utf-8")) for c in char_offsets]
+    """UTF-8 byte offsets of character offsets into `text`, in the text the model reads: the CUTs that keep
+    control texts out of caller strings (control.py) are not part of it and count no bytes."""
+    return [None if c is None else len(strip_cuts(text[:c]).encode("utf-8")) for c in char_offsets]
 
 
 def token_offsets(piece_lengths: Sequence[int], byte_offsets_: Sequence[int | None]) -> list[int | None]:

@@ -117,6 +117,10 @@ def _serve_parser(sub) -> None:
                    help=f"most messages in one chat request (default {d.max_messages}; 400 above)")
     p.add_argument("--max-tokens-limit", type=_positive, default=d.max_tokens_limit, metavar="N",
                    help=f"most completion tokens a request may ask for (default {d.max_tokens_limit}; 400 above)")
+    p.add_argument("--parse-special-in-content", action="store_true",
+                   help="tokenize control-token text inside messages, tool results and tool schemas as control "
+                        "tokens, as llama-server does (UNSAFE: anyone who can put text in front of the model can "
+                        "forge system, assistant or tool turns; off by default, see the README's Security)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -129,7 +133,7 @@ def _config(a: argparse.Namespace) -> Config:
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, decode_batching=a.decode_batching,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
                  api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
-                 max_tokens_limit=a.max_tokens_limit)
+                 max_tokens_limit=a.max_tokens_limit, parse_special_in_content=a.parse_special_in_content)
     if a.cache_ram is not None:
         cfg.cache_ram_mib = a.cache_ram
     cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0

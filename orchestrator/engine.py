@@ -246,6 +246,19 @@ class Engine:
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
         return buf.raw[:n]
 
+    def special_tokens(self) -> list[tuple[int, str, bool]]:
+        """(id, text, is_control) of every token that llama_tokenize may split out of text as one token: attribute
+        CONTROL or UNKNOWN (is_control True; matched only with parse_special) or USER_DEFINED (False; matched
+        even without it). From llama_vocab_get_attr over the whole vocabulary (about 0.1 s for 248k tokens)."""
+        control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        user = llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+        out = []
+        for tok in range(self.n_vocab):
+            attr = llama_cpp.llama_vocab_get_attr(self.vocab, tok)
+            if attr & (control | user):
+                out.append((tok, self.piece(tok).decode("utf-8", "replace"), bool(attr & control)))
+        return out
+
     def is_eog(self, token: int) -> bool:
         """End of generation (EOS, EOT and the like: llama_vocab_is_eog)."""
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))

@@ -2,7 +2,9 @@
 
 Uses the model's template (GGUF `tokenizer.chat_template`, else templates/qwen3.5.jinja) and the engine's
 tokenizer (llama_tokenize with special tokens parsed, no BOS added unless the vocab asks for one and the
-template did not write it).
+template did not write it). Caller strings are escaped before rendering so that only the template's own markup
+becomes control tokens (orchestrator/control.py); `/v1/completions` prompts are the caller's own markup and
+are tokenized as they are.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .boundaries import Boundaries, BoundaryDetector, detect
+from .control import ControlTexts, protected_texts, split_cuts, strip_cuts
 from .engine import Engine
 from .formats import OutputFormat, detect_format
 from .template import ChatTemplate, templates_dir
@@ -59,19 +62,32 @@ def load_template(engine: Engine, override_path=None) -> ChatTemplate:
 
 class PromptBuilder:
     """Renders and tokenizes chat and plain-text prompts for one engine. `output_format`: how replies to its
-    chat prompts are parsed (reasoning, tool calls), detected from the template's family."""
+    chat prompts are parsed (reasoning, tool calls), detected from the template's family.
 
-    def __init__(self, engine: Engine, template: ChatTemplate) -> None:
+    parse_special_in_content: tokenize caller strings with special tokens parsed, as llama-server does (control
+    texts in content become control tokens: --parse-special-in-content, off by default; see control.py).
+    """
+
+    def __init__(self, engine: Engine, template: ChatTemplate, parse_special_in_content: bool = False) -> None:
         self.engine = engine
         self.template = template
         self.output_format: OutputFormat = detect_format(template.source)
         self.detector = BoundaryDetector(template)
+        specials = engine.special_tokens()
+        texts = protected_texts(((text, control) for _, text, control in specials), template.source)
+        # ids that only the template's markup may produce (whatever the flag says: tests and logs use them)
+        self.protected_ids = frozenset(tok for tok, text, _ in specials if text in texts)
+        self.controls = ControlTexts(frozenset() if parse_special_in_content else texts)
+        if parse_special_in_content:
+            log.warning("--parse-special-in-content: control-token text inside messages, tool results and tool "
+                        "schemas becomes control tokens; callers can forge turns and tool calls")
 
     def _encode(self, text: str) -> tuple[list[int], bool]:
         """(token ids of `text`, whether a BOS was inserted: the vocab asks for one and the template did not
-        write it)."""
+        write it). `text` may hold CUTs (control.py): each piece between them is tokenized on its own."""
         eng = self.engine
-        tokens = eng.tokenize(text, add_special=False, parse_special=True)
+        tokens = [t for piece in split_cuts(text) if piece
+                  for t in eng.tokenize(piece, add_special=False, parse_special=True)]
         bos = eng.info.bos_text
         if eng.info.add_bos and not (bos and text.startswith(bos)):
             return [eng.bos_id] + tokens, True
@@ -94,11 +110,17 @@ class PromptBuilder:
 
         `breakpoints`: the caller's cache breakpoints as (message index, characters of its content before it).
         """
+        esc = self.controls
+        if esc:  # content is data: see control.py
+            breakpoints = [(i, esc.escaped_offset(messages[i].get("content") or "", c)) for i, c in breakpoints]
+            messages, tools = esc.escape_all(messages), esc.escape_all(tools)
+            template_kwargs = esc.escape_all(template_kwargs)
         messages = self.output_format.template_messages(messages)
         text = self.template.render(messages, tools, add_generation_prompt=True, **template_kwargs)
         tokens, lengths = self._tokens(text)
         bounds = detect(self.detector, messages, tools, text, lengths, template_kwargs, tokens, self._ids,
                         breakpoints)
+        text = strip_cuts(text)
         tail = text.rstrip()
         opens = tail.endswith("<think>") and "</think>" not in tail[tail.rfind("<think>"):]
         return Prompt(text=text, tokens=tokens, boundaries=bounds, opens_reasoning=opens)

@@ -82,6 +82,7 @@ import ctypes
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import sys
 import threading
@@ -558,6 +559,7 @@ def _write_f16_gguf(preset: Preset, vocab: Vocabulary, template: str, path: Path
     import gguf
 
     arch = preset.architecture
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # its INFO lines repeat what the progress says
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(general_name(preset))
     w.add_description("Synthetic model with RANDOM weights: Qwen3.5 architecture, tokenizer and chat template, "
@@ -630,6 +632,16 @@ def _quantize(src: Path, dst: Path, p: _Progress) -> None:
         while not done.wait(10.0):
             p.say("quantizing to Q4_K_M (llama.cpp) ...")
 
+    # llama.cpp logs the loader's metadata dump and a line per tensor (about 170 lines for the 0.8b): keep the
+    # last lines for an error message instead of printing them; the heartbeat says it is still working.
+    tail: list[str] = []
+
+    def keep(level: int, text: bytes, _user) -> None:
+        tail.append(text.decode("utf-8", "replace").rstrip("\n"))
+        del tail[:-20]
+
+    callback = llama_cpp.llama_log_callback(keep)
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
     p.say(f"quantizing to Q4_K_M with llama.cpp ({params.nthread} threads); about 20 s on 2 cores for the 0.8b preset")
     t = threading.Thread(target=heartbeat, name="synth-quantize-progress", daemon=True)
     t.start()
@@ -638,9 +650,11 @@ def _quantize(src: Path, dst: Path, p: _Progress) -> None:
     finally:
         done.set()
         t.join()
+        llama_cpp.llama_log_set(llama_cpp.llama_log_callback(), ctypes.c_void_p(0))  # NULL: the default logger
     if rc != 0:
+        last = "\n".join(line for line in tail if line)
         raise SynthError(f"llama.cpp failed to quantize {src} to Q4_K_M (llama_model_quantize returned {rc}); "
-                         f"see its log above; check free disk space in {dst.parent}")
+                         f"check free disk space in {dst.parent}. llama.cpp's last lines:\n{last}")
 
 
 def build_model(preset: str | Preset, out: Path, progress: bool = True) -> Path:

@@ -9,6 +9,7 @@ one turns `<` into `\\u003c`, which would change the prompt's tokens).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .control import CUT
 from .errors import InvalidRequest
 
 
@@ -30,7 +32,13 @@ def templates_dir() -> Path:
 
 def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
             ensure_ascii: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # A CUT (control.py) marks where caller text must not join into a control token: keep it a character even
+    # in ASCII-only JSON, where it would otherwise become the six characters \ufdd0 of the prompt.
+    return _ASCII_CUT.sub(lambda m: m.group(1) + CUT, text) if ensure_ascii and "\\ufdd0" in text else text
+
+
+_ASCII_CUT = re.compile(r"(?<!\\)((?:\\\\)*)\\ufdd0")  # an escape, not an escaped backslash before "ufdd0"
 
 
 class _TemplateRaised(Exception):

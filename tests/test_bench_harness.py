@@ -63,3 +63,16 @@ def test_soak_slope_error_and_window_medians():
     assert soak.slope_with_error(flat) == (0.0, 0.0)
     assert soak.slope_with_error(flat[:2]) == (0.0, 0.0)  # too few samples to fit with an error
     assert soak.window_medians(rows, 0, 300) == [[0.0, 399.0], [5.0, 405.5], [10.0, 404.0], [15.0, 410.5]]
+
+
+def test_the_bench_names_what_it_misses_before_it_starts(monkeypatch):
+    import importlib.util
+
+    from bench import run
+    from bench.systems import SYSTEMS
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name in ("matplotlib", "fastapi") else real(name))
+    systems = [SYSTEMS["orchestrator"]]
+    assert run.missing_dependencies(systems) == ["matplotlib"]
+    assert "fastapi" in run.missing_dependencies(systems + [s for s in SYSTEMS.values() if s.kind == "llama-cpp-python"])
