@@ -1,7 +1,8 @@
 """Starlette app: OpenAI-compatible routes over an orchestrator `Runtime`.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus),
-GET /v1/cache/stats (JSON), POST /v1/cache/flush (administration), GET /openapi.json.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages and /v1/messages/count_tokens
+(Anthropic's Messages API, server/anthropic.py), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
+(Prometheus), GET /v1/cache/stats (JSON), POST /v1/cache/flush (administration), GET /openapi.json.
 Request-level extensions: `cache_prompt` (false = cold run, the cache is neither read nor written),
 `cache_salt` (tenant isolation) and `chat_template_kwargs` (e.g. {"enable_thinking": false}). Responses add
 `timings` (llama-server's name).
@@ -31,16 +32,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from orchestrator.config import Config
-from orchestrator.errors import (ContextOverflow, Forbidden, InvalidRequest, PayloadTooLarge, Unauthorized,
-                                 UnsupportedMediaType)
+from orchestrator.errors import (ContextOverflow, Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled,
+                                 Unauthorized, UnsupportedMediaType)
 from orchestrator.parsing import make_stream_parser, parse_output
 from orchestrator.prompt import Prompt
 from orchestrator.runtime import Runtime
 from orchestrator.scheduler import Event, Job, Result
 
-from .errors import EXCEPTION_HANDLERS, error_body, error_payload, error_response
+from .errors import (ANTHROPIC, EXCEPTION_HANDLERS, OPENAI, NotFound, anthropic_payload, error_body, error_payload,
+                     error_response, error_status)
 from .metrics import Metrics
 from .openapi import openapi_schema
+from . import anthropic
+from .anthropic import MessagesRequest, parse_messages
 from .schemas import GenerationOptions, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
@@ -71,8 +75,8 @@ async def _json_body(request: Request, limit_bytes: int):
             if size > limit_bytes:
                 raise PayloadTooLarge(limit_bytes)
             chunks.append(chunk)
-    except ClientDisconnect as e:
-        raise InvalidRequest("the client disconnected before sending the whole body") from e
+    except ClientDisconnect as e:  # counted as a disconnect (499), like one while the answer is computed
+        raise RequestCancelled() from e
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as e:
@@ -89,8 +93,11 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
 
 
 def _authorize(request: Request, api_key: str) -> None:
-    """Raise Unauthorized unless the request carries `Authorization: Bearer <api_key>` (constant-time compare)."""
+    """Raise Unauthorized unless the request carries `Authorization: Bearer <api_key>`, or Anthropic's
+    `x-api-key: <api_key>` (constant-time compare)."""
     header = request.headers.get("authorization")
+    if header is None and "x-api-key" in request.headers:
+        header = "Bearer " + request.headers["x-api-key"]
     if header is None:
         raise Unauthorized("missing API key: send the header 'Authorization: Bearer <key>' (this server was "
                            "started with --api-key)")
@@ -118,6 +125,7 @@ class Api:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.metrics = Metrics(runtime.cache)
+        self._late_system_ok: bool | None = None  # does the template render a system message mid-conversation?
 
     def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "") -> Job:
         n_ctx = self.rt.engine.n_ctx
@@ -150,14 +158,25 @@ class Api:
                  kind, r.prompt_tokens, r.cached_tokens, r.restore_source, r.restore_s * 1e3, r.prefill_s * 1e3,
                  len(r.completion_tokens), r.total_s * 1e3)
 
+    def record_failure(self, route: str, exc: Exception) -> None:
+        """Count and log a refused or failed request (status 499: the client disconnected)."""
+        status, code = error_status(exc)
+        self.metrics.failed(route, status, code)
+        level = logging.WARNING if status in (429, 504) or status >= 500 else logging.INFO
+        log.log(level, "refused %s status=%d code=%s: %s", route, status, code,
+                str(getattr(exc, "message", exc))[:200])
+
     async def _collect(self, request: Request, events: asyncio.Queue, cancel: threading.Event) -> Result:
         """Wait for a non-streamed result; a client that disconnects meanwhile cancels the job (its slot is
-        freed at the next step)."""
+        freed at the next step) and the request ends as RequestCancelled (499), also when the scheduler
+        delivers what was generated until then."""
         watch = asyncio.create_task(_cancel_on_disconnect(request, cancel))
         try:
             while True:
                 ev = await events.get()
                 if ev.kind == "done":
+                    if watch.done() and not watch.cancelled():
+                        raise RequestCancelled()  # nobody to answer
                     return ev.result
                 if ev.kind == "error":
                     raise ev.error
@@ -165,38 +184,88 @@ class Api:
             watch.cancel()
             cancel.set()  # a no-op once done; stops the job if this handler is cancelled
 
-    async def _sse(self, events: asyncio.Queue, cancel: threading.Event, kind: str,
-                   on_text: Callable[[str], list[dict]], on_done: Callable[[Result], list[dict]]) -> AsyncIterator[str]:
-        """Server-sent events: one `data:` line per payload from on_text / on_done, an error body if the job
-        fails, then `data: [DONE]`. Leaving early (client gone) cancels the job at its next token."""
-        def line(payload: dict) -> str:
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
+    async def _stream(self, events: asyncio.Queue, cancel: threading.Event, route: str, kind: str,
+                      on_text: Callable[[str], list[str]], on_done: Callable[[Result], list[str]],
+                      on_error: Callable[[Exception], list[str]]) -> AsyncIterator[str]:
+        """The lines of a server-sent event stream: on_text per text delta, then on_done or (if the job fails)
+        on_error. Leaving early (client gone) cancels the job at its next token and counts a disconnect."""
+        finished = False
         try:
             while True:
                 ev = await events.get()
                 if ev.kind == "text":
-                    for payload in on_text(ev.text):
-                        yield line(payload)
+                    for line in on_text(ev.text):
+                        yield line
                 elif ev.kind == "error":
-                    yield line(error_payload(ev.error)[0])
+                    self.record_failure(route, ev.error)
+                    for line in on_error(ev.error):
+                        yield line
                     break
                 else:
                     self._log(kind, ev.result)
-                    for payload in on_done(ev.result):
-                        yield line(payload)
+                    for line in on_done(ev.result):
+                        yield line
                     break
-            yield "data: [DONE]\n\n"
+            finished = True
         finally:
             cancel.set()
+            if not finished:
+                self.record_failure(route, RequestCancelled())
+
+    def _openai_sse(self, events: asyncio.Queue, cancel: threading.Event, route: str, kind: str,
+                    on_text: Callable[[str], list[dict]], on_done: Callable[[Result], list[dict]],
+                    first: list[dict] = ()) -> AsyncIterator[str]:
+        """OpenAI's server-sent events: `data: {payload}` per payload (`first` ones at once), an error body if
+        the job fails, then `data: [DONE]`."""
+        def lines(payloads) -> list[str]:
+            return [f"data: {json.dumps(p, ensure_ascii=False)}\n\n" for p in payloads]
+
+        async def gen() -> AsyncIterator[str]:
+            for line in lines(first):
+                yield line
+            inner = self._stream(events, cancel, route, kind, lambda t: lines(on_text(t)),
+                                 lambda r: lines(on_done(r)), lambda e: lines([error_payload(e)[0]]))
+            try:
+                async for line in inner:
+                    yield line
+            finally:
+                await inner.aclose()  # now, not when collected: it cancels the job and counts a disconnect
+            yield "data: [DONE]\n\n"
+
+        return gen()
+
+    async def _chat_prompt(self, req) -> Prompt:
+        if req.late_system is not None and not await self._renders_late_system():
+            i = req.late_system
+            raise InvalidRequest(
+                f"'messages[{i}]' is a system (or developer) message after the start of the conversation, and this "
+                f"model's chat template ({self.rt.prompts.output_format.name} family) takes system messages only at "
+                f"the start (it refuses or drops a later one); leading system and developer messages are merged "
+                f"into one. Put its text in the first system message, or send it as a user message",
+                param=f"messages[{i}].role")
+        return await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
+                                       req.cache_breakpoints)
+
+    async def _renders_late_system(self) -> bool:
+        """Whether the template renders a system message after a user and an assistant message (Qwen3's writes
+        a system turn there; Qwen3.5's raises; DeepSeek-R1's drops it, which counts as no). Probed once."""
+        if self._late_system_ok is None:
+            text = "late system message probe"
+            probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                     {"role": "system", "content": text}, {"role": "user", "content": "d"}]
+            try:
+                prompt = await run_in_threadpool(self.rt.prompts.chat, probe, None, {})
+                self._late_system_ok = text in prompt.text
+            except InvalidRequest:
+                self._late_system_ok = False
+        return self._late_system_ok
 
     # ------------------------------------------------------------------ routes
 
     async def chat(self, request: Request):
         cfg = self.rt.config
         req = parse_chat(await _json_body(request, cfg.max_body_bytes), cfg)
-        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
-                                         req.cache_breakpoints)
+        prompt = await self._chat_prompt(req)
         job = self._job(prompt, req.options, req.prompt_cache_key)
         events, cancel = self._submit(job)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -219,14 +288,19 @@ class Api:
 
     def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
                      prompt: Prompt, req) -> AsyncIterator[str]:
+        """OpenAI's chunks; with stream_options.include_usage every chunk carries "usage": null and one last
+        chunk with no choices carries the usage, as OpenAI sends them."""
         parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
         keys = {"reasoning": "reasoning_content", "content": "content"}
+        with_usage = req.options.include_usage
 
-        def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> dict:
+        def chunk(delta: dict | None, finish: str | None = None) -> dict:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
+                                                 "logprobs": None}]
             body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.rt.model_id,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-            if usage is not None:
-                body["usage"] = usage
+                    "choices": choices}
+            if with_usage:
+                body["usage"] = None
             return body
 
         def on_text(text: str) -> list[dict]:
@@ -237,16 +311,13 @@ class Api:
             out = [chunk({keys[k]: piece}) for k, piece in rest]
             if calls:
                 out.append(chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
-            out.append(chunk({}, "tool_calls" if calls else r.finish_reason,
-                             _usage(r) if req.options.include_usage else None))
+            out.append(chunk({}, "tool_calls" if calls else r.finish_reason))
+            if with_usage:
+                out.append(dict(chunk(None), usage=_usage(r)))
             return out
 
-        async def gen() -> AsyncIterator[str]:
-            yield f"data: {json.dumps(chunk({'role': 'assistant', 'content': ''}))}\n\n"
-            async for line in self._sse(events, cancel, "chat-stream", on_text, on_done):
-                yield line
-
-        return gen()
+        return self._openai_sse(events, cancel, "/v1/chat/completions", "chat-stream", on_text, on_done,
+                                first=[chunk({"role": "assistant", "content": ""})])
 
     async def completions(self, request: Request):
         cfg = self.rt.config
@@ -257,17 +328,25 @@ class Api:
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         model = self.rt.model_id
         if req.options.stream:
-            def body(text: str, finish: str | None) -> dict:
-                return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+            with_usage = req.options.include_usage
+
+            def body(text: str | None, finish: str | None = None) -> dict:
+                choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish,
+                                                    "logprobs": None}]
+                out = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                       "choices": choices}
+                if with_usage:
+                    out["usage"] = None
+                return out
 
             def on_done(r: Result) -> list[dict]:
-                last = body("", r.finish_reason)
-                if req.options.include_usage:
-                    last["usage"] = _usage(r)
-                return [last]
+                out = [body("", r.finish_reason)]
+                if with_usage:
+                    out.append(dict(body(None), usage=_usage(r)))
+                return out
 
-            gen = self._sse(events, cancel, "completion-stream", lambda t: [body(t, None)], on_done)
+            gen = self._openai_sse(events, cancel, "/v1/completions", "completion-stream",
+                                   lambda t: [body(t)], on_done, first=[body(req.prompt)] if req.echo else [])
             return StreamingResponse(gen, media_type="text/event-stream")
         r = await self._collect(request, events, cancel)
         self._log("completion", r)
@@ -277,13 +356,136 @@ class Api:
             "choices": [{"index": 0, "text": text, "finish_reason": r.finish_reason, "logprobs": None}],
             "usage": _usage(r), "timings": _timings(r)})
 
-    async def models(self, request: Request):
+    # ------------------------------------------------------------------ Anthropic Messages API
+
+    async def _messages_prompt(self, request: Request, route: str) -> tuple[MessagesRequest, Prompt]:
+        cfg = self.rt.config
+        req = parse_messages(await _json_body(request, cfg.max_body_bytes), cfg, route)
+        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
+                                         req.cache_breakpoints)
+        return req, prompt
+
+    async def messages(self, request: Request):
+        req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
+        job = self._job(prompt, req.options)
+        events, cancel = self._submit(job)
+        mid = f"msg_{uuid.uuid4().hex}"
+        if req.options.stream:
+            return StreamingResponse(self._messages_stream(events, cancel, mid, prompt, req),
+                                     media_type="text/event-stream")
+        r = await self._collect(request, events, cancel)
+        self._log("messages", r)
+        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
+        reason, sequence = self._stop_reason(r, bool(out.tool_calls), req.options.stop)
+        return JSONResponse({
+            "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
+            "content": anthropic.content_blocks(out), "stop_reason": reason, "stop_sequence": sequence,
+            "usage": anthropic.usage(r), "timings": _timings(r)})
+
+    def _stop_reason(self, r: Result, has_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
+        """Anthropic's (stop_reason, stop_sequence); which stop string ended the text is read from the text of
+        all completion tokens, the stop string included (Result.text ends before it)."""
+        full = b"".join(self.rt.engine.piece(t) for t in r.completion_tokens).decode("utf-8", "replace") \
+            if stop and r.finish_reason == "stop" else r.text
+        return anthropic.stop_reason(r, has_calls, stop, full)
+
+    def _messages_stream(self, events: asyncio.Queue, cancel: threading.Event, mid: str, prompt: Prompt,
+                         req: MessagesRequest) -> AsyncIterator[str]:
+        """Anthropic's events: message_start, then per content block content_block_start, its deltas and
+        content_block_stop (thinking, text; tool_use blocks at the end, each input as one input_json_delta),
+        message_delta (stop reason, final usage) and message_stop; an error event if the job fails.
+
+        message_start carries the prompt's length as input_tokens and null cache figures, which are known only
+        at the end: message_delta carries the final input_tokens, cache_read_input_tokens and
+        cache_creation_input_tokens (the Anthropic clients take them from there)."""
+        parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
+        block = {"index": -1, "type": None}
+
+        def event(name: str, data: dict) -> str:
+            return f"event: {name}\ndata: {json.dumps(dict(type=name, **data), ensure_ascii=False)}\n\n"
+
+        def close() -> list[str]:
+            if block["type"] is None:
+                return []
+            block["type"] = None
+            return [event("content_block_stop", {"index": block["index"]})]
+
+        def start(content_block: dict) -> list[str]:
+            out = close()
+            block["index"] += 1
+            block["type"] = content_block["type"]
+            return out + [event("content_block_start", {"index": block["index"], "content_block": content_block})]
+
+        def pieces(items) -> list[str]:
+            out = []
+            for kind, text in items:
+                if kind == "reasoning":
+                    if block["type"] != "thinking":
+                        out += start({"type": "thinking", "thinking": "", "signature": ""})
+                    delta = {"type": "thinking_delta", "thinking": text}
+                else:
+                    if block["type"] != "text":
+                        out += start({"type": "text", "text": ""})
+                    delta = {"type": "text_delta", "text": text}
+                out.append(event("content_block_delta", {"index": block["index"], "delta": delta}))
+            return out
+
+        def on_done(r: Result) -> list[str]:
+            rest, calls = parser.finish()
+            out = pieces(rest)
+            for call in calls:
+                use = anthropic.tool_use(call)
+                out += start(dict(use, input={}))
+                out.append(event("content_block_delta", {"index": block["index"], "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(use["input"], ensure_ascii=False)}}))
+            out += close()
+            reason, sequence = self._stop_reason(r, bool(calls), req.options.stop)
+            out.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                               "usage": anthropic.usage(r)}))
+            out.append(event("message_stop", {}))
+            return out
+
+        def on_error(e: Exception) -> list[str]:
+            return close() + [event("error", {"error": anthropic_payload(e)[0]["error"]})]
+
+        async def gen() -> AsyncIterator[str]:
+            yield event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": len(prompt.tokens), "output_tokens": 0,
+                          "cache_creation_input_tokens": None, "cache_read_input_tokens": None}}})
+            inner = self._stream(events, cancel, "/v1/messages", "messages-stream",
+                                 lambda t: pieces(parser.push(t)), on_done, on_error)
+            try:
+                async for line in inner:
+                    yield line
+            finally:
+                await inner.aclose()
+
+        return gen()
+
+    async def count_tokens(self, request: Request):
+        _req, prompt = await self._messages_prompt(request, anthropic.COUNT_TOKENS)
+        return JSONResponse({"input_tokens": len(prompt.tokens)})
+
+    # ------------------------------------------------------------------ models, metrics, cache, health
+
+    def _model_card(self) -> dict:
         info = self.rt.engine.info
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.rt.model_id, "object": "model", "created": 0, "owned_by": "orchestrator",
-            "meta": {"name": info.name, "architecture": info.architecture, "n_ctx": self.rt.engine.n_ctx,
-                     "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params,
-                     "chat_format": self.rt.prompts.output_format.name}}]})
+        return {"id": self.rt.model_id, "object": "model", "created": 0, "owned_by": "orchestrator",
+                "meta": {"name": info.name, "architecture": info.architecture, "n_ctx": self.rt.engine.n_ctx,
+                         "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params,
+                         "chat_format": self.rt.prompts.output_format.name}}
+
+    async def models(self, request: Request):
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request):
+        model_id = request.path_params["model_id"]
+        if model_id != self.rt.model_id:
+            raise NotFound(f"The model {model_id[:200]!r} does not exist: this server serves "
+                           f"{self.rt.model_id!r}", param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
 
     async def prometheus(self, request: Request):
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -318,30 +520,42 @@ def create_app(runtime: Runtime) -> Starlette:
     """The Starlette app for a started runtime. The caller owns the runtime (and closes it)."""
     api = Api(runtime)
     cfg = runtime.config
+
+    def route(path: str, handler, method: str, public: bool = False, flavor: str = OPENAI) -> Route:
+        return Route(path, _guard(api, path.replace(":path", ""), handler, cfg, public, flavor), methods=[method])
+
     routes = [
-        Route("/v1/chat/completions", _guard(api.chat, cfg), methods=["POST"]),
-        Route("/v1/completions", _guard(api.completions, cfg), methods=["POST"]),
-        Route("/v1/models", _guard(api.models, cfg), methods=["GET"]),
-        Route("/health", _guard(api.health, cfg, public=True), methods=["GET"]),
-        Route("/metrics", _guard(api.prometheus, cfg), methods=["GET"]),
-        Route("/v1/cache/stats", _guard(api.cache_stats, cfg), methods=["GET"]),
-        Route("/v1/cache/flush", _guard(api.cache_flush, cfg), methods=["POST"]),
-        Route("/openapi.json", _guard(api.openapi, cfg), methods=["GET"]),
+        route("/v1/chat/completions", api.chat, "POST"),
+        route("/v1/completions", api.completions, "POST"),
+        route("/v1/messages", api.messages, "POST", flavor=ANTHROPIC),
+        route("/v1/messages/count_tokens", api.count_tokens, "POST", flavor=ANTHROPIC),
+        route("/v1/models", api.models, "GET"),
+        route("/v1/models/{model_id:path}", api.model, "GET"),
+        route("/health", api.health, "GET", public=True),
+        route("/metrics", api.prometheus, "GET"),
+        route("/v1/cache/stats", api.cache_stats, "GET"),
+        route("/v1/cache/flush", api.cache_flush, "POST"),
+        route("/openapi.json", api.openapi, "GET"),
     ]
-    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+    app.state.record_failure = api.record_failure
+    return app
 
 
-def _guard(handler, cfg: Config, public: bool = False):
+def _guard(api: Api, path: str, handler, cfg: Config, public: bool, flavor: str):
     """Check the API key (unless `public` or none is configured), then run the route, turning any exception into
-    an error response here, so the connection stays usable (an exception that reaches Starlette's outermost
-    middleware is re-raised and closes the keep-alive connection)."""
+    an error response in the route's flavor (OpenAI's or Anthropic's shape) here, so the connection stays usable
+    (an exception that reaches Starlette's outermost middleware is re-raised and closes the keep-alive
+    connection); every such refusal or failure is counted and logged."""
     async def guarded(request: Request):
         try:
             if cfg.api_key is not None and not public:
                 _authorize(request, cfg.api_key)
             return await handler(request)
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx in one place: server/errors.py
-            return error_response(e)
+            response = error_response(e, flavor)
+            api.record_failure(path, e)
+            return response
 
     return guarded
 

@@ -1,6 +1,7 @@
 """Prometheus metrics (prometheus-client), one registry per app: GET /metrics.
 
-Request-level counters and histograms are recorded per finished request; cache sizes and eviction counters
+Request-level counters and histograms are recorded per finished request, and every refused or failed request
+is counted by route, status and error code; cache sizes and eviction counters
 are read from the cache's own stats at scrape time (a custom collector), so they never drift.
 """
 
@@ -61,6 +62,9 @@ class Metrics:
         self.prefill = Histogram("orchestrator_prefill_seconds", "Time to prefill the uncached part of a prompt",
                                  buckets=_SECONDS, registry=r)
         self.ttft = Histogram("orchestrator_ttft_seconds", "Time to first token", buckets=_SECONDS, registry=r)
+        self.errors = Counter("orchestrator_request_errors", "Requests refused or failed, by route, HTTP status "
+                              "(499: the client disconnected) and error code", ["route", "status", "code"],
+                              registry=r)
         r.register(_CacheCollector(cache))
 
     def observe(self, r: Result) -> None:
@@ -71,6 +75,9 @@ class Metrics:
             self.restore.observe(r.restore_s)
         self.prefill.observe(r.prefill_s)
         self.ttft.observe(r.ttft_s)
+
+    def failed(self, route: str, status: int, code: str) -> None:
+        self.errors.labels(route, str(status), code).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

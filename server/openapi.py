@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 description of the server's routes, served at /openapi.json.
 
 Hand-written, with the request limits of the running server's Config (max_tokens, messages). The request
-properties are exactly server/schemas.py's FIELDS (tests/test_openapi.py checks it), and
+properties are exactly server/schemas.py's FIELDS and, for the Anthropic routes, server/anthropic.py's FIELDS
+(tests/test_openapi.py checks it), and
 `additionalProperties: false` says what the server does with anything else: 400.
 """
 
@@ -11,6 +12,8 @@ from typing import Any
 
 from orchestrator.config import Config
 
+from .anthropic import COUNT_TOKENS, MESSAGES
+from .anthropic import FIELDS as ANTHROPIC_FIELDS
 from .schemas import CHAT, COMPLETION, FIELDS, MAX_ID_CHARS
 
 _NULL = {"type": "null"}
@@ -38,12 +41,15 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
     content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
     message = {"oneOf": [
         {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"enum": ["system", "developer", "user"]}, "content": content, "name": {"type": "string"}}},
+            "role": {"enum": ["system", "developer", "user"]}, "content": content, "name": {"type": "string"}},
+         "description": "leading system and developer messages are merged into one; a later one is rendered where "
+                        "the chat template renders it (400 otherwise)"},
         {"type": "object", "required": ["role"], "properties": {
             "role": {"const": "assistant"}, "content": {"anyOf": [content, _NULL]}, "name": {"type": "string"},
             "reasoning_content": {"type": "string"}, "tool_calls": {"type": "array", "items": tool_call}}},
         {"type": "object", "required": ["role", "content", "tool_call_id"], "description": "answers a tool call of "
-         "an earlier assistant message (400 otherwise)", "properties": {
+         "the assistant message before it, bound by id: rendered in call order (400 for an id that matches no call, "
+         "a call answered twice, or a turn answered in part)", "properties": {
             "role": {"const": "tool"}, "content": content, "tool_call_id": {"type": "string"}}}]}
     tool = {"type": "object", "required": ["type", "function"], "properties": {
         "type": {"const": "function"},
@@ -109,7 +115,67 @@ def _request(props: dict[str, dict], endpoint: str, required: list[str]) -> dict
             "properties": {k: v for k, v in props.items() if endpoint in FIELDS[k]}}
 
 
-def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = ()) -> dict:
+def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
+    """JSON schema of every field in server/anthropic.py's FIELDS (/v1/messages and its count_tokens)."""
+    cache_control = {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+        "type": {"const": "ephemeral"}, "ttl": {"enum": ["5m", "1h"]}},
+        "description": "a caller-chosen snapshot boundary where this block ends"}
+    text = {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "text"}, "text": {"type": "string"}, "cache_control": cache_control}}
+    texts = {"anyOf": [{"type": "string"}, {"type": "array", "items": text}]}
+    tool_result = {"type": "object", "required": ["type", "tool_use_id"], "properties": {
+        "type": {"const": "tool_result"}, "tool_use_id": {"type": "string", "minLength": 1}, "content": texts,
+        "is_error": {"type": "boolean"}, "cache_control": cache_control}}
+    tool_use = {"type": "object", "required": ["type", "id", "name", "input"], "properties": {
+        "type": {"const": "tool_use"}, "id": {"type": "string", "minLength": 1},
+        "name": {"type": "string", "minLength": 1}, "input": {"type": "object"}, "cache_control": cache_control}}
+    thinking = {"type": "object", "required": ["type", "thinking"], "properties": {
+        "type": {"const": "thinking"}, "thinking": {"type": "string"}, "signature": {"type": "string"},
+        "cache_control": cache_control}}
+    redacted = {"type": "object", "required": ["type"], "properties": {
+        "type": {"const": "redacted_thinking"}, "data": {"type": "string"}}}
+
+    def blocks(*kinds: dict) -> dict:
+        return {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": list(kinds)}}]}
+
+    message = {"oneOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"const": "user"}, "content": blocks(text, tool_result)}},
+        {"type": "object", "required": ["role", "content"], "description": "not the last message (no prefill)",
+         "properties": {"role": {"const": "assistant"}, "content": blocks(text, tool_use, thinking, redacted)}}]}
+    tool = {"type": "object", "required": ["name", "input_schema"], "properties": {
+        "type": {"const": "custom"}, "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+        "input_schema": {"type": "object"}, "cache_control": cache_control}}
+    return {
+        "model": {"type": "string", "maxLength": MAX_ID_CHARS},
+        "messages": {"type": "array", "minItems": 1, "maxItems": cfg.max_messages, "items": message},
+        "system": texts,
+        "tools": {"type": "array", "items": tool},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+            "disable_parallel_tool_use": {"type": "boolean"}}},
+        "cache_control": dict(cache_control, description="automatic caching (the last block): accepted; the "
+                                                          "conversation's end is always a snapshot boundary"),
+        "thinking": {"oneOf": [
+            {"type": "object", "required": ["type", "budget_tokens"], "properties": {
+                "type": {"const": "enabled"}, "budget_tokens": {"type": "integer", "minimum": 1}}},
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["adaptive", "disabled"]}}}]},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit},
+        "stop_sequences": {"type": "array", "maxItems": 16, "items": {"type": "string"}},
+        "stream": {"type": "boolean"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": 1 << 20},
+        "metadata": {"type": "object"},
+        "service_tier": {"enum": ["auto", "standard_only"]},
+        "cache_prompt": {"type": "boolean", "description": "false: a cold run that neither reads nor writes the "
+                                                          "prefix cache"},
+        "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS,
+                       "description": "requests share cached prefixes only with the same salt"},
+    }
+
+
+def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = (), error: str = "Error") -> dict:
     content = {"application/json": {"schema": ok}}
     if stream:
         # one event per chunk: `data: {chunk JSON}` ... then `data: [DONE]`
@@ -117,12 +183,12 @@ def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = ()) -> d
                                                    "properties": {"data": {"type": "string"}}}}
     out: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     errors = {400: "invalid request (the body names the field in error.param)", 401: "missing or wrong API key",
-              403: "turned off by the server's configuration", 413: "request body too large",
+              403: "turned off by the server's configuration", 404: "no such model", 413: "request body too large",
               415: "the body is not JSON", 429: "all slots busy and the queue full (--queue-size); see Retry-After",
               500: "internal error", 504: "the request ran past --timeout"}
     for code in (401, 500) + extra:
         out[str(code)] = {"description": errors[code],
-                          "content": {"application/json": {"schema": _ref("Error")}}}
+                          "content": {"application/json": {"schema": _ref(error)}}}
     return out
 
 
@@ -156,6 +222,32 @@ def openapi_schema(cfg: Config) -> dict:
                                        "index": {"type": "integer"}, "text": {"type": "string"},
                                        "finish_reason": finish}}},
                                "usage": usage, "timings": {"type": "object"}}}
+    model = {"type": "object", "required": ["id", "object"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "model"}}}
+    message_response = {
+        "type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence",
+                                       "usage"], "properties": {
+            "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+            "model": {"type": "string"},
+            "content": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["thinking", "text", "tool_use"]}}}},
+            "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+            "stop_sequence": {"type": ["string", "null"]},
+            "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "cache_creation_input_tokens",
+                                                      "cache_read_input_tokens"], "properties": {
+                k: {"type": "integer", "minimum": 0} for k in ("input_tokens", "output_tokens",
+                                                               "cache_creation_input_tokens",
+                                                               "cache_read_input_tokens")}},
+            "timings": {"type": "object"}}}
+    anthropic_error = {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+            "type": {"type": "string"}, "message": {"type": "string"}}}}}
+    aprops = _anthropic_request_properties(cfg)
+
+    def anthropic_request(route: str, required: list[str]) -> dict:
+        return {"type": "object", "required": required, "additionalProperties": False,
+                "properties": {k: v for k, v in aprops.items() if route in ANTHROPIC_FIELDS[k]}}
+
     error = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "properties": {
             "message": {"type": "string"}, "type": {"type": "string"},
@@ -175,7 +267,10 @@ def openapi_schema(cfg: Config) -> dict:
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {"Error": error, "ChatCompletionRequest": _request(props, CHAT, ["messages"]),
-                        "CompletionRequest": _request(props, COMPLETION, ["prompt"])}},
+                        "CompletionRequest": _request(props, COMPLETION, ["prompt"]),
+                        "AnthropicError": anthropic_error,
+                        "MessagesRequest": anthropic_request(MESSAGES, ["model", "max_tokens", "messages"]),
+                        "CountTokensRequest": anthropic_request(COUNT_TOKENS, ["model", "messages"])}},
         "paths": {
             "/v1/chat/completions": {"post": {
                 "operationId": "createChatCompletion", "summary": "chat completion (stream: server-sent events)",
@@ -185,12 +280,25 @@ def openapi_schema(cfg: Config) -> dict:
                 "operationId": "createCompletion", "summary": "plain-text completion (stream: server-sent events)",
                 "requestBody": body(_ref("CompletionRequest")),
                 "responses": _responses(completion_response, stream=True, extra=bad_body + (429, 504))}},
+            "/v1/messages": {"post": {
+                "operationId": "createMessage",
+                "summary": "Anthropic's Messages API (stream: server-sent events message_start ... message_stop)",
+                "requestBody": body(_ref("MessagesRequest")),
+                "responses": _responses(message_response, stream=True, extra=bad_body + (429, 504),
+                                        error="AnthropicError")}},
+            "/v1/messages/count_tokens": {"post": {
+                "operationId": "countMessageTokens", "summary": "the prompt tokens of an Anthropic Messages request",
+                "requestBody": body(_ref("CountTokensRequest")),
+                "responses": _responses({"type": "object", "required": ["input_tokens"], "properties": {
+                    "input_tokens": {"type": "integer"}}}, extra=bad_body, error="AnthropicError")}},
             "/v1/models": {"get": {
                 "operationId": "listModels", "summary": "the served model",
                 "responses": _responses({"type": "object", "required": ["object", "data"], "properties": {
-                    "object": {"const": "list"}, "data": {"type": "array", "items": {
-                        "type": "object", "required": ["id", "object"], "properties": {
-                            "id": {"type": "string"}, "object": {"const": "model"}}}}}})}},
+                    "object": {"const": "list"}, "data": {"type": "array", "items": model}}})}},
+            "/v1/models/{model_id}": {"get": {
+                "operationId": "retrieveModel", "summary": "the served model, by its id (404 for another id)",
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": _responses(model, extra=(404,))}},
             "/health": {"get": {
                 "operationId": "health", "summary": "liveness, queue and cache figures (no API key needed)",
                 "security": [],

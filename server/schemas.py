@@ -115,6 +115,7 @@ class ChatRequest:
     parse_tools: bool = True
     prompt_cache_key: str = ""  # OpenAI's; the scheduler may route requests with the same key together
     cache_breakpoints: tuple[tuple[int, int], ...] = ()  # (message index, content characters before it)
+    late_system: int | None = None  # index in the request of a system message after the leading ones
 
 
 @dataclass
@@ -166,8 +167,10 @@ def _check_fields(body: dict, endpoint: str) -> None:
 
 
 def _options(body: dict, cfg: Config) -> GenerationOptions:
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _num(body, key, 1, cfg.max_tokens_limit, None, integer=True)
+    # As OpenAI: max_completion_tokens (the newer name) wins over max_tokens; both must be valid.
+    max_tokens = _num(body, "max_tokens", 1, cfg.max_tokens_limit, None, integer=True)
+    max_completion = _num(body, "max_completion_tokens", 1, cfg.max_tokens_limit, None, integer=True)
+    max_tokens = max_tokens if max_completion is None else max_completion
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -244,52 +247,142 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
     return out
 
 
-def _messages(raw: Any, max_messages: int) -> list[dict]:
+def _message(m: Any, i: int) -> dict:
+    """One message, validated (tool results are bound to their calls by _messages)."""
+    p = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise _bad(f"'{p}' must be an object", p)
+    role = m.get("role")
+    if role not in ROLES:
+        raise _bad(f"'{p}.role' must be one of {', '.join(ROLES)}; got {json.dumps(role)[:40]}", f"{p}.role")
+    msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    has_calls = role == "assistant" and m.get("tool_calls")
+    msg["content"] = _content(m.get("content"), f"{p}.content", allow_none=bool(has_calls) or role == "assistant")
+    if role == "assistant":
+        if msg["content"] is None:
+            msg["content"] = ""
+        if isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]
+        if has_calls:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls")
+    elif role == "tool":
+        call_id = m.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise _bad(f"'{p}.tool_call_id' must be a string", f"{p}.tool_call_id")
+        msg["tool_call_id"] = call_id
+    if isinstance(m.get("name"), str):
+        msg["name"] = m["name"]
+    return msg
+
+
+def _no_call(k: int, call_id: Any, a: int | None, answered: bool = False) -> InvalidRequest:
+    p = f"messages[{k}]"
+    if a is None:
+        why = "the message before it is neither an assistant message with tool calls nor another tool result"
+    elif answered:
+        why = f"an earlier tool message already answered that call of messages[{a}]"
+    else:
+        why = f"the assistant message messages[{a}] has no tool call with that id"
+    return _bad(f"'{p}' is a tool result for the tool call id {json.dumps(call_id)[:80]}, but {why}",
+                f"{p}.tool_call_id")
+
+
+def _bind_results(calls: list[dict], a: int, msgs: list[dict], results: range) -> list[int]:
+    """The indices of the tool results `results` (the tool messages right after the assistant message
+    messages[a], whose tool calls are `calls`) in the order to render them.
+
+    OpenAI binds a result to its call by tool_call_id, but templates (Qwen3.5's among them) write the results
+    by position: so when the calls have unique ids, the results must carry exactly those ids, each once, and
+    are put in call order whatever order they came in. A result whose id matches no call (or a call answered
+    before) is refused, as is a turn answered in part. Calls without ids (or with repeated ids) cannot be bound
+    that way: their results keep their order, each naming a call of the turn or none."""
+    ids = [c["id"] for c in calls]
+    if None in ids or len(set(ids)) < len(ids):
+        open_ids, unnamed = {x for x in ids if x is not None}, ids.count(None)
+        for k in results:
+            call_id = msgs[k]["tool_call_id"]
+            if call_id in open_ids:
+                open_ids.discard(call_id)
+            elif call_id is None and unnamed:
+                unnamed -= 1
+            else:
+                raise _no_call(k, call_id, a)
+        return list(results)
+    position = {x: j for j, x in enumerate(ids)}
+    by_id: dict[str, int] = {}
+    for k in results:
+        call_id = msgs[k]["tool_call_id"]
+        if call_id not in position or call_id in by_id:
+            raise _no_call(k, call_id, a, answered=call_id in by_id)
+        by_id[call_id] = k
+    if by_id and len(by_id) < len(ids):
+        j = next(j for j, x in enumerate(ids) if x not in by_id)
+        raise _bad(f"the tool call messages[{a}].tool_calls[{j}] (id {json.dumps(ids[j])[:80]}) has no tool result: "
+                   f"the tool messages after an assistant message answer each of its calls once (or none of them)",
+                   f"messages[{a}].tool_calls[{j}].id")
+    return [by_id[x] for x in ids if x in by_id]
+
+
+def _messages(raw: Any, max_messages: int) -> tuple[list[dict], list[int]]:
+    """(validated messages, the index in `raw` of each), with every assistant turn's tool results in the order
+    of its tool calls (see _bind_results)."""
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list", "messages")
     if len(raw) > max_messages:
         raise _bad(f"'messages' holds {len(raw)} messages; this server accepts at most {max_messages} "
                    f"(--max-messages)", "messages")
-    messages: list[dict] = []
-    open_calls: set[str] = set()
-    pending_unnamed = 0
-    for i, m in enumerate(raw):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(f"'{p}' must be an object", p)
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"'{p}.role' must be one of {', '.join(ROLES)}; got {json.dumps(role)[:40]}", f"{p}.role")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
-        has_calls = role == "assistant" and m.get("tool_calls")
-        msg["content"] = _content(m.get("content"), f"{p}.content", allow_none=bool(has_calls) or role == "assistant")
-        if role == "assistant":
-            if msg["content"] is None:
-                msg["content"] = ""
-            if isinstance(m.get("reasoning_content"), str):
-                msg["reasoning_content"] = m["reasoning_content"]
-            if has_calls:
-                msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls")
-                open_calls = {c["id"] for c in msg["tool_calls"] if c["id"]}
-                pending_unnamed = sum(1 for c in msg["tool_calls"] if not c["id"])
-        elif role == "tool":
-            call_id = m.get("tool_call_id")
-            if call_id is not None and not isinstance(call_id, str):
-                raise _bad(f"'{p}.tool_call_id' must be a string", f"{p}.tool_call_id")
-            if call_id in open_calls:
-                open_calls.discard(call_id)
-            elif call_id is None and pending_unnamed:
-                pending_unnamed -= 1
-            else:
-                raise _bad(f"'{p}' is a tool result, but no earlier assistant message has a tool call with id "
-                           f"{json.dumps(call_id)}", f"{p}.tool_call_id")
-            msg["tool_call_id"] = call_id
-        else:
-            open_calls, pending_unnamed = set(), 0
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        messages.append(msg)
-    return messages
+    msgs = [_message(m, i) for i, m in enumerate(raw)]
+    order: list[int] = []
+    i = 0
+    while i < len(msgs):
+        m = msgs[i]
+        if m["role"] == "tool":
+            raise _no_call(i, m["tool_call_id"], None)
+        order.append(i)
+        j = i + 1
+        if m.get("tool_calls"):
+            while j < len(msgs) and msgs[j]["role"] == "tool":
+                j += 1
+            order += _bind_results(m["tool_calls"], i, msgs, range(i + 1, j))
+        i = j
+    return [msgs[k] for k in order], order
+
+
+def _merge_system(messages: list[dict], order: list[int], breakpoints: tuple[tuple[int, int], ...]
+                  ) -> tuple[list[dict], tuple[tuple[int, int], ...], int | None]:
+    """Leading system (and developer) messages merged into one system message, their texts in order and
+    separated by a blank line (templates accept one system message, at the start); the caller's breakpoints
+    (raw message index, characters) moved to the merged messages. Also returns the raw index of the first
+    system message later in the conversation, or None."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    where = {raw: k for k, raw in enumerate(order)}
+    offset: dict[int, int] = {}
+    if n > 1:
+        texts, at = [], 0
+        for k in range(n):
+            offset[order[k]] = at + (2 if texts and messages[k]["content"] else 0)
+            if messages[k]["content"]:
+                at = offset[order[k]] + len(messages[k]["content"])
+                texts.append(messages[k]["content"])
+        messages = [{"role": "system", "content": "\n\n".join(texts)}] + messages[n:]
+        where = {raw: max(0, k - n + 1) for raw, k in where.items()}
+        order = order[:1] + order[n:]
+    moved = tuple((where[i], offset.get(i, 0) + c) for i, c in breakpoints)
+    late = next((order[k] for k in range(1, len(messages)) if messages[k]["role"] == "system"), None)
+    return messages, moved, late
+
+
+def conversation(raw: Any, max_messages: int
+                 ) -> tuple[list[dict], tuple[tuple[int, int], ...], int | None]:
+    """OpenAI-style `messages` -> (the messages to render, the caller's cache breakpoints in them, the index in
+    `raw` of the first system or developer message after the leading ones, or None).
+
+    Validates every message; puts each assistant turn's tool results in the order of its calls; merges the
+    leading system and developer messages into one. Raises InvalidRequest naming the message."""
+    messages, order = _messages(raw, max_messages)
+    return _merge_system(messages, order, _breakpoints(raw))
 
 
 def _breakpoints(raw: list) -> tuple[tuple[int, int], ...]:
@@ -374,10 +467,10 @@ def parse_chat(body: Any, cfg: Config | None = None) -> ChatRequest:
         raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
-    messages = _messages(body.get("messages"), cfg.max_messages)
+    messages, breakpoints, late_system = conversation(body.get("messages"), cfg.max_messages)
     return ChatRequest(messages=messages, tools=tools, template_kwargs=dict(kwargs),
                        options=_options(body, cfg), parse_tools=tools is not None, prompt_cache_key=key or "",
-                       cache_breakpoints=_breakpoints(body["messages"]))
+                       cache_breakpoints=breakpoints, late_system=late_system)
 
 
 def parse_completion(body: Any, cfg: Config | None = None) -> CompletionRequest:

@@ -63,13 +63,13 @@ def test_streaming_matches_non_streaming(client):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"])
     msg = full["choices"][0]["message"]
     assert content == msg["content"]
     assert reasoning == (msg.get("reasoning_content") or "")
     assert chunks[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
 
 
 def test_completions_endpoint(client):
@@ -121,8 +121,9 @@ BAD_REQUESTS = [
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages[1].tool_calls[0].function.arguments"),
-    ("template rejects", {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]},
-     "messages"),
+    ("late system message", {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]},
+     "messages[1].role"),  # Qwen3.5's template takes a system message only at the start
+    ("template rejects", {"messages": [{"role": "assistant", "content": "no user query"}]}, "messages"),
     ("tools wrong shape", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      "tools[0]"),
     ("prompt longer than context", {"messages": [{"role": "user", "content": LONG}]}, "messages"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -184,7 +185,8 @@ def test_json_content_types_and_none_are_accepted(authed, ctype):
 
 # ------------------------------------------------------------------ authentication
 
-@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/v1/cache/stats"),
+@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("GET", "/metrics"),
+                                         ("GET", "/v1/cache/stats"),
                                          ("GET", "/openapi.json"), ("POST", "/v1/chat/completions"),
                                          ("POST", "/v1/completions"), ("POST", "/v1/cache/flush")])
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", f"{KEY}"])
@@ -214,6 +216,23 @@ def test_the_right_key_opens_every_endpoint_and_flush_empties_the_cache(limited,
     assert rt.cache.entries() == []
     rt.cache.check()
     assert authed.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_anthropic_routes_take_the_key_as_x_api_key_and_refuse_in_their_shape(limited):
+    _rt, srv = limited
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(srv.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60).status_code == 200
+    for headers in ({}, {"x-api-key": "wrong"}, {"x-api-key": KEY + "x"}):
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = httpx.post(srv.url + path, json=body, headers=headers, timeout=60)
+            assert r.status_code == 401 and KEY not in r.text
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+    r = anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0).messages.create(
+        model="m", max_tokens=2, messages=body["messages"])
+    assert r.usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(
+            model="m", max_tokens=2, messages=body["messages"])
 
 
 def test_flush_is_off_without_a_key(client, runtime):

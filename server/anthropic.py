@@ -1,0 +1,393 @@
+"""Anthropic's Messages API (POST /v1/messages, POST /v1/messages/count_tokens) over the same prompt builder and
+scheduler as the OpenAI routes.
+
+A request is translated into the OpenAI-style messages that server/schemas.py validates (so tool results are
+bound to their calls and leading system text is handled the same way), and the answer back into Anthropic's
+content blocks and stream events:
+
+* `system` (a string or text blocks) -> the system message; user text blocks -> a user message; each
+  `tool_result` block -> a tool message (before the user's text blocks of the same message); assistant
+  `text` / `thinking` / `tool_use` blocks -> content / reasoning_content / tool_calls; `redacted_thinking` is
+  opaque and not rendered.
+* `cache_control: {"type": "ephemeral"}` on a block marks a caller-chosen snapshot boundary, as OpenAI's
+  `prompt_cache_breakpoint` does: where a text block ends, where a tool result ends, or (on a tool_use or
+  thinking block) where the assistant message ends. On a tool definition it is accepted and needs nothing: the
+  tools block always ends at a snapshot boundary.
+* `thinking` {"type": "enabled" | "adaptive"} renders the template with thinking on; absent or "disabled", off
+  (`enable_thinking`, as Anthropic's default is no thinking).
+
+Usage: `cache_read_input_tokens` is the prompt tokens restored from the cache; `cache_creation_input_tokens`
+the prompt tokens this request prefilled while storing snapshots (all the uncached ones: the state is stored at
+the boundaries, near the end of the prompt, and after generation); `input_tokens` the rest (prompt tokens
+neither read from nor written to the cache). The three add up to the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.config import Config
+from orchestrator.errors import InvalidRequest
+from orchestrator.parsing import ParsedOutput
+from orchestrator.scheduler import Result
+
+from .schemas import MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, conversation
+
+MESSAGES, COUNT_TOKENS = "messages", "count_tokens"
+
+# Accepted top-level fields -> the routes that accept them (/v1/messages, /v1/messages/count_tokens); anything
+# else is refused by name. cache_prompt and cache_salt are this server's extensions, as on the OpenAI routes.
+FIELDS: dict[str, tuple[str, ...]] = {
+    "model": (MESSAGES, COUNT_TOKENS),
+    "messages": (MESSAGES, COUNT_TOKENS),
+    "system": (MESSAGES, COUNT_TOKENS),
+    "tools": (MESSAGES, COUNT_TOKENS),
+    "tool_choice": (MESSAGES, COUNT_TOKENS),
+    "thinking": (MESSAGES, COUNT_TOKENS),
+    "cache_control": (MESSAGES, COUNT_TOKENS),  # automatic caching: the conversation's end is always a boundary
+    "max_tokens": (MESSAGES,),
+    "stop_sequences": (MESSAGES,),
+    "stream": (MESSAGES,),
+    "temperature": (MESSAGES,),
+    "top_p": (MESSAGES,),
+    "top_k": (MESSAGES,),
+    "metadata": (MESSAGES,),
+    "service_tier": (MESSAGES,),
+    "cache_prompt": (MESSAGES,),
+    "cache_salt": (MESSAGES,),
+}
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+THINKING = ("enabled", "adaptive", "disabled")
+_MARK = {"mode": "explicit"}  # the breakpoint mark server/schemas.py reads on a text part
+
+
+@dataclass
+class MessagesRequest:
+    messages: list[dict]  # OpenAI-style, as server/schemas.conversation returns them
+    tools: list[dict] | None  # OpenAI-style
+    template_kwargs: dict[str, Any]
+    options: GenerationOptions | None  # None for count_tokens
+    cache_breakpoints: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def parse_tools(self) -> bool:
+        return self.tools is not None
+
+
+def _cache_control(block: dict, p: str) -> bool:
+    """Whether `block` carries a valid cache_control mark; raises for an invalid one."""
+    cc = block.get("cache_control")
+    if cc is None:
+        return False
+    if not isinstance(cc, dict) or cc.get("type") != "ephemeral" or cc.get("ttl", "5m") not in ("5m", "1h") \
+            or set(cc) - {"type", "ttl"}:
+        name = f"{p}.cache_control" if p else "cache_control"
+        raise _bad(f"'{name}' must be {{\"type\": \"ephemeral\"}}, optionally with \"ttl\" \"5m\" or \"1h\"",
+                   name)
+    return True
+
+
+def _text_part(block: dict, p: str) -> dict:
+    if not isinstance(block.get("text"), str):
+        raise _bad(f"'{p}.text' must be a string", f"{p}.text")
+    if block.get("citations"):
+        raise _bad(f"'{p}.citations' is not supported", f"{p}.citations")
+    part = {"type": "text", "text": block["text"]}
+    if _cache_control(block, p):
+        part["prompt_cache_breakpoint"] = _MARK
+    return part
+
+
+def _kind(block: Any, p: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise _bad(f"'{p}' must be a content block (an object with a \"type\")", p)
+    return block["type"]
+
+
+def _text_blocks(content: Any, p: str) -> list[dict]:
+    """A string or a list of text blocks -> text parts (images and documents are refused)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _bad(f"'{p}' must be a string or a list of text blocks", p)
+    parts = []
+    for j, block in enumerate(content):
+        q = f"{p}[{j}]"
+        if _kind(block, q) != "text":
+            raise _bad(f"'{q}.type' must be \"text\", got {json.dumps(block['type'])[:40]} (images and documents "
+                       f"are not supported)", f"{q}.type")
+        parts.append(_text_part(block, q))
+    return parts
+
+
+def _user(m: dict, p: str, blocks: list, conv: list[dict], origin: list) -> None:
+    texts = []
+    for j, block in enumerate(blocks):
+        q = f"{p}.content[{j}]"
+        kind = _kind(block, q)
+        if kind == "text":
+            texts.append(_text_part(block, q))
+        elif kind == "tool_result":
+            tool_use_id = block.get("tool_use_id")
+            if not isinstance(tool_use_id, str) or not tool_use_id:
+                raise _bad(f"'{q}.tool_use_id' must be a non-empty string", f"{q}.tool_use_id")
+            if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
+                raise _bad(f"'{q}.is_error' must be true or false", f"{q}.is_error")
+            content = block.get("content")
+            parts = [] if content is None else _text_blocks(content, f"{q}.content")
+            if _cache_control(block, q):
+                parts.append({"type": "text", "text": "", "prompt_cache_breakpoint": _MARK})
+            conv.append({"role": "tool", "tool_call_id": tool_use_id, "content": parts})
+            origin.append((q, []))
+        else:
+            raise _bad(f"'{q}.type' {json.dumps(kind)[:40]} is not supported in a user message: text and "
+                       f"tool_result blocks are (images and documents are not)", f"{q}.type")
+    if texts:
+        conv.append({"role": "user", "content": texts})
+        origin.append((p, []))
+
+
+def _assistant(m: dict, p: str, blocks: list, conv: list[dict], origin: list) -> None:
+    parts: list[dict] = []
+    reasoning: list[str] = []
+    calls: list[dict] = []
+    call_paths: list[str] = []
+    mark_end = False
+    for j, block in enumerate(blocks):
+        q = f"{p}.content[{j}]"
+        kind = _kind(block, q)
+        if kind == "text":
+            parts.append(_text_part(block, q))
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise _bad(f"'{q}.thinking' must be a string", f"{q}.thinking")
+            reasoning.append(block["thinking"])
+            mark_end |= _cache_control(block, q)
+        elif kind == "redacted_thinking":  # encrypted by another provider: nothing to render
+            mark_end |= _cache_control(block, q)
+        elif kind == "tool_use":
+            if not isinstance(block.get("id"), str) or not block["id"]:
+                raise _bad(f"'{q}.id' must be a non-empty string", f"{q}.id")
+            if not isinstance(block.get("name"), str) or not block["name"]:
+                raise _bad(f"'{q}.name' must be a non-empty string", f"{q}.name")
+            if not isinstance(block.get("input"), dict):
+                raise _bad(f"'{q}.input' must be an object", f"{q}.input")
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": block["input"]}})
+            call_paths.append(q)
+            mark_end |= _cache_control(block, q)
+        else:
+            raise _bad(f"'{q}.type' {json.dumps(kind)[:40]} is not supported in an assistant message: text, "
+                       f"thinking, redacted_thinking and tool_use blocks are", f"{q}.type")
+    if mark_end:  # a mark on a block that is not text: the end of the message
+        parts.append({"type": "text", "text": "", "prompt_cache_breakpoint": _MARK})
+    msg: dict[str, Any] = {"role": "assistant", "content": parts}
+    if reasoning:
+        msg["reasoning_content"] = "\n".join(reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+    conv.append(msg)
+    origin.append((p, call_paths))
+
+
+def _convert(body: dict, max_messages: int) -> tuple[list[dict], list[tuple[str, list[str]]]]:
+    """(OpenAI-style messages, the Anthropic path each came from, with the paths of its tool_use blocks)."""
+    conv: list[dict] = []
+    origin: list[tuple[str, list[str]]] = []
+    system = body.get("system")
+    if system is not None:
+        conv.append({"role": "system", "content": _text_blocks(system, "system")})
+        origin.append(("system", []))
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    if len(raw) > max_messages:
+        raise _bad(f"'messages' holds {len(raw)} messages; this server accepts at most {max_messages} "
+                   f"(--max-messages)", "messages")
+    for i, m in enumerate(raw):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"'{p}' must be an object", p)
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise _bad(f"'{p}.role' must be \"user\" or \"assistant\"; got {json.dumps(role)[:40]}", f"{p}.role")
+        content = m.get("content")
+        if isinstance(content, str):
+            blocks = [{"type": "text", "text": content}]
+        elif isinstance(content, list) and content:
+            blocks = content
+        else:
+            raise _bad(f"'{p}.content' must be a string or a non-empty list of content blocks", f"{p}.content")
+        (_user if role == "user" else _assistant)(m, p, blocks, conv, origin)
+    if raw[-1]["role"] == "assistant":
+        p = f"messages[{len(raw) - 1}].role"
+        raise _bad(f"'{p}': the last message must be a user message; continuing a partial assistant message "
+                   f"(prefill) is not supported", p)
+    return conv, origin
+
+
+_REF = re.compile(r"messages\[(\d+)\](\.tool_calls\[(\d+)\])?")
+_SUFFIXES = ((".tool_call_id", ".tool_use_id"), (".function.arguments", ".input"), (".function.name", ".name"))
+
+
+def _translate(e: InvalidRequest, origin: list[tuple[str, list[str]]]) -> InvalidRequest:
+    """An error about the translated messages, renamed to the Anthropic request's paths."""
+    def sub(m: re.Match) -> str:
+        base, calls = origin[int(m[1])]
+        return calls[int(m[3])] if m[2] and int(m[3]) < len(calls) else base
+
+    param = e.param
+    if param:
+        param = _REF.sub(sub, param, count=1)
+        for old, new in _SUFFIXES:
+            param = param.replace(old, new)
+    return InvalidRequest(_REF.sub(sub, e.message), param=param, code=e.code)
+
+
+def _tools(raw: Any) -> list[dict] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise _bad("'tools' must be a list", "tools")
+    out = []
+    for j, t in enumerate(raw):
+        q = f"tools[{j}]"
+        if not isinstance(t, dict):
+            raise _bad(f"'{q}' must be an object", q)
+        if t.get("type") not in (None, "custom"):
+            raise _bad(f"'{q}.type' {json.dumps(t['type'])[:60]} is a server tool, which this server does not run; "
+                       f"client tools (\"custom\", or no type) are supported", f"{q}.type")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise _bad(f"'{q}.name' must be a non-empty string", f"{q}.name")
+        if not isinstance(t.get("input_schema"), dict):
+            raise _bad(f"'{q}.input_schema' must be a JSON schema object", f"{q}.input_schema")
+        if t.get("description") is not None and not isinstance(t["description"], str):
+            raise _bad(f"'{q}.description' must be a string", f"{q}.description")
+        _cache_control(t, q)  # valid marks only; the tools block always ends at a snapshot boundary
+        fn: dict[str, Any] = {"name": t["name"]}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        fn["parameters"] = t["input_schema"]
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
+    """'auto', 'any', 'tool' or 'none'. Not enforced by constrained decoding: 'none' drops the tools from the
+    prompt; the others leave the choice to the model (a named tool must be in `tools`)."""
+    if raw is None:
+        return "auto"
+    if not isinstance(raw, dict) or raw.get("type") not in TOOL_CHOICES:
+        raise _bad("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"} (with \"name\" for "
+                   "\"tool\")", "tool_choice")
+    if raw.get("disable_parallel_tool_use") is not None and not isinstance(raw["disable_parallel_tool_use"], bool):
+        raise _bad("'tool_choice.disable_parallel_tool_use' must be true or false",
+                   "tool_choice.disable_parallel_tool_use")
+    if raw["type"] == "tool" and not any(t["function"]["name"] == raw.get("name") for t in tools or ()):
+        raise _bad(f"'tool_choice.name' names the tool {json.dumps(raw.get('name'))[:60]}, which is not in 'tools'",
+                   "tool_choice.name")
+    return raw["type"]
+
+
+def _thinking(raw: Any) -> bool:
+    if raw is None:
+        return False
+    if not isinstance(raw, dict) or raw.get("type") not in THINKING:
+        raise _bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} or "
+                   "{\"type\": \"disabled\"}", "thinking")
+    if raw["type"] == "enabled":
+        budget = raw.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise _bad("'thinking.budget_tokens' must be a positive integer", "thinking.budget_tokens")
+    return raw["type"] != "disabled"
+
+
+def _generation(body: dict, cfg: Config) -> GenerationOptions:
+    if body.get("max_tokens") is None:
+        raise _bad("'max_tokens' is required", "max_tokens")
+    _num(body, "temperature", 0.0, 1.0, 1.0)
+    stop = body.get("stop_sequences")
+    if stop is not None and not (isinstance(stop, list) and len(stop) <= 16 and all(isinstance(s, str) for s in stop)):
+        raise _bad("'stop_sequences' must be a list of at most 16 strings", "stop_sequences")
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise _bad("'metadata' must be an object", "metadata")
+    if body.get("service_tier") is not None and body["service_tier"] not in ("auto", "standard_only"):
+        raise _bad("'service_tier' must be \"auto\" or \"standard_only\"", "service_tier")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_ID_CHARS):
+        raise _bad(f"'cache_salt' must be a non-empty string of at most {MAX_ID_CHARS} characters", "cache_salt")
+    keys = ("max_tokens", "temperature", "top_p", "top_k", "stream", "cache_prompt", "cache_salt")
+    return _options({**{k: body.get(k) for k in keys}, "stop": stop}, cfg)
+
+
+def parse_messages(body: Any, cfg: Config | None = None, route: str = MESSAGES) -> MessagesRequest:
+    """Validate a /v1/messages (or, with route=COUNT_TOKENS, a /v1/messages/count_tokens) body against the
+    limits of `cfg`. Raises InvalidRequest naming the field."""
+    cfg = cfg or Config(cache_ram_mib=0)
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None)
+    for key in body:
+        if route not in FIELDS.get(key, ()):
+            where = "/v1/messages" if route == MESSAGES else "/v1/messages/count_tokens"
+            raise _bad(f"unrecognized request argument supplied: {str(key)[:80]!r} is not supported by {where}",
+                       str(key)[:80])
+    model = body.get("model")
+    if not isinstance(model, str) or len(model) > MAX_ID_CHARS:
+        raise _bad(f"'model' must be a string of at most {MAX_ID_CHARS} characters", "model")
+    _cache_control(body, "")  # a valid mark only: the end of the last message is always a boundary
+    options = _generation(body, cfg) if route == MESSAGES else None
+    tools = _tools(body.get("tools"))
+    if _tool_choice(body.get("tool_choice"), tools) == "none":
+        tools = None
+    kwargs = {"enable_thinking": _thinking(body.get("thinking"))}
+    conv, origin = _convert(body, cfg.max_messages)
+    try:
+        messages, breakpoints, _late = conversation(conv, len(conv))
+    except InvalidRequest as e:
+        raise _translate(e, origin) from e
+    return MessagesRequest(messages=messages, tools=tools, template_kwargs=kwargs, options=options,
+                           cache_breakpoints=breakpoints)
+
+
+# ------------------------------------------------------------------ answers
+
+def content_blocks(out: ParsedOutput) -> list[dict]:
+    """A parsed completion as Anthropic content blocks: thinking, text, then one tool_use per call."""
+    blocks: list[dict] = []
+    if out.reasoning:
+        blocks.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+    if out.content:
+        blocks.append({"type": "text", "text": out.content})
+    blocks += [tool_use(c) for c in out.tool_calls]
+    return blocks
+
+
+def tool_use(call: dict) -> dict:
+    """An OpenAI-shaped parsed tool call as a tool_use block."""
+    args = call["function"]["arguments"]
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+            "input": json.loads(args) if isinstance(args, str) else args}
+
+
+def stop_reason(r: Result, has_calls: bool, stop: tuple[str, ...], full_text: str) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence). `full_text`: the completion tokens' text, through any stop string."""
+    if has_calls:
+        return "tool_use", None
+    if r.finish_reason == "length":
+        return "max_tokens", None
+    rest = full_text[len(r.text):] if full_text.startswith(r.text) else ""
+    for s in stop:
+        if rest.startswith(s):
+            return "stop_sequence", s
+    return "end_turn", None
+
+
+def usage(r: Result) -> dict:
+    """Anthropic's usage: input_tokens + cache_creation_input_tokens + cache_read_input_tokens = the prompt."""
+    read = r.cached_tokens
+    created = r.prompt_tokens - read if r.snapshots_saved else 0
+    return {"input_tokens": r.prompt_tokens - read - created, "output_tokens": len(r.completion_tokens),
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": read}
