@@ -6,6 +6,7 @@ ORCHESTRATOR_TEST_MODEL=path runs the model-level tests against another GGUF (e.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -128,6 +129,18 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def serving(model: Path, **config):
+    """A Runtime of `model` with `config` (make_config's overrides) served by a LiveServer: yields (rt, srv)."""
+    rt = Runtime.start(make_config(model, **config))
+    srv = LiveServer(rt)
+    try:
+        yield rt, srv
+    finally:
+        srv.stop()
+        rt.close()
 
 
 @pytest.fixture(scope="module")

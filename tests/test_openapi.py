@@ -12,24 +12,20 @@ from schemathesis import GenerationMode
 from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
                                  status_code_conformance)
 
-from orchestrator.runtime import Runtime
 from server.openapi import openapi_schema
 from server.anthropic import COUNT_TOKENS, MESSAGES
 from server.anthropic import FIELDS as ANTHROPIC_FIELDS
 from server.schemas import CHAT, COMPLETION, FIELDS
 
-from .conftest import LiveServer, make_config
+from .conftest import serving
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model):
     """Small limits keep every generated request cheap: at most 4 completion tokens, 4 messages, 2,048 context."""
-    rt = Runtime.start(make_config(tiny_model, ctx_size=2048, cache_ram_mib=64, max_tokens_limit=4, max_messages=4,
-                                   max_body_mib=1))
-    srv = LiveServer(rt)
-    yield rt, srv
-    srv.stop()
-    rt.close()
+    with serving(tiny_model, ctx_size=2048, cache_ram_mib=64, max_tokens_limit=4, max_messages=4,
+                 max_body_mib=1) as served:
+        yield served
 
 
 def test_published_request_fields_are_exactly_the_accepted_ones(fuzz_server):
