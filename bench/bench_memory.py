@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.config import MiB, Config  # noqa: E402
 from orchestrator.engine import SamplingParams  # noqa: E402
-from orchestrator.radix import REC  # noqa: E402
+from orchestrator.radix import CHECKPOINT  # noqa: E402
 from orchestrator.runtime import Runtime  # noqa: E402
 from orchestrator.scheduler import Job  # noqa: E402
 
@@ -81,7 +81,7 @@ def main() -> None:
         }
         rt.close()
     r0, r1 = results[0], results[128]
-    save_ms = 1e3 * r1["snapshot_s"] / max(1, r1["held_entries"].get(REC, 1))
+    save_ms = 1e3 * r1["snapshot_s"] / max(1, r1["held_entries"].get(CHECKPOINT, 1))
     tradeoff = []
     for interval in (128, 256, 512, 1024, 2048):
         n = 8000 // interval

@@ -18,6 +18,7 @@ from .config import MiB, Config
 from .engine import Engine
 from .prompt import PromptBuilder, load_template
 from .scheduler import Scheduler
+from .tiers import RamTier, Tier
 
 log = logging.getLogger("orchestrator")
 
@@ -162,15 +163,16 @@ class Runtime:
         batch_decode = decode_batching(engine, cfg.decode_batching)
         if "random" in info.name.lower():
             log.warning("model %r has RANDOM weights: output text is meaningless", info.name)
-        disk = None
+        tiers: list[Tier] = [RamTier(cfg.cache_ram_bytes if cfg.cache_enabled else 0)]
         if cfg.cache_enabled and cfg.cache_disk_dir is not None and cfg.cache_disk_mib > 0:
             try:
                 disk = DiskTier(cfg.cache_disk_dir, cfg.cache_disk_mib * MiB, state_fingerprint(path, engine, file_digest))
                 log.info("snapshot disk tier: %s, %d MiB, %d entries found", cfg.cache_disk_dir,
                          cfg.cache_disk_mib, len(disk))
+                tiers.append(disk)
             except OrchestratorError as e:
                 log.warning("snapshot disk tier unavailable, caching in RAM only: %s", e.message)
-        cache = SnapshotCache(cfg.cache_ram_bytes if cfg.cache_enabled else 0, disk, truncatable=engine.truncatable)
+        cache = SnapshotCache(tiers, truncatable=engine.truncatable)
         if cfg.cache_enabled:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)
@@ -184,5 +186,4 @@ class Runtime:
     def close(self) -> None:
         self.scheduler.close()
         self.engine.close()
-        if self.cache.disk is not None:
-            self.cache.disk.close()
+        self.cache.close()

@@ -61,7 +61,7 @@ from .cache import SnapshotCache
 from .engine import Engine, Sampler, SamplingParams
 from .memory import HeapTrimmer
 from .errors import ContextOverflow, EngineError, OrchestratorError, QueueFull, RequestCancelled, RequestTimeout
-from .radix import KV, REC, common_len
+from .radix import CHECKPOINT, KV, common_len
 from .stops import TextStream
 
 log = logging.getLogger("orchestrator.scheduler")
@@ -532,11 +532,11 @@ class Scheduler:
             t.positions.pop(0)
             if t.store:  # the repeat point too counts as a boundary: it keeps its branch's KV, as a user-message
                 # end did when restores could leave 2 tokens to prefill
-                t.saved += self._store(t, t.work[:end], (REC,), boundary=True)
+                t.saved += self._store(t, t.work[:end], (CHECKPOINT,), boundary=True)
         if not final:
             return
         if t.phase == FOLLOWUP:
-            self._store(t, t.work, (KV, REC), boundary=False)
+            self._store(t, t.work, (KV, CHECKPOINT), boundary=False)
             self._release(t)
             return
         self._prefilled(t)
@@ -642,9 +642,9 @@ class Scheduler:
         seq = t.slot.seq
         if KV in missing:
             kv, rec = self.engine.save_parts(seq)
-            data = {KV: kv, REC: rec}
+            data = {KV: kv, CHECKPOINT: rec}
         else:
-            data = {REC: self.engine.save_checkpoint(seq)}
+            data = {CHECKPOINT: self.engine.save_checkpoint(seq)}
         stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=salt) for k in missing)
         t.snapshot_s += time.perf_counter() - start
         return stored

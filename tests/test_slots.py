@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.engine import SamplingParams
 from orchestrator.errors import QueueFull, RequestCancelled, RequestTimeout
-from orchestrator.radix import KV, REC
+from orchestrator.radix import CHECKPOINT, KV
 from orchestrator.runtime import Runtime
 from orchestrator.scheduler import Event, Job
 from orchestrator.synth import ensure_model
@@ -164,7 +164,7 @@ def test_cancel_during_prefill_keeps_its_checkpoints_and_stores_no_end_state(sta
     rt.scheduler.drain()
     n = len(job.prompt_tokens)
     stored = {(len(tokens), kind) for kind, _tier, tokens in rt.cache.entries()}
-    assert stored and all(k == REC for _, k in stored)  # checkpoints only: no KV, nothing at the end
+    assert stored and all(k == CHECKPOINT for _, k in stored)  # checkpoints only: no KV, nothing at the end
     assert max(p for p, _ in stored) < n
     deepest = max(p for p, _ in stored)
     again = rt.scheduler.run(job)
