@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.config import MiB, Config  # noqa: E402
 from orchestrator.engine import SamplingParams  # noqa: E402
-from orchestrator.radix import CHECKPOINT  # noqa: E402
+from orchestrator.radix import CHECKPOINT, KV  # noqa: E402
 from orchestrator.runtime import Runtime  # noqa: E402
 from orchestrator.scheduler import Job  # noqa: E402
 
@@ -66,10 +66,11 @@ def main() -> None:
         # Whole-state size at depth d: the checkpoint plus d tokens of KV (measured on this engine).
         eng.clear(0)
         eng.decode(0, p.tokens[:512], 0, want_logits=False)
-        kv512, rec = eng.save_parts(0)
+        parts = eng.state.save(eng, 0, (KV, CHECKPOINT))
+        kv512, rec = parts[KV], parts[CHECKPOINT]
         eng.clear(0)
         eng.decode(0, p.tokens[:1024], 0, want_logits=False)
-        kv1024, _ = eng.save_parts(0)
+        kv1024 = eng.state.save(eng, 0, (KV,))[KV]
         kv_per_token = (len(kv1024) - len(kv512)) / 512
         whole = sum(len(rec) + len(kv512) + kv_per_token * (d - 512) for d in positions)
         s = rt.cache.stats()

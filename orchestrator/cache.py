@@ -2,8 +2,10 @@
 
 Knows tokens and bytes, nothing of llama.cpp or HTTP. Entries come in two kinds (`EntryKind`, radix.py):
 CHECKPOINT (a recurrent checkpoint: llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and KV
-(the attention KV of a prefix, stored where a branch ends). A restore of position p needs a checkpoint at p
-and KV covering p: a KV entry at or below p in the tree, or the live sequence when it holds tokens[:p].
+(the attention KV of a prefix, stored where a branch ends). Which kinds a model has, how deep they restore
+and what a new entry supersedes is its `StateKind` (state.py): on a hybrid model a restore of position p needs
+a checkpoint at p and KV covering p (a KV entry at or below p in the tree, or the live sequence when it holds
+tokens[:p]); on a KV-only model any prefix of a KV entry restores.
 
     plan = cache.plan(tokens, max_tokens, live_tokens)   # deepest restorable position, and from what
     parts = cache.load(plan)                            # bytes of both parts (copies; entries stay)
@@ -34,11 +36,13 @@ from typing import Sequence
 
 from .policy import EvictionPolicy
 from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
-from .tiers import RamTier, Tier, TierStats
+from .state import HybridState, StateKind
+from .tiers import Tier, TierStats
 
 log = logging.getLogger("orchestrator.cache")
 
 HOT = 0  # index of the hot tier in `SnapshotCache.tiers`
+_EMPTY = RadixTree()  # the tree of a salt with no entries (never modified)
 
 
 @dataclass(frozen=True)
@@ -112,16 +116,16 @@ class SnapshotCache:
 
     tiers: a hot tier that never evicts on its own (`RamTier`), then any lower tiers (`DiskTier`), in the order
     entries spill. The lower tiers' entries are indexed at construction, so a restarted server keeps its cache.
-    The cache owns its tiers: `close` closes them.
+    The cache owns its tiers: `close` closes them. state: the model's state kind (default: hybrid).
     """
 
     def __init__(self, tiers: Sequence[Tier], policy: EvictionPolicy | None = None,
-                 truncatable: bool = False) -> None:
+                 state: StateKind | None = None) -> None:
         if not tiers:
             raise ValueError("a snapshot cache needs at least its hot tier")
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.hot = self.tiers[HOT]
-        self.truncatable = truncatable  # KV-only states: any prefix of a KV entry is restorable, no checkpoints
+        self.state = state or HybridState()
         self.policy = policy or EvictionPolicy()
         self._trees: dict[str, RadixTree] = {"": RadixTree()}  # salt id -> its tree
         self._meta: dict[int, _Meta] = {}
@@ -174,45 +178,29 @@ class SnapshotCache:
 
     def plan(self, tokens: Sequence[int], max_tokens: int, live_tokens: Sequence[int] = (), *,
              salt: str = "") -> RestorePlan:
-        """The deepest position p <= max_tokens with a checkpoint at tokens[:p] and KV covering p, among the
-        entries stored under `salt`.
+        """The deepest position p <= max_tokens that the entries stored under `salt` restore (with the live
+        sequence's KV where the state kind can use it): on a hybrid model a checkpoint at tokens[:p] and KV
+        covering p, on a KV-only model KV covering p.
 
         `live_tokens`: tokens whose KV the live sequence holds, computed by prefill (usable KV source; the
-        caller passes () when the live sequence belongs to another salt). On a truncatable cache no
-        checkpoint is needed: the deepest p covered by the live KV or a stored KV entry.
+        caller passes () when the live sequence belongs to another salt).
         """
         with self._lock:
             self._tick += 1
-            tree = self._trees.get(salt_id(salt))
-            live = common_len(live_tokens, tokens)
-            if self.truncatable:
-                depth, kv_id = tree.deepest_kv(tokens, max_tokens) if tree is not None else (0, None)
-                if min(live, max_tokens) >= depth:
-                    depth = min(live, max_tokens)
-                    return RestorePlan(depth, None, None, "live") if depth > 0 else RestorePlan()
-                return RestorePlan(depth, None, kv_id, self._tier_name(kv_id))
-            if tree is None:
+            tree = self._trees.get(salt_id(salt), _EMPTY)
+            n, checkpoint_id, kv_id = self.state.match(tree, tokens, max_tokens, common_len(live_tokens, tokens))
+            if n <= 0:
                 return RestorePlan()
-            for node in reversed(tree.path(tokens, max_tokens)):
-                if node.checkpoint is None:
-                    continue
-                if node.depth <= live:
-                    kv_id = None
-                else:
-                    kv_id = node.kv if node.kv is not None else tree.kv_covering(tokens, node.depth)
-                    if kv_id is None:
-                        continue
-                return RestorePlan(node.depth, node.checkpoint, kv_id, self._tier_name(node.checkpoint, kv_id))
-            return RestorePlan()
+            return RestorePlan(n, checkpoint_id, kv_id, self._tier_name(checkpoint_id, kv_id))
 
-    def _tier_name(self, *ids: int | None) -> str:
+    def _tier_name(self, checkpoint_id: int | None, kv_id: int | None) -> str:
         """Where the slowest of a plan's stored parts is: the deepest tier among them; "live" when the KV is the
-        live sequence's (a None id) and the rest is in the hot tier."""
-        level = max((self._meta[i].level for i in ids if i is not None), default=HOT)
-        return "live" if level == HOT and None in ids else self.tiers[level].name
+        live sequence's and the rest (if any) is in the hot tier."""
+        level = max((self._meta[i].level for i in (checkpoint_id, kv_id) if i is not None), default=HOT)
+        return "live" if level == HOT and kv_id is None else self.tiers[level].name
 
     def load(self, plan: RestorePlan) -> tuple[bytes | None, bytes | None] | None:
-        """(kv bytes or None for live KV, checkpoint bytes or None on a truncatable cache) of a plan, promoting
+        """(kv bytes or None for live KV, checkpoint bytes or None where the plan has none) of a plan, promoting
         entries of lower tiers to the hot tier.
 
         Returns None if a part is gone (evicted, or corrupt on disk); that part is then dropped from the index
@@ -336,25 +324,9 @@ class SnapshotCache:
         return took[0] if took else None
 
     def _drop_superseded(self, tokens: Sequence[int], sid: str) -> None:
-        """Before storing KV for `tokens`: drop the KV entries it supersedes.
-
-        KV is prefix-closed, so a KV entry on the same path is covered outright. A KV entry E on another branch
-        is superseded when every *boundary* checkpoint on E's path lies on the shared part: what E alone covers
-        is then only the end of a previous request (its end-of-prompt and generated tokens, which the next
-        prompt typically renders differently). E goes, with the end checkpoints in its tail, which no KV would
-        cover any more; should that branch come back, it is prefilled from its last boundary checkpoint.
-        """
-        tree = self._tree(sid)
-        for eid in [e for e, m in self._meta.items() if m.kind == KV and m.salt == sid]:
-            other = tree.tokens_of(eid)
-            branch = common_len(other, tokens)
-            if self.truncatable and branch < len(other):
-                continue  # its own branch is restorable at every token: keep it
-            tail = [n.checkpoint for n in tree.path(other) if n.depth > branch and n.checkpoint is not None]
-            if any(self._meta[r].boundary for r in tail):
-                continue
-            for r in tail:
-                self._forget(r)
+        """Before storing KV for `tokens`: drop the entries it supersedes (`StateKind.superseded`)."""
+        kv_ids = [e for e, m in self._meta.items() if m.kind == KV and m.salt == sid]
+        for eid in self.state.superseded(self._tree(sid), tokens, kv_ids, lambda e: self._meta[e].boundary):
             self._forget(eid)
 
     def _make_room(self, nbytes: int, pinned: set[int]) -> bool:

@@ -38,11 +38,11 @@ import llama_cpp
 import numpy as np
 
 from .errors import EngineError, InvalidRequest, ModelLoadError
+from .state import StateKind, state_kind
 
 log = logging.getLogger("orchestrator.engine")
 
 PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-_HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and PARTIAL_ONLY states
 _LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
 
 
@@ -147,13 +147,12 @@ class Engine:
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
-        # Sliding-window models (Gemma 2/3) get a full-size window cache (llama.cpp's swa_full). With the default
-        # window-sized cache, cells of tokens that left the window are reused, so a restored sequence's cells
-        # are laid out differently from a cold run's, and the attention sums round differently: seeded sampling
-        # diverged after a few tokens on Gemma 3 270M. With a full cache nothing is evicted, the layout is the
-        # cold run's, and any prefix is restored by truncating the KV, like a pure-attention model.
-        recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model))
-        cparams.swa_full = not recurrent and llama_cpp.llama_model_n_swa(self.model) > 0
+        # What the state is made of decides how it is saved, restored and rewound (state.py), and for sliding-window
+        # models the cache layout (swa_full).
+        self.state: StateKind = state_kind(bool(llama_cpp.llama_model_is_recurrent(self.model)),
+                                           bool(llama_cpp.llama_model_is_hybrid(self.model)),
+                                           int(llama_cpp.llama_model_n_swa(self.model)))
+        cparams.swa_full = self.state.swa_full
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
@@ -173,12 +172,8 @@ class Engine:
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
-        # Attention only (also sliding-window, with its full-size cache): the state is KV only, and any prefix of
-        # a sequence is restored by truncating its KV (llama_memory_seq_rm), so no checkpoints are needed.
-        # Recurrent and hybrid (Qwen3.5) models need a PARTIAL_ONLY checkpoint at the restored position.
-        self.truncatable = not recurrent
         self.min_segment = 2  # until measured: chunk_sizes never makes one-token chunks
-        self.split_layout = False if self.truncatable else self._check_split_layout()
+        self.state.probe(self, max(self.bos_id, 0))
         self.min_segment = min_segment if min_segment is not None else self.measure_min_segment()
 
     # ---------------------------------------------------------------- metadata and vocab
@@ -382,12 +377,14 @@ class Engine:
         """Remove every token of sequence `seq` from the memory (KV and recurrent)."""
         llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
-    def save_state(self, seq: int, flags: int = 0) -> bytes:
-        """The state of sequence `seq` as bytes (llama_state_seq_get_data_ext; flags 0 = KV + recurrent).
+    def save_state(self, seq: int, partial: bool = False) -> bytes:
+        """The state of sequence `seq` as bytes (llama_state_seq_get_data_ext): KV + recurrent, or with `partial`
+        the recurrent part only (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a checkpoint, fixed size).
 
         Size: for Qwen3.5-0.8B about 19 MiB of recurrent state plus about 12 KiB of KV per token held.
         Raises EngineError when llama.cpp writes nothing.
         """
+        flags = PARTIAL if partial else 0
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
         buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
@@ -395,51 +392,29 @@ class Engine:
             raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
         return ctypes.string_at(buf, n)
 
-    def save_checkpoint(self, seq: int) -> bytes:
-        """Recurrent-only checkpoint of `seq` (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): no KV, fixed size."""
-        return self.save_state(seq, PARTIAL)
+    def state_size(self, seq: int, partial: bool = False) -> int:
+        """Bytes `save_state(seq, partial)` would write now (llama_state_seq_get_size_ext)."""
+        return int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL if partial else 0))
 
-    def save_parts(self, seq: int) -> tuple[bytes, bytes]:
-        """(kv, checkpoint) of `seq` from one full save: the attention KV alone, and the recurrent checkpoint.
-
-        llama.cpp writes a full state as header + attention part + recurrent part, and a PARTIAL_ONLY state as
-        the same header + the recurrent part (llama_memory_hybrid::state_write); `split_layout` is checked on
-        this build at start. Without it, `kv` is the whole full state. On a `truncatable` model: (full state, b"").
-        """
-        full = self.save_state(seq)
-        if self.truncatable:
-            return full, b""
-        if not self.split_layout:
-            return full, self.save_checkpoint(seq)
-        body = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL) - _HEADER
-        return full[_HEADER:len(full) - body], full[:_HEADER] + full[len(full) - body:]
-
-    def restore(self, seq: int, n_tokens: int, kv: bytes | None, checkpoint: bytes | None) -> None:
-        """Bring sequence `seq` to the state after its first `n_tokens` tokens.
-
-        kv: stored attention KV covering at least n_tokens (from save_parts), or None to keep the sequence's own
-        KV (it must hold those tokens). checkpoint: the recurrent checkpoint taken at n_tokens. Order matters on
-        a hybrid memory: load the KV, then the checkpoint, then truncate the KV with llama_memory_seq_rm(seq,
-        n_tokens, -1), which fails before the checkpoint is loaded. On a `truncatable` model the checkpoint is
-        ignored (pass None): the KV is truncated. Raises EngineError (sequence cleared).
-        """
-        if kv is not None:
-            full = checkpoint[:_HEADER] + kv + checkpoint[_HEADER:] if self.split_layout else kv
-            self._set(seq, full, 0, clear=True)
-        if not self.truncatable:
-            self._set(seq, checkpoint, PARTIAL, clear=False)
-        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
-            self.clear(seq)
-            raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")
-
-    def _set(self, seq: int, data: bytes, flags: int, clear: bool) -> None:
+    def load_state(self, seq: int, data: bytes, partial: bool = False, clear: bool = True) -> None:
+        """Load a saved state into `seq` (llama_state_seq_set_data_ext), clearing the sequence first if `clear`.
+        Raises EngineError (sequence cleared) when llama.cpp refuses it. How the parts of a state are combined
+        is the state kind's business (`self.state.restore`)."""
         if clear:
             self.clear(seq)
         src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
-        n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, len(data), seq, flags)
+        n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, len(data), seq, PARTIAL if partial else 0)
         if n == 0:
             self.clear(seq)
             raise EngineError(f"llama.cpp rejected a {len(data)}-byte state for sequence {seq}")
+
+    def truncate(self, seq: int, n_tokens: int) -> None:
+        """Keep the first `n_tokens` tokens of `seq` (llama_memory_seq_rm(seq, n_tokens, -1)). A recurrent state
+        cannot be cut back, so on a hybrid memory this fails unless a checkpoint at n_tokens was loaded. Raises
+        EngineError (sequence cleared) when the sequence does not end at n_tokens afterwards."""
+        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
+            self.clear(seq)
+            raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")
 
     def pos_max(self, seq: int) -> int:
         """Last position held by `seq` (llama_memory_seq_pos_max), -1 when empty."""
@@ -452,20 +427,11 @@ class Engine:
         tok = max(self.bos_id, 0)
         try:
             self.decode(0, [tok] * 2, 0, want_logits=False)
-            two = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
-            rec = 0 if self.truncatable else llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, PARTIAL) - _HEADER
+            two = self.state_size(0)
+            rec = self.state.checkpoint_bytes(self, 0)
             self.decode(0, [tok] * 2, 2, want_logits=False)
-            four = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
+            four = self.state_size(0)
             return rec, (four - two) // 2
-        finally:
-            self.clear(0)
-
-    def _check_split_layout(self) -> bool:
-        """Whether a full state is header + KV part + the checkpoint's body (see save_parts)."""
-        try:
-            self.decode(0, [max(self.bos_id, 0)] * 2, 0, want_logits=False)
-            full, rec = self.save_state(0), self.save_checkpoint(0)
-            return len(rec) > _HEADER and full[:_HEADER] == rec[:_HEADER] and full.endswith(rec[_HEADER:])
         finally:
             self.clear(0)
 

@@ -47,12 +47,12 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
 
     Covers the model file (`model_file_digest`, computed here unless given), the llama-cpp-python / llama.cpp
     version, and the context parameters that shape the state layout: n_ctx, sequences, flash attention, and the
-    split layout of saved states. A changed model file (even touched, or copied without -p) therefore empties
+    layout of saved entries (`StateKind.layout`). A changed model file (even touched, or copied without -p) therefore empties
     the disk tier, which costs only misses.
     """
     h = hashlib.blake2b(digest_size=32)
     h.update(file_digest if file_digest is not None else model_file_digest(model_path))
-    for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.split_layout):
+    for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.state.layout):
         h.update(repr(part).encode())
     return h.digest()
 
@@ -172,7 +172,7 @@ class Runtime:
                 tiers.append(disk)
             except OrchestratorError as e:
                 log.warning("snapshot disk tier unavailable, caching in RAM only: %s", e.message)
-        cache = SnapshotCache(tiers, truncatable=engine.truncatable)
+        cache = SnapshotCache(tiers, state=engine.state)
         if cfg.cache_enabled:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)

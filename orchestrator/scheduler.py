@@ -406,13 +406,13 @@ class Scheduler:
         task.t_restored = time.perf_counter()
         task.store = task.job.use_cache and task.n >= self.min_segment  # else the prompt is a too-short ubatch
         kept, pos = [], start
-        candidates = [] if self.engine.truncatable else self._positions(task.job, task.n)
-        if task.store and not self.engine.truncatable:
+        candidates = self._positions(task.job, task.n)
+        if task.store:
             # The repeat point: the last position an identical request can restore (it must prefill at least
             # min_segment tokens). Taken instead of a checkpoint at the very end, which nothing could restore.
             task.repeat_point = task.n - self.min_segment
             candidates = sorted(set(candidates) | {task.repeat_point})
-        for b in candidates:
+        for b in self.engine.state.snapshot_positions(candidates):
             if b - pos >= self.min_segment and task.n - b >= self.min_segment:
                 kept.append(b)
                 pos = b
@@ -438,8 +438,8 @@ class Scheduler:
                 kv, checkpoint = parts
                 try:
                     if kv is None and src is not slot:  # the KV is live in another slot: copy it as bytes
-                        kv = self.engine.save_parts(src.seq)[0]
-                    self.engine.restore(slot.seq, plan.n_tokens, kv, checkpoint)
+                        kv = self.engine.state.save(self.engine, src.seq, (KV,))[KV]
+                    self.engine.state.restore(self.engine, slot.seq, plan.n_tokens, kv, checkpoint)
                 except EngineError:  # the sequence is cleared: drop what failed and plan again
                     log.warning("llama.cpp refused a snapshot restore; its entries are dropped", exc_info=True)
                     self._reset(slot)
@@ -614,37 +614,29 @@ class Scheduler:
 
     def _rewind(self, t: _Task) -> int:
         """Drop the decoded tokens: back to a state the followup can prefill on from exactly, and return its
-        position (0: none). Truncation to the prompt's end on a KV-only model; otherwise the deepest checkpoint
-        at least min_segment tokens before the prompt's end (the repeat point, as a rule) with the live KV."""
+        position (0: none): the deepest position the state kind can rewind to (the prompt's end on a KV-only
+        model, the repeat point as a rule on a hybrid one) with the live KV."""
         prompt = t.tokens
-        if self.engine.truncatable:
-            self.engine.restore(t.slot.seq, len(prompt), None, None)
-            t.slot.live = list(prompt)
-            return len(prompt)
-        plan = self.cache.plan(prompt, len(prompt) - self.min_segment, prompt, salt=t.job.cache_salt)
+        limit = self.engine.state.rewind_limit(len(prompt), self.min_segment)
+        plan = self.cache.plan(prompt, limit, prompt, salt=t.job.cache_salt)
         parts = self.cache.load(plan) if plan.n_tokens else None
         if parts is None or parts[0] is not None:
             return 0
-        self.engine.restore(t.slot.seq, plan.n_tokens, None, parts[1])
+        self.engine.state.restore(self.engine, t.slot.seq, plan.n_tokens, None, parts[1])
         t.slot.live = prompt[:plan.n_tokens]
         return plan.n_tokens
 
     def _store(self, t: _Task, tokens: list[int], kinds: tuple[str, ...], boundary: bool) -> int:
         """Save the entries of `kinds` missing for `tokens` from the slot's current state (one full save gives
         both KV and checkpoint); returns how many were stored."""
-        if self.engine.truncatable:  # KV-only states: the KV is the whole state, no checkpoints
-            kinds = tuple(k for k in kinds if k == KV)
+        kinds = tuple(k for k in kinds if k in self.engine.state.entry_kinds)
         salt = t.job.cache_salt
         missing = [k for k in kinds if not self.cache.contains(tokens, k, salt=salt)]
         if not missing:
             return 0
         start = time.perf_counter()
         seq = t.slot.seq
-        if KV in missing:
-            kv, rec = self.engine.save_parts(seq)
-            data = {KV: kv, CHECKPOINT: rec}
-        else:
-            data = {CHECKPOINT: self.engine.save_checkpoint(seq)}
+        data = self.engine.state.save(self.engine, seq, missing)
         stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=salt) for k in missing)
         t.snapshot_s += time.perf_counter() - start
         return stored

@@ -291,7 +291,7 @@ class Api:
     async def cache_stats(self, request: Request):
         s = self.rt.cache.stats()
         return JSONResponse({**dataclasses.asdict(s), "checkpoint_interval": self.rt.scheduler.checkpoint_interval,
-                             "split_layout": self.rt.engine.split_layout})
+                             "split_layout": bool(getattr(self.rt.engine.state, "split_layout", False))})
 
     async def cache_flush(self, request: Request):
         """Administration: drop every snapshot in every tier. Off (403) on a server without --api-key."""
