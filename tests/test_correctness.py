@@ -218,14 +218,14 @@ def test_after_generation_snapshot_equals_cold_prefill(runtime):
 
 
 def test_min_segment_is_measured_once_per_model_and_cpu(tmp_path, tiny_model, monkeypatch):
-    from orchestrator.engine import Engine
+    from orchestrator import calibration
 
     file = tmp_path / "calibration.json"
     rt = Runtime.start(make_config(tiny_model, calibration_file=file))
     measured = rt.engine.min_segment
     rt.close()
     assert list(json.loads(file.read_text()).values()) == [measured]
-    monkeypatch.setattr(Engine, "measure_min_segment", lambda self, *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(calibration, "measure_min_segment", lambda *a, **k: pytest.fail("measured again"))
     rt = Runtime.start(make_config(tiny_model, calibration_file=file))
     assert rt.engine.min_segment == measured
     rt.close()

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
+from orchestrator.calibration import check_batch_invariance
 from orchestrator.engine import SamplingParams
 from orchestrator.errors import QueueFull, RequestCancelled, RequestTimeout
 from orchestrator.radix import CHECKPOINT, KV
@@ -91,7 +92,7 @@ def conversations(turn_outputs: list[list[str]]) -> list[list[dict]]:
 def test_concurrent_conversations_equal_cold_and_sequential_runs(start, preset, batched):
     model = ensure_model(preset)
     seq_rt = start(model)
-    assert seq_rt.scheduler.batch_decode is batched  # measured at start (Engine.check_batch_invariance)
+    assert seq_rt.scheduler.batch_decode is batched  # measured at start (calibration.check_batch_invariance)
     # Sequential oracle: each turn of each conversation, one at a time, on a fresh cache; and cold runs.
     outputs: list[list[str]] = [[] for _ in QUESTIONS]
     sequential, cold = [], []
@@ -135,8 +136,8 @@ def test_requests_sharing_a_prefix_wait_for_it_instead_of_prefilling_it_again(st
 
 
 def test_batch_invariance_is_measured_on_the_model(start, q4_model, tiny_model):
-    assert start(q4_model).engine.check_batch_invariance() is True
-    assert start(tiny_model).engine.check_batch_invariance() is False
+    assert check_batch_invariance(start(q4_model).engine) is True
+    assert check_batch_invariance(start(tiny_model).engine) is False
 
 
 class CancelAfter(threading.Event):
