@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .policy import EvictionPolicy
+from .policy import Candidate, EvictionPolicy
 from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
 from .state import HybridState, StateKind
 from .tiers import Tier, TierStats
@@ -334,11 +334,11 @@ class SnapshotCache:
         if nbytes > self.budget_bytes:
             return False
         while self.hot.bytes + nbytes > self.budget_bytes:
-            candidates = {e: (self._meta[e].nbytes, self._meta[e].last_used) for e in self._resident
-                          if e not in pinned}
-            if not candidates:
+            victim = self.policy.victim(Candidate(e, self._tree_of(e), self._meta[e].nbytes, self._meta[e].last_used)
+                                        for e in self._resident if e not in pinned)
+            if victim is None:
                 return False
-            self._evict(min(candidates, key=lambda e: self.policy.priority(self._tree_of(e), e, *candidates[e])))
+            self._evict(victim)
         return True
 
     def _evict(self, eid: int) -> None:
@@ -428,11 +428,13 @@ class SnapshotCache:
 
     # ------------------------------------------------------------------ inspection
 
-    def clear(self) -> None:
-        """Forget every entry in every tier."""
+    def clear(self) -> int:
+        """Forget every entry in every tier; returns how many there were."""
         with self._lock:
+            n = len(self._meta)
             for eid in list(self._meta):
                 self._forget(eid)
+            return n
 
     def stats(self) -> CacheStats:
         with self._lock:

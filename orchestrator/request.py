@@ -132,7 +132,7 @@ class Task:
         # generation
         self.first_logits: np.ndarray | None = None
         self.sampler: Sampler | None = None
-        self.stream: TextStream | None = None
+        self.stream = TextStream(stop=job.stop)
         self.out: list[int] = []
         self.eog: int | None = None  # the end-of-generation token that ended it, if one did
         self.finish = "length"
@@ -142,6 +142,24 @@ class Task:
     def expired(self, now: float) -> bool:
         """Cancelled by the caller or past its deadline."""
         return self.cancel.is_set() or (self.deadline is not None and now > self.deadline)
+
+    def take(self, token: int, eog: bool, piece: bytes, n_ctx: int) -> tuple[str, bool]:
+        """Take a sampled token (`eog`: an end-of-generation token; `piece`: its bytes): returns the text that
+        may be streamed now and whether generation is over (end of generation, a stop string, max_tokens, or a
+        full context). Otherwise the token is `pending`, to be decoded next."""
+        self.pending = None
+        if eog:
+            self.finish, self.eog = "stop", token
+            return "", True
+        self.out.append(token)
+        delta = self.stream.push(piece)
+        if self.stream.stopped:
+            self.finish = "stop"
+            return delta, True
+        if len(self.out) >= self.job.max_tokens or self.n + len(self.out) >= n_ctx:
+            return delta, True
+        self.pending = token
+        return delta, False
 
     def generated(self) -> list[int]:
         """The completion tokens, with the end-of-generation token that ended them (it is in the sequence)."""

@@ -3,20 +3,23 @@ this machine at start (calibration.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
 
 from . import calibration
-from .cache import SnapshotCache
+from .cache import CacheStats, SnapshotCache
 from .disk import DiskTier
 from .errors import OrchestratorError
 from .config import MiB, Config
 from .engine import Engine
 from .prompt import PromptBuilder, load_template
+from .request import Job, Sink
 from .scheduler import Scheduler
 from .tiers import RamTier, Tier
 
@@ -70,6 +73,8 @@ def resolve_model(cfg: Config) -> Path:
 
 @dataclass
 class Runtime:
+    """The parts of a started server. `server/` uses the query methods below, never the parts themselves."""
+
     config: Config
     engine: Engine
     cache: SnapshotCache
@@ -119,6 +124,45 @@ class Runtime:
                                        queue_size=cfg.queue_size, timeout_s=cfg.timeout,
                                        prefill_chunk=cfg.prefill_chunk, batch_decode=batch_decode),
                    model_id=cfg.model_alias or path.stem)
+
+    # ------------------------------------------------------------------ what server/ asks
+
+    @property
+    def n_ctx(self) -> int:
+        """Tokens per slot: the prompt plus its completion must fit."""
+        return self.engine.n_ctx
+
+    def submit(self, job: Job, sink: Sink) -> threading.Event:
+        """Queue a job (Scheduler.submit: raises ContextOverflow, QueueFull); returns its cancel flag."""
+        return self.scheduler.submit(job, sink)
+
+    def model_meta(self) -> dict:
+        """What /v1/models says about the served model."""
+        info = self.engine.info
+        return {"name": info.name, "architecture": info.architecture, "n_ctx": self.engine.n_ctx,
+                "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params,
+                "chat_format": self.prompts.output_format.name}
+
+    def cache_stats(self) -> CacheStats:
+        """The snapshot cache's counters and what each tier holds (for /metrics)."""
+        return self.cache.stats()
+
+    def cache_report(self) -> dict:
+        """/v1/cache/stats: the cache's counters and the settings that shape what it stores."""
+        return {**dataclasses.asdict(self.cache.stats()), "checkpoint_interval": self.scheduler.checkpoint_interval,
+                **self.engine.state.describe()}
+
+    def flush_cache(self) -> int:
+        """Drop every snapshot in every tier; returns how many entries went."""
+        return self.cache.clear()
+
+    def health(self) -> dict:
+        """Slots, queue and cache figures for /health."""
+        s = self.cache.stats()
+        return {"slots": len(self.scheduler.slots), "slots_busy": self.scheduler.slots_busy,
+                "queue_length": self.scheduler.queue_length,
+                "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
+                          "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}}
 
     def close(self) -> None:
         self.scheduler.close()

@@ -42,7 +42,6 @@ from .errors import ContextOverflow, EngineError, OrchestratorError, QueueFull, 
 from .memory import HeapTrimmer
 from .request import Event, EventKind, Job, Phase, Result, Sink, Slot, Task
 from .reuse import Reuse
-from .stops import TextStream
 
 __all__ = ["Event", "Job", "Result", "Scheduler", "Slot"]  # Job, Result, Event: re-exported from request.py
 
@@ -260,6 +259,7 @@ class Scheduler:
         return bool(decoding or filling)
 
     def _guard(self, task: Task, fn, *args) -> None:
+        """Run one request's step; its failure fails that request only."""
         try:
             fn(*args)
         except OrchestratorError as e:
@@ -269,12 +269,11 @@ class Scheduler:
             self._fail(task, EngineError(f"internal error: {e}"))
 
     def _decode(self, tasks: list[Task]) -> None:
-        """One decode step for the generating slots, then sample each."""
+        """One decode step for the generating slots (one llama_decode if batching, else one each), then sample."""
         tasks.sort(key=lambda t: t.slot.seq)
         if self.batch_decode and len(tasks) > 1:
-            items = [(t.slot.seq, t.pending, t.n + len(t.out) - 1) for t in tasks]
             try:
-                self.engine.decode_step(items)
+                self.engine.decode_step([(t.slot.seq, t.pending, t.n + len(t.out) - 1) for t in tasks])
             except EngineError as e:
                 for t in tasks:
                     self._fail(t, e)
@@ -314,29 +313,19 @@ class Scheduler:
         if t.job.want_logits:
             t.first_logits = self.engine.logits()
         t.sampler = self.engine.sampler(t.job.sampling)
-        t.stream = TextStream(stop=t.job.stop)
         t.phase = Phase.DECODE
         self._sample(t, -1)  # now: the next llama_decode overwrites these logits
 
     def _sample(self, t: Task, idx: int) -> None:
-        eng = self.engine
         tok = t.sampler.sample(idx)
         if t.clock.first_token is None:
             t.clock.first_token = time.perf_counter()
-        t.pending = None
-        if eng.is_eog(tok):
-            t.finish, t.eog = "stop", tok
-            return self._finish(t)
-        t.out.append(tok)
-        delta = t.stream.push(eng.piece(tok))
+        eog = self.engine.is_eog(tok)
+        delta, done = t.take(tok, eog, b"" if eog else self.engine.piece(tok), self.engine.n_ctx)
         if delta:
             t.sink(Event(EventKind.TEXT, text=delta))
-        if t.stream.stopped:
-            t.finish = "stop"
-            return self._finish(t)
-        if len(t.out) >= t.job.max_tokens or t.n + len(t.out) >= eng.n_ctx:
-            return self._finish(t)
-        t.pending = tok
+        if done:
+            self._finish(t)
 
     # ------------------------------------------------------------------ completion
 

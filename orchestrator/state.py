@@ -69,6 +69,10 @@ class StateKind(ABC):
         """A name for the byte layout of stored entries; part of the disk tier's fingerprint."""
         return self.name
 
+    def describe(self) -> dict:
+        """For /v1/cache/stats: the kind, and whether stored entries are the parts of one full save."""
+        return {"state_kind": self.name, "split_layout": False}
+
     # ------------------------------------------------------------------ planning (the cache)
 
     @abstractmethod
@@ -185,6 +189,9 @@ class HybridState(StateKind):
     @property
     def layout(self) -> str:
         return f"hybrid split={self.split_layout}"
+
+    def describe(self) -> dict:
+        return {"state_kind": self.name, "split_layout": bool(self.split_layout)}
 
     def match(self, tree, tokens, max_tokens, live):
         for node in reversed(tree.path(tokens, max_tokens)):

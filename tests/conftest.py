@@ -65,6 +65,17 @@ def runtime(tiny_model):
     rt.close()
 
 
+@pytest.fixture()
+def fresh_cache(runtime):
+    """The module's runtime with an empty cache (after earlier after-generation snapshots landed); drained and
+    recounted (`SnapshotCache.check`) after the test."""
+    runtime.scheduler.drain()
+    runtime.cache.clear()
+    yield runtime
+    runtime.scheduler.drain()
+    runtime.cache.check()
+
+
 @dataclass
 class Turn:
     """One chat request run in-process: the prompt's tokens and boundaries, and the result."""

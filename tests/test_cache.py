@@ -6,7 +6,7 @@ import random
 import pytest
 
 from orchestrator.cache import SnapshotCache
-from orchestrator.policy import EvictionPolicy
+from orchestrator.policy import Candidate, EvictionPolicy
 from orchestrator.radix import CHECKPOINT, KV, RadixTree
 from orchestrator.tiers import RamTier
 
@@ -88,12 +88,13 @@ def test_policy_covered_kv_first_then_recency_with_a_bonus_for_expensive_and_sha
     t.insert(shared + [1] * 30, KV, 20)
     t.insert(shared + [1] * 50, KV, 21)
     p = EvictionPolicy()
-    fresh = {e: (100_000, 10) for e in (1, 10, 11, 12, 20, 21)}
-    assert p.victim(t, fresh) == 20  # covered by KV 21
-    del fresh[20]
+    fresh = [Candidate(e, t, 100_000, 10) for e in (1, 10, 11, 12, 20, 21)]
+    assert p.victim(fresh) == 20  # covered by KV 21
+    fresh = [c for c in fresh if c.eid != 20]
     t.remove(20)
     # Same size and age: a turn's checkpoint (50 tokens, one branch) goes before the shared prefix.
-    assert p.victim(t, fresh) in (10, 11, 12)
+    assert p.victim(fresh) == 10  # the first of equals
+    assert p.victim([]) is None
     assert p.priority(t, 1, 100_000, 10) > p.priority(t, 10, 100_000, 10)
     # The shared prefix outlives a turn used a little later, but not forever.
     assert p.priority(t, 1, 100_000, 10) > p.priority(t, 10, 100_000, 14)

@@ -16,6 +16,8 @@ from orchestrator.synth import ensure_model
 
 from .conftest import assert_same_as_cold, make_config
 
+pytestmark = pytest.mark.usefixtures("fresh_cache")
+
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather for a city.",
@@ -38,13 +40,6 @@ def sys_msg(text=SYSTEM):
 
 def user(text):
     return {"role": "user", "content": text}
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache(runtime):
-    runtime.cache.clear()
-    yield
-    runtime.cache.check()
 
 
 def test_shared_tools_and_system_prefix_different_user_tails(runtime):

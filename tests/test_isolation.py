@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from orchestrator.cache import SnapshotCache, disk_key, salt_id
 from orchestrator.disk import DiskTier
 from orchestrator.radix import CHECKPOINT, KV
@@ -19,16 +17,8 @@ def ask(text: str) -> list[dict]:
     return [SYSTEM, {"role": "user", "content": text}]
 
 
-@pytest.fixture()
-def fresh(runtime):
-    runtime.cache.clear()
-    runtime.scheduler.drain()
-    yield runtime
-    runtime.cache.check()
-
-
-def test_salts_never_share_snapshots_and_the_same_salt_does(fresh):
-    rt = fresh
+def test_salts_never_share_snapshots_and_the_same_salt_does(fresh_cache):
+    rt = fresh_cache
     a1 = assert_same_as_cold(rt, ask("Do you repair brakes?"), cache_salt="tenant-a")
     assert a1.result.cached_tokens == 0
     # Same prompt, another salt: straight after tenant a, so the live sequence holds a's prefix too.
