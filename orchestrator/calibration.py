@@ -102,15 +102,15 @@ def check_batch_invariance(engine: Engine) -> bool:
 
 def state_sizes(engine: Engine) -> tuple[int, int]:
     """(recurrent state bytes per sequence, KV bytes per token) as llama.cpp serialises them (at 2 and 4 tokens).
-    Memory per slot is about rec + n_ctx * kv_per_token. Uses and clears sequence 0."""
+    Memory per slot is about recurrent + n_ctx * kv_per_token. Uses and clears sequence 0."""
     tok = max(engine.bos_id, 0)
     try:
         engine.decode(0, [tok] * 2, 0, want_logits=False)
         two = engine.state_size(0)
-        rec = engine.state.checkpoint_bytes(engine, 0)
+        recurrent = engine.state.checkpoint_bytes(engine, 0)
         engine.decode(0, [tok] * 2, 2, want_logits=False)
         four = engine.state_size(0)
-        return rec, (four - two) // 2
+        return recurrent, (four - two) // 2
     finally:
         engine.clear(0)
 

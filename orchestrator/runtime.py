@@ -97,10 +97,10 @@ class Runtime:
         log.info("model %s: %s, arch %s, %.0f MiB, %d params, n_ctx %d per slot, n_batch %d, %d threads",
                  path, info.name, info.architecture, info.size_bytes / MiB, info.n_params, engine.n_ctx,
                  engine.n_batch, engine.n_threads)
-        rec, kv_token = calibration.state_sizes(engine)
-        per_slot = rec + kv_token * engine.n_ctx
+        recurrent, kv_token = calibration.state_sizes(engine)
+        per_slot = recurrent + kv_token * engine.n_ctx
         log.info("%d slots; memory per slot %.1f MiB (recurrent state %.1f MiB + KV %.1f KiB/token x %d tokens), "
-                 "%.0f MiB for all", cfg.parallel, per_slot / MiB, rec / MiB, kv_token / 1024, engine.n_ctx,
+                 "%.0f MiB for all", cfg.parallel, per_slot / MiB, recurrent / MiB, kv_token / 1024, engine.n_ctx,
                  cfg.parallel * per_slot / MiB)
         batch_decode = calibration.decode_batching(facts, engine.n_seq_max, cfg.decode_batching)
         if "random" in info.name.lower():

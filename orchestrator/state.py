@@ -181,8 +181,9 @@ class HybridState(StateKind):
         """Whether a full state is header + KV part + the checkpoint's body on this build (see `save`)."""
         try:
             io.decode(0, [token] * 2, 0, want_logits=False)
-            full, rec = io.save_state(0), io.save_state(0, partial=True)
-            self.split_layout = len(rec) > HEADER and full[:HEADER] == rec[:HEADER] and full.endswith(rec[HEADER:])
+            full, part = io.save_state(0), io.save_state(0, partial=True)
+            self.split_layout = (len(part) > HEADER and full[:HEADER] == part[:HEADER]
+                                 and full.endswith(part[HEADER:]))
         finally:
             io.clear(0)
 
