@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.config import MiB, Config  # noqa: E402
 from orchestrator.engine import SamplingParams  # noqa: E402
-from orchestrator.radix import REC  # noqa: E402
+from orchestrator.radix import CHECKPOINT, KV  # noqa: E402
 from orchestrator.runtime import Runtime  # noqa: E402
-from orchestrator.scheduler import Job  # noqa: E402
+from orchestrator.request import Job  # noqa: E402
 
 WORDS = ("the cache holds a snapshot of the recurrent state at every message boundary so that a later request "
          "restores it and prefills only the rest of its prompt while the server keeps serving other agents").split()
@@ -66,10 +66,11 @@ def main() -> None:
         # Whole-state size at depth d: the checkpoint plus d tokens of KV (measured on this engine).
         eng.clear(0)
         eng.decode(0, p.tokens[:512], 0, want_logits=False)
-        kv512, rec = eng.save_parts(0)
+        parts = eng.state.save(eng, 0, (KV, CHECKPOINT))
+        kv512, rec = parts[KV], parts[CHECKPOINT]
         eng.clear(0)
         eng.decode(0, p.tokens[:1024], 0, want_logits=False)
-        kv1024, _ = eng.save_parts(0)
+        kv1024 = eng.state.save(eng, 0, (KV,))[KV]
         kv_per_token = (len(kv1024) - len(kv512)) / 512
         whole = sum(len(rec) + len(kv512) + kv_per_token * (d - 512) for d in positions)
         s = rt.cache.stats()
@@ -81,7 +82,7 @@ def main() -> None:
         }
         rt.close()
     r0, r1 = results[0], results[128]
-    save_ms = 1e3 * r1["snapshot_s"] / max(1, r1["held_entries"].get(REC, 1))
+    save_ms = 1e3 * r1["snapshot_s"] / max(1, r1["held_entries"].get(CHECKPOINT, 1))
     tradeoff = []
     for interval in (128, 256, 512, 1024, 2048):
         n = 8000 // interval

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.config import Config  # noqa: E402
 from orchestrator.engine import SamplingParams  # noqa: E402
 from orchestrator.runtime import Runtime  # noqa: E402
-from orchestrator.scheduler import Job  # noqa: E402
+from orchestrator.request import Job  # noqa: E402
 
 from bench.workloads import agent_system_prompt, agent_tools  # noqa: E402
 

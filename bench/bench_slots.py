@@ -31,11 +31,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from orchestrator import calibration  # noqa: E402
 from orchestrator.cache import SnapshotCache  # noqa: E402
 from orchestrator.engine import Engine  # noqa: E402
 from orchestrator.runtime import resolve_model  # noqa: E402
 from orchestrator.config import Config  # noqa: E402
-from orchestrator.scheduler import Job, Scheduler  # noqa: E402
+from orchestrator.request import Job, Scheduler  # noqa: E402
+from orchestrator.tiers import RamTier  # noqa: E402
 
 MiB = 1 << 20
 
@@ -77,7 +79,7 @@ def run_all(sched: Scheduler, jobs: list[Job]) -> list:
 
 
 def throughput(engine: Engine, n: int, batched: bool, gen: int) -> dict:
-    sched = Scheduler(engine, SnapshotCache(0), n_slots=n, batch_decode=batched)
+    sched = Scheduler(engine, SnapshotCache([RamTier(0)]), n_slots=n, batch_decode=batched)
     try:
         jobs = [Job(prompt(engine, i, 12), max_tokens=gen, use_cache=False) for i in range(n)]
         t0 = time.perf_counter()
@@ -92,7 +94,7 @@ def throughput(engine: Engine, n: int, batched: bool, gen: int) -> dict:
 
 
 def ttft_next_to_prefill(engine: Engine, slots: int, chunk: int, long_tokens: int, shorts: int) -> dict:
-    sched = Scheduler(engine, SnapshotCache(0), n_slots=slots, prefill_chunk=chunk, batch_decode=False)
+    sched = Scheduler(engine, SnapshotCache([RamTier(0)]), n_slots=slots, prefill_chunk=chunk, batch_decode=False)
     try:
         words = max(1, long_tokens // 4)
         long_job = Job(prompt(engine, 999, words)[:long_tokens], max_tokens=1, use_cache=False)
@@ -119,12 +121,13 @@ def ttft_next_to_prefill(engine: Engine, slots: int, chunk: int, long_tokens: in
 
 def memory(path: Path, n: int, n_ctx: int, threads: int, min_segment: int) -> dict:
     base = rss_anon()
-    one = Engine(path, n_ctx=n_ctx, n_threads=threads, n_seq_max=n, min_segment=min_segment)
-    rec, kv_token = one.state_sizes()
+    one = Engine(path, n_ctx=n_ctx, n_threads=threads, n_seq_max=n)
+    one.calibrate(min_segment)
+    rec, kv_token = calibration.state_sizes(one)
     grown_one = rss_anon() - base
     one.close()
     base = rss_anon()
-    many = [Engine(path, n_ctx=n_ctx, n_threads=threads, n_seq_max=1, min_segment=min_segment) for _ in range(n)]
+    many = [Engine(path, n_ctx=n_ctx, n_threads=threads, n_seq_max=1) for _ in range(n)]
     grown_many = rss_anon() - base
     for e in many:
         e.close()
@@ -161,14 +164,15 @@ def main() -> None:
     parts = set(a.parts.split(","))
     out_file = a.out / "slots.json"
     result = json.loads(out_file.read_text()) if out_file.is_file() else {}
-    engine = Engine(path, n_ctx=a.ctx_size, n_threads=a.threads, n_seq_max=4)  # measures min_segment once
+    engine = Engine(path, n_ctx=a.ctx_size, n_threads=a.threads, n_seq_max=4)
+    engine.calibrate(calibration.measure_min_segment(engine))  # once
     print(f"min_segment: {engine.min_segment}", flush=True)
     result.update({"model": str(path), "threads": a.threads, "min_segment": engine.min_segment})
     if "memory" in parts:
         result["memory"] = [memory(path, n, a.ctx_size, a.threads, engine.min_segment) for n in (1, 4)]
         print(table(result["memory"]), flush=True)
     if "throughput" in parts:
-        result["batch_invariant"] = engine.check_batch_invariance()
+        result["batch_invariant"] = calibration.check_batch_invariance(engine)
         print(f"batch-invariant decoding on this model: {result['batch_invariant']}", flush=True)
         configs = [(1, False), (2, False), (2, True), (4, False), (4, True)]
         runs: dict = {c: [] for c in configs}

@@ -1,16 +1,22 @@
-"""Snapshot cache: a radix tree of token prefixes over a byte-bounded RAM tier that spills to a disk tier.
+"""Snapshot cache: a radix tree of token prefixes (the index) over an ordered list of storage tiers (the bytes).
 
-Knows tokens and bytes, nothing of llama.cpp or HTTP. Entries come in two kinds (see radix.py):
-"rec" (a recurrent checkpoint: llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and "kv"
-(the attention KV of a prefix, stored where a branch ends). A restore of position p needs a "rec" entry at p
-and KV covering p: a "kv" entry at or below p in the tree, or the live sequence when it holds tokens[:p].
+Knows tokens and bytes, nothing of llama.cpp or HTTP. Entries come in two kinds (`EntryKind`, radix.py):
+CHECKPOINT (a recurrent checkpoint: llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and KV
+(the attention KV of a prefix, stored where a branch ends). Which kinds a model has, how deep they restore
+and what a new entry supersedes is its `StateKind` (state.py): on a hybrid model a restore of position p needs
+a checkpoint at p and KV covering p (a KV entry at or below p in the tree, or the live sequence when it holds
+tokens[:p]); on a KV-only model any prefix of a KV entry restores.
 
     plan = cache.plan(tokens, max_tokens, live_tokens)   # deepest restorable position, and from what
     parts = cache.load(plan)                            # bytes of both parts (copies; entries stay)
 
-RAM tier: resident bytes never exceed `budget_bytes`, checked before an insert. When an entry must go, the
-`EvictionPolicy` picks it and it spills to the disk tier (if any), where a later hit is promoted back to RAM.
-Thread-safe: one lock guards the tree and the tiers.
+Tiers (`orchestrator.tiers`): every entry is stored first in tiers[0], the hot tier (RAM), whose resident
+bytes never exceed its budget, checked before an insert. When an entry must leave it, the `EvictionPolicy`
+picks it and it spills: it is written to every lower tier that takes it (the disk tier; a shared tier would
+be the next) and read from the fastest of them that holds it; a later hit is promoted back to the hot tier.
+Lower tiers evict on their own and report it (`on_evict`): the entry falls back to the next tier that holds
+it, and the index forgets what no tier holds. A failing lower tier is a miss, never an error (an exception
+from it is logged and counts as a miss or a refused put). Thread-safe: one lock guards the tree and the tiers.
 
 Tenant isolation: every method keyed by tokens takes a keyword `salt` (the request's `cache_salt`; "" = the
 shared cache). Each salt has its own radix tree, so a lookup never sees, and a KV entry never covers, an entry
@@ -20,6 +26,7 @@ their salt across restarts. The RAM budget and the eviction order are shared by 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -27,36 +34,38 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .policy import EvictionPolicy
-from .radix import KV, REC, RadixTree, common_len
+from .policy import Candidate, EvictionPolicy
+from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
+from .state import HybridState, StateKind
+from .tiers import Tier, TierStats
 
 log = logging.getLogger("orchestrator.cache")
 
-RAM, DISK = "ram", "disk"
-_DISK_KIND = {KV: "full", REC: "recurrent"}  # the disk tier's names for the two kinds
-_FROM_DISK_KIND = {v: k for k, v in _DISK_KIND.items()}
+HOT = 0  # index of the hot tier in `SnapshotCache.tiers`
+_EMPTY = RadixTree()  # the tree of a salt with no entries (never modified)
 
 
 @dataclass(frozen=True)
 class RestorePlan:
     """How to restore the deepest reusable prefix of a prompt.
 
-    n_tokens: prompt tokens restored (0: nothing). rec_id: the recurrent checkpoint at n_tokens. kv_id: the
-    stored KV entry covering n_tokens, or None when the live sequence's own KV is used. tier: where the
-    slowest part comes from ("ram", "disk", "live" for live KV + RAM checkpoint, or "none").
+    n_tokens: prompt tokens restored (0: nothing). checkpoint_id: the recurrent checkpoint at n_tokens. kv_id:
+    the stored KV entry covering n_tokens, or None when the live sequence's own KV is used. tier: the name of
+    the tier the slowest part comes from ("ram", "disk"), "live" for live KV and a checkpoint in the hot tier
+    (or none), or "none".
     """
 
     n_tokens: int = 0
-    rec_id: int | None = None
+    checkpoint_id: int | None = None
     kv_id: int | None = None
     tier: str = "none"
 
 
 @dataclass
 class _Meta:
-    kind: str
+    kind: EntryKind
     nbytes: int
-    tier: str
+    level: int  # index in SnapshotCache.tiers of the tier holding the entry (HOT: the hot tier)
     last_used: int
     key: str  # disk key: salt id + kind + hash of the tokens (stable across restarts)
     boundary: bool = True  # a checkpoint at a template boundary or interval (False: end of a request)
@@ -65,7 +74,8 @@ class _Meta:
 
 @dataclass
 class CacheStats:
-    """Counters since start, and what each tier holds now (bytes are snapshot payload bytes)."""
+    """Counters since start, and what the tiers hold now. ram_*: the hot tier; disk_*: the lower tiers together
+    (bytes as each tier counts them: payload in RAM, whole files on disk); tiers: each tier's own stats."""
 
     ram_entries: int = 0
     ram_bytes: int = 0
@@ -80,6 +90,7 @@ class CacheStats:
     promotions: int = 0  # disk hits copied back to RAM
     dropped: int = 0  # entries lost (no disk tier, disk full or evicted by its budget, or corrupt on disk)
     rejected_too_large: int = 0
+    tiers: list = field(default_factory=list)  # TierStats of each tier, hot first
 
 
 def salt_id(salt: str) -> str:
@@ -101,34 +112,57 @@ def _salt_of_key(key: str) -> str:
 
 
 class SnapshotCache:
-    """Prefix cache of state snapshots: radix tree + RAM tier (`budget_bytes`) + optional disk tier.
+    """Prefix cache of state snapshots: radix tree over `tiers` (hot first; see the module docstring).
 
-    `disk` is a DiskTier (orchestrator.disk) or None; its entries are indexed at construction, so a restarted
-    server keeps its cache.
+    tiers: a hot tier that never evicts on its own (`RamTier`), then any lower tiers (`DiskTier`), in the order
+    entries spill. The lower tiers' entries are indexed at construction, so a restarted server keeps its cache.
+    The cache owns its tiers: `close` closes them. state: the model's state kind (default: hybrid).
     """
 
-    def __init__(self, budget_bytes: int, disk=None, policy: EvictionPolicy | None = None,
-                 truncatable: bool = False) -> None:
-        if budget_bytes < 0:
-            raise ValueError("cache budget must be >= 0 bytes")
-        self.budget_bytes = budget_bytes
-        self.truncatable = truncatable  # KV-only states: any prefix of a KV entry is restorable, no checkpoints
-        self.disk = disk
+    def __init__(self, tiers: Sequence[Tier], policy: EvictionPolicy | None = None,
+                 state: StateKind | None = None) -> None:
+        if not tiers:
+            raise ValueError("a snapshot cache needs at least its hot tier")
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.hot = self.tiers[HOT]
+        self.state = state or HybridState()
         self.policy = policy or EvictionPolicy()
         self._trees: dict[str, RadixTree] = {"": RadixTree()}  # salt id -> its tree
         self._meta: dict[int, _Meta] = {}
         self._by_key: dict[str, int] = {}  # disk key -> entry id, for the disk tier's evictions
-        self._gone_from_disk: list[str] = []  # keys the disk tier evicted, not yet forgotten (`_settle`)
-        self._ram: dict[int, bytes] = {}
-        self._ram_bytes = 0
+        self._gone: list[tuple[int, str]] = []  # (level, key) lower tiers evicted, not yet settled (`_settle`)
+        self._resident: dict[int, None] = {}  # ids in the hot tier, in the order they entered it
         self._ids = itertools.count(1)
         self._tick = 0
         self._lock = threading.RLock()
         self._stats = CacheStats()
         self._warned_too_large = False
-        if disk is not None:
-            self._index_disk()
-            disk.on_evict = self._gone_from_disk.append
+        self._warned_tiers: set[str] = set()
+        for level in range(1, len(self.tiers)):
+            self._index_tier(level)
+            self.tiers[level].on_evict = functools.partial(self._on_evict, level)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The hot tier's budget: the most payload bytes kept in RAM."""
+        return self.hot.budget_bytes
+
+    def tier(self, name: str) -> Tier | None:
+        """The tier called `name` ("ram", "disk"), or None."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def _lower(self, level: int, op: str, *args, default=None):
+        """Call `op` on lower tier `level` (`entries` is listed whole); an exception out of it is logged (once per
+        tier) and returns `default`: a failing tier is a miss, never an error."""
+        tier = self.tiers[level]
+        try:
+            got = getattr(tier, op)(*args)
+            return list(got) if op == "entries" else got
+        except Exception as e:  # noqa: BLE001 - see the tier protocol's failure semantics
+            if tier.name not in self._warned_tiers:
+                self._warned_tiers.add(tier.name)
+                log.warning("snapshot tier %r failed (%s: %s); treated as a miss", tier.name, op, e)
+            return default
 
     # ------------------------------------------------------------------ lookup
 
@@ -144,62 +178,49 @@ class SnapshotCache:
 
     def plan(self, tokens: Sequence[int], max_tokens: int, live_tokens: Sequence[int] = (), *,
              salt: str = "") -> RestorePlan:
-        """The deepest position p <= max_tokens with a checkpoint at tokens[:p] and KV covering p, among the
-        entries stored under `salt`.
+        """The deepest position p <= max_tokens that the entries stored under `salt` restore (with the live
+        sequence's KV where the state kind can use it): on a hybrid model a checkpoint at tokens[:p] and KV
+        covering p, on a KV-only model KV covering p.
 
         `live_tokens`: tokens whose KV the live sequence holds, computed by prefill (usable KV source; the
-        caller passes () when the live sequence belongs to another salt). On a truncatable cache no
-        checkpoint is needed: the deepest p covered by the live KV or a stored KV entry.
+        caller passes () when the live sequence belongs to another salt).
         """
         with self._lock:
             self._tick += 1
-            tree = self._trees.get(salt_id(salt))
-            live = common_len(live_tokens, tokens)
-            if self.truncatable:
-                depth, kv_id = tree.deepest_kv(tokens, max_tokens) if tree is not None else (0, None)
-                if min(live, max_tokens) >= depth:
-                    depth = min(live, max_tokens)
-                    return RestorePlan(depth, None, None, "live") if depth > 0 else RestorePlan()
-                return RestorePlan(depth, None, kv_id, DISK if self._meta[kv_id].tier == DISK else RAM)
-            if tree is None:
+            tree = self._trees.get(salt_id(salt), _EMPTY)
+            n, checkpoint_id, kv_id = self.state.match(tree, tokens, max_tokens, common_len(live_tokens, tokens))
+            if n <= 0:
                 return RestorePlan()
-            for node in reversed(tree.path(tokens, max_tokens)):
-                if node.rec is None:
-                    continue
-                if node.depth <= live:
-                    kv_id, tier = None, "live"
-                else:
-                    kv_id = node.kv if node.kv is not None else tree.kv_covering(tokens, node.depth)
-                    if kv_id is None:
-                        continue
-                    tier = DISK if self._meta[kv_id].tier == DISK else RAM
-                if self._meta[node.rec].tier == DISK:
-                    tier = DISK
-                return RestorePlan(node.depth, node.rec, kv_id, tier)
-            return RestorePlan()
+            return RestorePlan(n, checkpoint_id, kv_id, self._tier_name(checkpoint_id, kv_id))
+
+    def _tier_name(self, checkpoint_id: int | None, kv_id: int | None) -> str:
+        """Where the slowest of a plan's stored parts is: the deepest tier among them; "live" when the KV is the
+        live sequence's and the rest (if any) is in the hot tier."""
+        level = max((self._meta[i].level for i in (checkpoint_id, kv_id) if i is not None), default=HOT)
+        return "live" if level == HOT and kv_id is None else self.tiers[level].name
 
     def load(self, plan: RestorePlan) -> tuple[bytes | None, bytes | None] | None:
-        """(kv bytes or None for live KV, checkpoint bytes or None on a truncatable cache) of a plan, promoting
-        disk entries to RAM.
+        """(kv bytes or None for live KV, checkpoint bytes or None where the plan has none) of a plan, promoting
+        entries of lower tiers to the hot tier.
 
         Returns None if a part is gone (evicted, or corrupt on disk); that part is then dropped from the index
         and the caller plans again. A plan's ids name entries of the salt it was made for; `load` needs no salt.
         """
         with self._lock:
-            pinned = {i for i in (plan.rec_id, plan.kv_id) if i is not None}
+            pinned = {i for i in (plan.checkpoint_id, plan.kv_id) if i is not None}
             try:
-                rec = self._fetch(plan.rec_id, pinned) if plan.rec_id is not None else None
+                checkpoint = self._fetch(plan.checkpoint_id, pinned) if plan.checkpoint_id is not None else None
                 kv = self._fetch(plan.kv_id, pinned) if plan.kv_id is not None else None
             finally:
-                self._settle()  # promotions make room by spilling, and spills make the disk tier evict
-            if (plan.rec_id is not None and rec is None) or (plan.kv_id is not None and kv is None):
+                self._settle()  # promotions make room by spilling, and spills make lower tiers evict
+            if (plan.checkpoint_id is not None and checkpoint is None) or (plan.kv_id is not None and kv is None):
                 return None
-            return kv, rec
+            return kv, checkpoint
 
     def discard(self, plan: RestorePlan) -> int:
         """Drop the entries a plan names (llama.cpp refused to restore them). Returns how many were dropped."""
         with self._lock:
-            gone = [i for i in (plan.rec_id, plan.kv_id) if i is not None and i in self._meta]
+            gone = [i for i in (plan.checkpoint_id, plan.kv_id) if i is not None and i in self._meta]
             for eid in gone:
                 self._forget(eid)
             self._stats.dropped += len(gone)
@@ -210,25 +231,26 @@ class SnapshotCache:
         if meta is None:
             return None
         meta.last_used = self._tick
-        if meta.tier == RAM:
-            return self._ram[eid]
-        got = self.disk.get(meta.key) if self.disk is not None else None
-        if got is not None and (got[0] != _DISK_KIND[meta.kind] or got[1] != self._tree_of(eid).tokens_of(eid)):
-            log.warning("snapshot %s on disk holds another prefix or kind than its key says; dropped", meta.key)
+        if meta.level == HOT:
+            return self.hot.get(meta.key).payload
+        got = self._lower(meta.level, "get", meta.key)
+        if got is not None and (got.kind != meta.kind or (got.tokens is not None
+                                                          and got.tokens != self._tree_of(eid).tokens_of(eid))):
+            log.warning("snapshot %s in the %s tier holds another prefix or kind than its key says; dropped",
+                        meta.key, self.tiers[meta.level].name)
             got = None
         if got is None:
             self._forget(eid)
             self._stats.dropped += 1
             return None
-        data = got[2]
+        data = got.payload
         self._stats.promotions += 1
-        if self._make_room(len(data), pinned):
-            self._ram[eid] = data
-            self._ram_bytes += len(data)
-            meta.tier, meta.nbytes = RAM, len(data)
+        if self._make_room(len(data), pinned) and self.hot.put(meta.key, (), meta.kind, data):
+            self._resident[eid] = None
+            meta.level, meta.nbytes = HOT, len(data)
         return data
 
-    def contains(self, tokens: Sequence[int], kind: str = REC, *, salt: str = "") -> bool:
+    def contains(self, tokens: Sequence[int], kind: EntryKind = CHECKPOINT, *, salt: str = "") -> bool:
         """Whether an entry of `kind` for exactly `tokens` is stored under `salt` (in any tier)."""
         with self._lock:
             tree = self._trees.get(salt_id(salt))
@@ -236,15 +258,17 @@ class SnapshotCache:
 
     # ------------------------------------------------------------------ insert and evict
 
-    def put(self, tokens: Sequence[int], kind: str, data: bytes, boundary: bool = True, *, salt: str = "") -> bool:
-        """Store an entry of `kind` for exactly `tokens` under `salt` in RAM (replacing one at the same prefix).
+    def put(self, tokens: Sequence[int], kind: EntryKind, data: bytes, boundary: bool = True, *,
+            salt: str = "") -> bool:
+        """Store an entry of `kind` for exactly `tokens` under `salt` in the hot tier (replacing one at the same
+        prefix).
 
         boundary: False for checkpoints at the end of a request (end of prompt, after generation), which
         `_drop_superseded` may drop with their branch; True for template boundaries and interval checkpoints.
 
-        An entry larger than the whole RAM budget goes straight to the disk tier (it is read from there on every
-        hit); without a disk tier it is not kept (a warning says so once). Returns False when nothing was
-        stored. Raises ValueError for an empty prefix or an unknown kind.
+        An entry larger than the whole hot budget goes straight to the first lower tier that takes it (it is
+        read from there on every hit); without one it is not kept (a warning says so once). Returns False when
+        nothing was stored. Raises ValueError for an empty prefix or an unknown kind.
         """
         with self._lock:
             try:
@@ -252,10 +276,11 @@ class SnapshotCache:
             finally:
                 self._settle()
 
-    def _put(self, tokens: Sequence[int], kind: str, data: bytes, boundary: bool, salt: str) -> bool:
+    def _put(self, tokens: Sequence[int], kind: EntryKind, data: bytes, boundary: bool, salt: str) -> bool:
+        kind = EntryKind(kind)
         nbytes = len(data)
         too_large = nbytes > self.budget_bytes
-        if too_large and self.disk is None:
+        if too_large and len(self.tiers) == 1:
             self._stats.rejected_too_large += 1
             if not self._warned_too_large:
                 self._warned_too_large = True
@@ -275,69 +300,65 @@ class SnapshotCache:
         if kind == KV:
             self._drop_superseded(tokens, sid)
         eid = next(self._ids)
-        if too_large:  # straight to disk
-            key = disk_key(kind, tokens, sid)
-            if not self.disk.put(key, tokens, _DISK_KIND[kind], data):
+        key = disk_key(kind, tokens, sid)
+        if too_large:  # straight to a lower tier
+            level = self._spill(key, tokens, kind, data)
+            if level is None:
                 self._stats.rejected_too_large += 1
                 return False
-            self._index(eid, tokens, _Meta(kind, nbytes, DISK, self._tick, key, boundary, sid))
+            self._index(eid, tokens, _Meta(kind, nbytes, level, self._tick, key, boundary, sid))
             self._stats.inserts += 1
             self._stats.spills += 1
             return True
-        self._index(eid, tokens, _Meta(kind, nbytes, RAM, self._tick, disk_key(kind, tokens, sid), boundary, sid))
-        self._ram[eid] = data
-        self._ram_bytes += nbytes
+        if not self.hot.put(key, tokens, kind, data):
+            return False
+        self._index(eid, tokens, _Meta(kind, nbytes, HOT, self._tick, key, boundary, sid))
+        self._resident[eid] = None
         self._stats.inserts += 1
         return True
 
-    def _drop_superseded(self, tokens: Sequence[int], sid: str) -> None:
-        """Before storing KV for `tokens`: drop the KV entries it supersedes.
+    def _spill(self, key: str, tokens: Sequence[int], kind: EntryKind, data: bytes) -> int | None:
+        """Write an entry to every lower tier that takes it; returns the level of the fastest one, or None."""
+        took = [level for level in range(1, len(self.tiers))
+                if self._lower(level, "put", key, tokens, kind, data, default=False)]
+        return took[0] if took else None
 
-        KV is prefix-closed, so a KV entry on the same path is covered outright. A KV entry E on another branch
-        is superseded when every *boundary* checkpoint on E's path lies on the shared part: what E alone covers
-        is then only the end of a previous request (its end-of-prompt and generated tokens, which the next
-        prompt typically renders differently). E goes, with the end checkpoints in its tail, which no KV would
-        cover any more; should that branch come back, it is prefilled from its last boundary checkpoint.
-        """
-        tree = self._tree(sid)
-        for eid in [e for e, m in self._meta.items() if m.kind == KV and m.salt == sid]:
-            other = tree.tokens_of(eid)
-            branch = common_len(other, tokens)
-            if self.truncatable and branch < len(other):
-                continue  # its own branch is restorable at every token: keep it
-            tail = [n.rec for n in tree.path(other) if n.depth > branch and n.rec is not None]
-            if any(self._meta[r].boundary for r in tail):
-                continue
-            for r in tail:
-                self._forget(r)
+    def _drop_superseded(self, tokens: Sequence[int], sid: str) -> None:
+        """Before storing KV for `tokens`: drop the entries it supersedes (`StateKind.superseded`)."""
+        kv_ids = [e for e, m in self._meta.items() if m.kind == KV and m.salt == sid]
+        for eid in self.state.superseded(self._tree(sid), tokens, kv_ids, lambda e: self._meta[e].boundary):
             self._forget(eid)
 
     def _make_room(self, nbytes: int, pinned: set[int]) -> bool:
-        """Evict RAM entries (policy order, never `pinned`) until `nbytes` more fit; False if impossible."""
+        """Evict hot entries (policy order, never `pinned`) until `nbytes` more fit; False if impossible."""
         if nbytes > self.budget_bytes:
             return False
-        while self._ram_bytes + nbytes > self.budget_bytes:
-            candidates = {e: (self._meta[e].nbytes, self._meta[e].last_used) for e in self._ram if e not in pinned}
-            if not candidates:
+        while self.hot.bytes + nbytes > self.budget_bytes:
+            victim = self.policy.victim(Candidate(e, self._tree_of(e), self._meta[e].nbytes, self._meta[e].last_used)
+                                        for e in self._resident if e not in pinned)
+            if victim is None:
                 return False
-            self._evict(min(candidates, key=lambda e: self.policy.priority(self._tree_of(e), e, *candidates[e])))
+            self._evict(victim)
         return True
 
     def _evict(self, eid: int) -> None:
+        """Move a hot entry down to the first lower tier that takes it, or drop it."""
         meta = self._meta[eid]
-        data = self._ram.pop(eid)
-        self._ram_bytes -= len(data)
+        data = self.hot.get(meta.key).payload
+        self.hot.delete(meta.key)
+        del self._resident[eid]
         self._stats.evictions += 1
-        tree = self._tree_of(eid)
-        if self.disk is not None and self.disk.put(meta.key, tree.tokens_of(eid), _DISK_KIND[meta.kind], data):
-            meta.tier = DISK
+        level = self._spill(meta.key, self._tree_of(eid).tokens_of(eid), meta.kind, data) \
+            if len(self.tiers) > 1 else None
+        if level is not None:
+            meta.level = level
             self._stats.spills += 1
         else:
             self._detach(eid)
             self._stats.dropped += 1
 
     def _index(self, eid: int, tokens: Sequence[int], meta: _Meta) -> None:
-        """Add entry `eid` (stored in the tier `meta.tier` names) to its salt's tree and the indexes."""
+        """Add entry `eid` (stored in the tier `meta.level` names) to its salt's tree and the indexes."""
         self._tree(meta.salt).insert(tokens, meta.kind, eid)
         self._meta[eid] = meta
         self._by_key[meta.key] = eid
@@ -351,68 +372,95 @@ class SnapshotCache:
         if meta.salt and not len(tree):
             del self._trees[meta.salt]  # an idle salt leaves nothing behind
 
-    def _settle(self) -> None:
-        """Forget the entries whose only copy the disk tier evicted to fit its budget (`DiskTier.on_evict`).
+    def _on_evict(self, level: int, key: str) -> None:
+        self._gone.append((level, key))
 
-        Run at the end of each operation that writes to the disk tier, when the index is consistent again.
+    def _settle(self) -> None:
+        """Move entries whose copy a lower tier evicted to fit its budget (`Tier.on_evict`) to the next tier that
+        holds them, and forget those no tier holds any more.
+
+        Run at the end of each operation that writes to a lower tier, when the index is consistent again.
         Without it the index kept every snapshot ever spilled: the soak (bench/soak.py) saw radix nodes and
         metadata grow by about 1,000 a minute, and plans named snapshots that were gone."""
-        while self._gone_from_disk:
-            eid = self._by_key.get(self._gone_from_disk.pop())
+        while self._gone:
+            level, key = self._gone.pop()
+            eid = self._by_key.get(key)
             meta = self._meta.get(eid) if eid is not None else None
-            # A promoted (RAM) entry only lost its old disk copy; it stays.
-            if meta is not None and meta.tier == DISK and meta.key not in self.disk:
+            # A promoted (hot) entry, or one read from a faster tier, only lost a copy it does not use.
+            if meta is None or meta.level != level or self._lower(level, "contains", key):
+                continue
+            deeper = [d for d in range(level + 1, len(self.tiers)) if self._lower(d, "contains", key)]
+            if deeper:
+                meta.level = deeper[0]
+            else:
                 self._detach(eid)
                 self._stats.dropped += 1
 
     def _forget(self, eid: int) -> None:
         meta = self._meta[eid]
-        if meta.tier == RAM:
-            self._ram_bytes -= len(self._ram.pop(eid))
-        if self.disk is not None:  # a promoted entry keeps its disk copy: delete it too
-            self.disk.delete(meta.key)
+        if meta.level == HOT:
+            self.hot.delete(meta.key)
+            del self._resident[eid]
+        for level in range(1, len(self.tiers)):  # a promoted entry keeps its lower copy: delete it too
+            self._lower(level, "delete", meta.key)
         self._detach(eid)
 
-    def _index_disk(self) -> None:
-        n = 0
-        for info in self.disk.entries():
-            kind = _FROM_DISK_KIND.get(info.kind)
+    def _index_tier(self, level: int) -> None:
+        """Index what lower tier `level` holds (at start: a restarted server keeps its cache)."""
+        tier, n = self.tiers[level], 0
+        for info in self._lower(level, "entries", default=[]):
             sid = _salt_of_key(info.key)
+            try:
+                kind = EntryKind(info.kind)
+            except ValueError:
+                kind = None
             if kind is None or not info.tokens or disk_key(kind, info.tokens, sid) != info.key:
-                log.warning("snapshot %s on disk does not match its key (kind, salt or tokens); deleted", info.key)
-                self.disk.delete(info.key)
+                log.warning("snapshot %s in the %s tier does not match its key (kind, salt or tokens); deleted",
+                            info.key, tier.name)
+                self._lower(level, "delete", info.key)
                 continue
             if self._tree(sid).find(info.tokens, kind) is not None:
                 continue
-            self._index(next(self._ids), info.tokens, _Meta(kind, info.nbytes, DISK, 0, info.key, True, sid))
+            self._index(next(self._ids), info.tokens, _Meta(kind, info.nbytes, level, 0, info.key, True, sid))
             n += 1
         if n:
-            log.info("snapshot cache: indexed %d entries from the disk tier", n)
+            log.info("snapshot cache: indexed %d entries from the %s tier", n, tier.name)
 
     # ------------------------------------------------------------------ inspection
 
-    def clear(self) -> None:
-        """Forget every entry in every tier."""
+    def clear(self) -> int:
+        """Forget every entry in every tier; returns how many there were."""
         with self._lock:
+            n = len(self._meta)
             for eid in list(self._meta):
                 self._forget(eid)
+            return n
 
     def stats(self) -> CacheStats:
         with self._lock:
             s = self._stats
-            s.ram_entries = len(self._ram)
-            s.ram_bytes = self._ram_bytes
-            s.ram_budget_bytes = self.budget_bytes
-            s.disk_entries = len(self.disk) if self.disk is not None else 0
-            s.disk_bytes = self.disk.bytes if self.disk is not None else 0
-            s.disk_budget_bytes = self.disk.budget_bytes if self.disk is not None else 0
-            s.entries_by_kind = {k: sum(1 for m in self._meta.values() if m.kind == k) for k in (REC, KV)}
+            tiers = [self._tier_stats(level) for level in range(len(self.tiers))]
+            s.ram_entries, s.ram_bytes, s.ram_budget_bytes = tiers[HOT].entries, tiers[HOT].bytes, \
+                tiers[HOT].budget_bytes
+            s.disk_entries = sum(t.entries for t in tiers[1:])
+            s.disk_bytes = sum(t.bytes for t in tiers[1:])
+            s.disk_budget_bytes = sum(t.budget_bytes for t in tiers[1:])
+            s.entries_by_kind = {str(k): sum(1 for m in self._meta.values() if m.kind == k) for k in EntryKind}
+            s.tiers = tiers
             return CacheStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})
 
-    def entries(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(kind, tier, tokens) of every entry (for tests and diagnostics)."""
+    def _tier_stats(self, level: int) -> TierStats:
+        tier = self.tiers[level]
+        if level == HOT:
+            return tier.stats()
+        return self._lower(level, "stats", default=None) or TierStats(tier.name, 0, 0, 0, disabled=True)
+
+    def entries(self, *, salt: str | None = None) -> list[tuple[EntryKind, str, tuple[int, ...]]]:
+        """(kind, tier name, tokens) of every entry, or of those stored under `salt` (for tests and diagnostics)."""
         with self._lock:
-            return [(m.kind, m.tier, self._tree_of(e).tokens_of(e)) for e, m in self._meta.items()]
+            sid = salt_id(salt) if salt is not None else None
+            return [(m.kind, self.tiers[m.level].name, self._tree_of(e).tokens_of(e)) for e, m in self._meta.items()
+                    if sid is None or m.salt == sid]
 
     def salts(self) -> dict[str, int]:
         """Entries per salt id ("" = unsalted), for tests and diagnostics."""
@@ -433,9 +481,16 @@ class SnapshotCache:
                 ids |= tree_ids
             assert set(self._meta) == ids
             assert self._by_key == {m.key: e for e, m in self._meta.items()}
-            assert not self._gone_from_disk
-            assert self.disk is None or all(m.key in self.disk for m in self._meta.values() if m.tier == DISK), \
-                "an entry whose snapshot the disk tier no longer holds"
-            assert set(self._ram) == {e for e, m in self._meta.items() if m.tier == RAM}
-            assert self._ram_bytes == sum(len(d) for d in self._ram.values()) <= self.budget_bytes
+            assert not self._gone
+            assert all(self.tiers[m.level].contains(m.key) for m in self._meta.values()), \
+                "an entry whose snapshot its tier no longer holds"
+            assert set(self._resident) == {e for e, m in self._meta.items() if m.level == HOT}
+            assert len(self.hot) == len(self._resident), "the hot tier holds entries the index does not know"
+            assert self.hot.bytes == sum(self._meta[e].nbytes for e in self._resident) <= self.budget_bytes
+
+    def close(self) -> None:
+        """Close every tier (idempotent)."""
+        with self._lock:
+            for tier in self.tiers:
+                tier.close()
 

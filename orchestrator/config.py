@@ -40,8 +40,7 @@ class Config:
     model_alias: str | None = None  # id reported by /v1/models; default: the model file's stem
     chat_template: Path | None = None  # override the template stored in the GGUF
     max_tokens_default: int = 512  # completion budget when a request gives none
-    use_extra_bufts: bool = False  # llama.cpp CPU weight repacking; see engine.ModelLoadOptions
-    seed: int = 0xC0FFEE  # default sampling seed when a request gives none
+    use_extra_bufts: bool = False  # llama.cpp CPU weight repacking; see "CPU weight repacking" in engine.py
     parallel: int = 4  # slots: requests served at once (sequences of one llama.cpp context)
     queue_size: int = 64  # requests waiting for a slot before new ones get HTTP 429
     timeout: float = 600.0  # seconds a request may take from arrival to its last token (0 = no limit)

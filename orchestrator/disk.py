@@ -1,7 +1,8 @@
 """Disk tier of the snapshot cache: snapshot files under one directory, bounded by a byte budget, LRU out first.
 
-The RAM tier spills evicted snapshots here (`put`) and promotes hits back (`get`); at start, the RAM index is rebuilt
-from `entries()`. Knows keys, tokens and bytes, nothing of llama.cpp or of the radix tree.
+Implements the tier protocol (`orchestrator.tiers.Tier`). The RAM tier spills evicted snapshots here (`put`) and
+promotes hits back (`get`); at start, the cache's index is rebuilt from `entries()`. Knows keys, tokens and bytes,
+nothing of llama.cpp or of the radix tree.
 
 Storage is a `diskcache.Cache` owned by this process (a lock file keeps out a second server). Each snapshot is one
 file, written whole before its SQLite row commits, so a process killed mid-write leaves at most an unreferenced file
@@ -15,7 +16,8 @@ One snapshot file, little-endian throughout (`nbytes` = file size = 59 + 4 * n_t
          0       8  magic b"ORCSNAP\\0"
          8       2  format version, u16 (FORMAT_VERSION)
         10      32  fingerprint of model and state layout (refused if not the tier's own)
-        42       1  kind, u8: 0 "full" (KV + recurrent state), 1 "recurrent" checkpoint
+        42       1  kind, u8: 0 "kv" (the attention KV of the prefix; the whole state where it is KV only or
+                    cannot be split), 1 "checkpoint" (the recurrent state after the prefix)
         43       4  n_tokens, u32
         47       8  payload length in bytes, u64
         55       4  CRC-32 of bytes [0, 55) + token ids + payload, u32
@@ -25,6 +27,10 @@ One snapshot file, little-endian throughout (`nbytes` = file size = 59 + 4 * n_t
 LRU order survives restarts: every put and every hit stores a use number, from one counter that only goes up, in a
 second diskcache row beside the snapshot (key: the snapshot key as UTF-8 bytes; diskcache keeps str and bytes keys
 apart). At open, entries are ordered by it; a snapshot without one counts as least recently used.
+
+Format versions: 1 named the kinds "full" and "recurrent" and keyed them "kv-…" and "rec-…"; 2 (this one) has the
+same bytes under the names "kv" and "checkpoint" and keys "kv-…" and "checkpoint-…". Entries of another version
+are discarded at open with one log line that says so (they cost misses, never errors).
 """
 
 from __future__ import annotations
@@ -50,13 +56,17 @@ import numpy as np
 from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
 
 from .errors import OrchestratorError
+from .radix import EntryKind
+from .tiers import EntryInfo, Stored, TierStats
+
+__all__ = ["DiskTier", "EntryInfo", "FORMAT_VERSION", "KINDS"]
 
 log = logging.getLogger("orchestrator.disk")
 
 MAGIC = b"ORCSNAP\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FINGERPRINT_BYTES = 32
-KINDS = ("full", "recurrent")  # index = the kind byte on disk
+KINDS = (EntryKind.KV, EntryKind.CHECKPOINT)  # index = the kind byte on disk
 
 _HEADER = struct.Struct("<8sH32sBIQI")  # magic, version, fingerprint, kind, n_tokens, payload bytes, crc32
 _CHECKED = _HEADER.size - 4  # header bytes covered by the checksum: all but the checksum itself
@@ -69,40 +79,15 @@ _SUFFIX = ".val"  # diskcache's file suffix
 _DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 
 
-@dataclass(frozen=True)
-class EntryInfo:
-    """One stored snapshot as `entries()` lists it. `nbytes` is its file size (header + tokens + payload)."""
-
-    key: str
-    kind: str
-    tokens: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class DiskStats:
-    """Counters since open. Bytes are file bytes (header + tokens + payload) of the snapshots stored."""
-
-    entries: int
-    bytes: int
-    budget_bytes: int
-    hits: int
-    misses: int
-    inserts: int
-    evictions: int
-    rejected_too_large: int
-    rejected_invalid: int
-    disabled: bool
-
-
 class DiskTier:
     """Snapshots on disk under `directory`, at most `budget_bytes` of files, least recently used out first.
+    A `Tier` (orchestrator.tiers) named "disk"; `nbytes` and `bytes` count whole files (header + tokens + payload).
 
     * `put(key, tokens, kind, payload)` stores a snapshot. The budget is checked before writing: LRU entries are
       evicted until the new one fits; one larger than the whole budget is not stored (False). A failing disk logs
       one warning, disables the tier (`disabled`: puts return False until the next open; gets and deletes still
       work) and returns False. Never raises for disk trouble.
-    * `get(key)` returns (kind, tokens, payload) after checking magic, version, fingerprint, lengths and CRC-32,
+    * `get(key)` returns `Stored(kind, tokens, payload)` after checking magic, version, fingerprint, lengths and CRC-32,
       and marks the entry used. An entry that fails a check is deleted, logged, and reported as a miss (None).
     * `entries()` lists what is stored, least recently used first, reading only headers and token ids.
     * `on_evict`, if set, is called with each key that `put` evicted to fit its budget, after `put` has released
@@ -116,6 +101,8 @@ class DiskTier:
 
     Thread-safe: one lock guards the index and serialises disk I/O.
     """
+
+    name = "disk"
 
     def __init__(self, directory: Path | str, budget_bytes: int, fingerprint: bytes) -> None:
         if budget_bytes < 0:
@@ -170,7 +157,11 @@ class DiskTier:
     def __contains__(self, key: object) -> bool:
         return key in self._lru
 
-    def put(self, key: str, tokens: Sequence[int], kind: str, payload: bytes) -> bool:
+    def contains(self, key: str) -> bool:
+        """Whether a snapshot is stored under `key` (without reading or touching it)."""
+        return key in self._lru
+
+    def put(self, key: str, tokens: Sequence[int], kind: EntryKind, payload: bytes) -> bool:
         """Store the snapshot of the state after exactly `tokens` under `key`, replacing one stored there.
 
         `payload` is any bytes-like object; the file holds 59 + 4 * len(tokens) + len(payload) bytes. Returns False,
@@ -181,7 +172,7 @@ class DiskTier:
         if not isinstance(key, str):
             raise TypeError(f"snapshot keys are str, got {type(key).__name__}")
         if kind not in KINDS:
-            raise ValueError(f"snapshot kind must be one of {KINDS}, got {kind!r}")
+            raise ValueError(f"snapshot kind must be one of {[str(k) for k in KINDS]}, got {kind!r}")
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF)):
             raise ValueError("tokens must be a flat sequence of token ids in [0, 2**32)")
@@ -224,8 +215,8 @@ class DiskTier:
                 for victim in evicted:
                     self.on_evict(victim)
 
-    def get(self, key: str) -> tuple[str, tuple[int, ...], bytes] | None:
-        """(kind, tokens, payload) of the snapshot under `key`, or None if absent or invalid.
+    def get(self, key: str) -> Stored | None:
+        """`Stored(kind, tokens, payload)` of the snapshot under `key`, or None if absent or invalid.
 
         Checks magic, version, fingerprint, kind, lengths and the CRC-32 over the whole file before returning; an
         entry that fails one, or cannot be read, is deleted and logged with the reason. Marks a hit most recently
@@ -253,7 +244,7 @@ class DiskTier:
                 return None
             self._touch(key)
             self._hits += 1
-            return kind, tuple(np.frombuffer(token_bytes, dtype=_TOKEN).tolist()), payload
+            return Stored(kind, tuple(np.frombuffer(token_bytes, dtype=_TOKEN).tolist()), payload)
 
     def delete(self, key: str) -> bool:
         """Forget the snapshot under `key`. Returns whether one was stored. Disk errors disable the tier."""
@@ -297,10 +288,10 @@ class DiskTier:
         with self._lock:
             return list(self._lru)
 
-    def stats(self) -> DiskStats:
+    def stats(self) -> TierStats:
         with self._lock:
-            return DiskStats(
-                entries=len(self._lru), bytes=self._bytes, budget_bytes=self._budget, hits=self._hits,
+            return TierStats(
+                self.name, entries=len(self._lru), bytes=self._bytes, budget_bytes=self._budget, hits=self._hits,
                 misses=self._misses, inserts=self._inserts, evictions=self._evictions,
                 rejected_too_large=self._too_large, rejected_invalid=self._invalid, disabled=self._disabled)
 
@@ -332,6 +323,7 @@ class DiskTier:
         uses: dict[str, int] = {}
         files: set[str] = set()
         other_fingerprint = 0
+        other_version: dict[int, int] = {}
         for dkey in list(self._cache):  # rowid order: the order entries were first stored
             if isinstance(dkey, bytes):
                 try:
@@ -355,6 +347,9 @@ class DiskTier:
             except _OtherFingerprint:
                 other_fingerprint += 1
                 self._cache.delete(dkey)
+            except _OtherVersion as e:
+                other_version[e.version] = other_version.get(e.version, 0) + 1
+                self._cache.delete(dkey)
             except (_Invalid, OSError) as e:
                 log.warning("snapshot %r in %s rejected at open: %s; deleted", dkey, self.directory, e)
                 self._invalid += 1
@@ -363,6 +358,10 @@ class DiskTier:
             log.warning("%d snapshots in %s were written for another model or state layout (fingerprint "
                         "mismatch); deleted", other_fingerprint, self.directory)
             self._invalid += other_fingerprint
+        for version, n in sorted(other_version.items()):
+            log.warning("%d snapshots in %s are of format version %d, and this build reads version %d: discarded, "
+                        "version changed (they cost misses only)", n, self.directory, version, FORMAT_VERSION)
+            self._invalid += n
         for key in uses.keys() - sizes.keys():
             self._cache.delete(_use_key(key))
         self._sweep_unreferenced(files)
@@ -460,6 +459,14 @@ class _OtherFingerprint(_Invalid):
     """A valid snapshot header, but for another model or state layout."""
 
 
+class _OtherVersion(_Invalid):
+    """A snapshot file of another format version."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"format version {version}, this build reads version {FORMAT_VERSION}")
+        self.version = version
+
+
 @dataclass(frozen=True)
 class _Blob:
     """A snapshot file's bytes in parts (header, token ids, payload), written one after another without joining."""
@@ -508,11 +515,11 @@ def _write_parts(path: str, parts: Sequence[bytes | memoryview]) -> int:
     return sum(memoryview(p).nbytes for p in parts)
 
 
-def _read_header(f: BinaryIO, fingerprint: bytes) -> tuple[str, int, int, int, bytes]:
+def _read_header(f: BinaryIO, fingerprint: bytes) -> tuple[EntryKind, int, int, int, bytes]:
     """Read and check a header at the start of `f`, including that the file has exactly the length it announces.
 
     Returns (kind, n_tokens, payload bytes, crc32, the checksummed header bytes). Leaves `f` at the token ids.
-    Raises _OtherFingerprint or _Invalid with the reason.
+    Raises _OtherVersion, _OtherFingerprint or _Invalid with the reason.
     """
     raw = f.read(_HEADER.size)
     if len(raw) < _HEADER.size:
@@ -521,7 +528,7 @@ def _read_header(f: BinaryIO, fingerprint: bytes) -> tuple[str, int, int, int, b
     if magic != MAGIC:
         raise _Invalid(f"bad magic {magic!r}, not a snapshot file")
     if version != FORMAT_VERSION:
-        raise _Invalid(f"format version {version}, this build reads version {FORMAT_VERSION}")
+        raise _OtherVersion(version)
     if fp != fingerprint:
         raise _OtherFingerprint("written for another model or state layout (fingerprint mismatch)")
     if kind >= len(KINDS):

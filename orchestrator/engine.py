@@ -15,15 +15,16 @@ batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-
     differences), at the same prefill speed (315 vs 311 tokens/s at 2,000 tokens on the 0.8b preset).
   * a short ubatch still differs from the same tokens inside a larger one: one token always (other matmul and
     Gated DeltaNet graph paths), and on quantized models anything under 8 tokens (other ggml-cpu matmul
-    kernels; max |Δlogit| 0.23 on the 0.8b). The threshold depends on the weight types and the CPU, so it is
-    measured at start (`measure_min_segment`): `decode` never cuts a chunk shorter than `min_segment` out of a
-    longer run, and the scheduler never stores or restores a state that a shorter segment produced.
+    kernels; max |Δlogit| 0.23 on the 0.8b). The threshold depends on the weight types and the CPU, so the
+    runtime measures it at start (calibration.measure_min_segment) and passes it in (`calibrate`): `decode`
+    never cuts a chunk shorter than `min_segment` out of a longer run, and the reuse rules never store or
+    restore a state that a shorter segment produced.
 The engine therefore creates contexts with flash attention disabled unless told otherwise.
 
 CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AVX-512/AMX
 CPUs, a Q4_K_M model loaded with repacking segfaults on any llama_decode of more than one token (seen for the
 synthetic Qwen3.5 and for the real Gemma 3 270M). A segfault cannot be caught, so the engine loads models with
-`use_extra_bufts=False` unless told otherwise; bench/bench_configs.py measures the choice.
+`use_extra_bufts=False` unless told otherwise.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ import llama_cpp
 import numpy as np
 
 from .errors import EngineError, InvalidRequest, ModelLoadError
+from .state import StateKind, state_kind
 
 log = logging.getLogger("orchestrator.engine")
 
 PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-_HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and PARTIAL_ONLY states
 _LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
 
 
@@ -76,9 +77,11 @@ class ModelInfo:
 
 
 class Sampler:
-    """A llama.cpp sampler chain (top-k → top-p → min-p → temperature → dist, or greedy). Free with close()."""
+    """A llama.cpp sampler chain (top-k → top-p → min-p → temperature → dist, or greedy) over the logits of one
+    context. Free with close()."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, ctx) -> None:
+        self._ctx = ctx
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         if params.temperature <= 0:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
@@ -93,10 +96,10 @@ class Sampler:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
         self._chain = chain
 
-    def sample(self, ctx, idx: int = -1) -> int:
+    def sample(self, idx: int = -1) -> int:
         """Sample from the logits of batch index `idx` of the last llama_decode (-1: its last token with logits
         on), with llama_sampler_sample (which also accepts the token into the chain)."""
-        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, idx))
+        return int(llama_cpp.llama_sampler_sample(self._chain, self._ctx, idx))
 
     def close(self) -> None:
         if self._chain is not None:
@@ -114,14 +117,14 @@ class Engine:
         n_threads: CPU threads for decode and prefill.
         use_extra_bufts: llama.cpp CPU weight repacking (see the module docstring; off by default).
         flash_attn: use flash attention (off by default: see "Numerics" in the module docstring).
-        min_segment: the shortest bit-exact prefill ubatch if already measured for this model and CPU (see
-            `measure_min_segment`, which runs when it is None: a few seconds on a 0.8B model).
     Raises ModelLoadError when the file is missing or llama.cpp cannot load it.
+
+    Until `calibrate` is called with the measured facts (calibration.py), min_segment is 2 (no one-token
+    chunks) and batch_invariant False.
     """
 
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
-                 use_extra_bufts: bool = False, n_seq_max: int = 1,
-                 flash_attn: bool = False, min_segment: int | None = None) -> None:
+                 use_extra_bufts: bool = False, n_seq_max: int = 1, flash_attn: bool = False) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -147,13 +150,12 @@ class Engine:
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
-        # Sliding-window models (Gemma 2/3) get a full-size window cache (llama.cpp's swa_full). With the default
-        # window-sized cache, cells of tokens that left the window are reused, so a restored sequence's cells
-        # are laid out differently from a cold run's, and the attention sums round differently: seeded sampling
-        # diverged after a few tokens on Gemma 3 270M. With a full cache nothing is evicted, the layout is the
-        # cold run's, and any prefix is restored by truncating the KV, like a pure-attention model.
-        recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model))
-        cparams.swa_full = not recurrent and llama_cpp.llama_model_n_swa(self.model) > 0
+        # What the state is made of decides how it is saved, restored and rewound (state.py), and for sliding-window
+        # models the cache layout (swa_full).
+        self.state: StateKind = state_kind(bool(llama_cpp.llama_model_is_recurrent(self.model)),
+                                           bool(llama_cpp.llama_model_is_hybrid(self.model)),
+                                           int(llama_cpp.llama_model_n_swa(self.model)))
+        cparams.swa_full = self.state.swa_full
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
@@ -173,13 +175,19 @@ class Engine:
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
-        # Attention only (also sliding-window, with its full-size cache): the state is KV only, and any prefix of
-        # a sequence is restored by truncating its KV (llama_memory_seq_rm), so no checkpoints are needed.
-        # Recurrent and hybrid (Qwen3.5) models need a PARTIAL_ONLY checkpoint at the restored position.
-        self.truncatable = not recurrent
-        self.min_segment = 2  # until measured: chunk_sizes never makes one-token chunks
-        self.split_layout = False if self.truncatable else self._check_split_layout()
-        self.min_segment = min_segment if min_segment is not None else self.measure_min_segment()
+        self.min_segment = 2  # until calibrated: chunk_sizes never makes one-token chunks
+        self.batch_invariant = False
+        self.state.probe(self, max(self.bos_id, 0))
+
+    def calibrate(self, min_segment: int, batch_invariant: bool = False) -> None:
+        """Set the measured facts of this model on this CPU (calibration.py): the fewest tokens a prefill ubatch
+        may have to be bit-identical to the same tokens in a larger one, and whether a decode step batched over
+        sequences equals decoding each alone."""
+        if min_segment < 2 or self.n_batch < 2 * min_segment - 1:
+            raise ModelLoadError(f"min_segment {min_segment} does not fit n_batch {self.n_batch} (--batch-size must "
+                                 f"be at least {2 * min_segment - 1} on this model and CPU)")
+        self.min_segment = min_segment
+        self.batch_invariant = batch_invariant
 
     # ---------------------------------------------------------------- metadata and vocab
 
@@ -292,11 +300,11 @@ class Engine:
     def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
         """One decode step for several sequences in one llama_decode call: `items` are (seq, token, pos), at most
         one per sequence, at most n_batch. Logits are kept for every item; item i's are at batch index i
-        (`logits(i)`, `Sampler.sample(ctx, i)`).
+        (`logits(i)`, `Sampler.sample(i)`).
 
         Pass items in increasing seq order: with a per-sequence KV cache llama.cpp packs consecutive sequence ids
         into one ubatch (llama_batch_allocr::split_equal, sequential mode). Whether the result equals decoding
-        each sequence alone depends on the model's weight types: see `check_batch_invariance`. Raises
+        each sequence alone depends on the model's weight types: see calibration.check_batch_invariance. Raises
         EngineError when llama_decode fails (the sequences' states are then unspecified).
         """
         if not 0 < len(items) <= self.n_batch:
@@ -313,75 +321,9 @@ class Engine:
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
 
-    def measure_min_segment(self, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24)) -> int:
-        """The fewest tokens a prefill ubatch may have for its result to be bit-identical to the same tokens
-        inside one larger ubatch: the smallest tested size above every size that differed.
-
-        Prefills a 56-token prompt whole, then split into a short segment at its start or its end for each size,
-        and compares the last logits. Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): 2 for the F16
-        tiny preset; 8 for Q4_K_M models (tiny-q4, the 0.8b: max |Δlogit| 0.23 with 2..7 tokens; Gemma 3 270M:
-        1.2), where ggml-cpu takes other matmul kernels for fewer than 8 rows. The thresholds differ by CPU
-        (llamafile sgemm: n < 2, 4 or 8 depending on the ISA), hence a measurement at start. Uses and clears
-        sequence 0; raises EngineError if even the largest size differs.
-        """
-        n = min(2 * max(sizes) + 8, self.n_batch)  # the reference must be one ubatch
-        sizes = [m for m in sizes if 2 * m + 8 <= n] or [2]
-        tokens = [1000 + (37 * i) % 5000 for i in range(n)]
-        try:
-            self.clear(0)
-            self.decode(0, tokens, 0)
-            ref = self.logits()
-            worst = 0
-            for m in sizes:
-                for cut in (m, n - m):
-                    self.clear(0)
-                    self.decode(0, tokens[:cut], 0, want_logits=False)
-                    self.decode(0, tokens[cut:], cut)
-                    if not np.array_equal(self.logits(), ref):
-                        worst = max(worst, m)
-            above = [m for m in sizes if m > worst]
-            if not above:
-                raise EngineError(f"prefill splits into segments of up to {max(sizes)} tokens change the logits on "
-                                  f"this model and CPU; prefix reuse cannot be exact here (run with --no-cache)")
-            return min(above)
-        finally:
-            self.clear(0)
-
-    def check_batch_invariance(self) -> bool:
-        """Whether a decode step batched over sequences gives, for each sequence, bit-identical logits to the
-        same token decoded alone, at every batch width from 2 to n_seq_max. Clears the sequences it uses.
-
-        Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): true up to 7 rows for the K-quant synthetic
-        models (per-row dot products whatever the width), false from 8 rows (the kernels that make prefill fast:
-        max |Δlogit| 0.14 on the 0.8b), and false at any width for the F16 tiny preset (another matmul path for
-        more than one row: 8e-4). So it is measured on the served model, for the configured number of slots.
-        """
-        k = self.n_seq_max
-        if k < 2:
-            return False
-        prompts = [[1000 + 7 * s + i for i in range(4)] for s in range(k)]
-        nxt = [2000 + s for s in range(k)]
-        try:
-            alone = []
-            for s in range(k):
-                self.clear(s)
-                self.decode(s, prompts[s], 0, want_logits=False)
-                self.decode(s, [nxt[s]], len(prompts[s]))
-                alone.append(self.logits())
-                self.clear(s)
-            for width in range(2, k + 1):
-                for s in range(width):
-                    self.decode(s, prompts[s], 0, want_logits=False)
-                self.decode_step([(s, nxt[s], len(prompts[s])) for s in range(width)])
-                same = all(np.array_equal(self.logits(i), alone[i]) for i in range(width))
-                for s in range(width):
-                    self.clear(s)
-                if not same:
-                    return False
-            return True
-        finally:
-            for s in range(k):
-                self.clear(s)
+    def sampler(self, params: SamplingParams) -> Sampler:
+        """A sampler chain over this context's logits (close it when done)."""
+        return Sampler(params, self.ctx)
 
     def logits(self, idx: int = -1) -> np.ndarray:
         """Copy of the logits at batch index `idx` of the last llama_decode (-1: its last token with logits on):
@@ -395,12 +337,14 @@ class Engine:
         """Remove every token of sequence `seq` from the memory (KV and recurrent)."""
         llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
-    def save_state(self, seq: int, flags: int = 0) -> bytes:
-        """The state of sequence `seq` as bytes (llama_state_seq_get_data_ext; flags 0 = KV + recurrent).
+    def save_state(self, seq: int, partial: bool = False) -> bytes:
+        """The state of sequence `seq` as bytes (llama_state_seq_get_data_ext): KV + recurrent, or with `partial`
+        the recurrent part only (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a checkpoint, fixed size).
 
         Size: for Qwen3.5-0.8B about 19 MiB of recurrent state plus about 12 KiB of KV per token held.
         Raises EngineError when llama.cpp writes nothing.
         """
+        flags = PARTIAL if partial else 0
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
         buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
@@ -408,79 +352,33 @@ class Engine:
             raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
         return ctypes.string_at(buf, n)
 
-    def save_checkpoint(self, seq: int) -> bytes:
-        """Recurrent-only checkpoint of `seq` (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): no KV, fixed size."""
-        return self.save_state(seq, PARTIAL)
+    def state_size(self, seq: int, partial: bool = False) -> int:
+        """Bytes `save_state(seq, partial)` would write now (llama_state_seq_get_size_ext)."""
+        return int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL if partial else 0))
 
-    def save_parts(self, seq: int) -> tuple[bytes, bytes]:
-        """(kv, checkpoint) of `seq` from one full save: the attention KV alone, and the recurrent checkpoint.
-
-        llama.cpp writes a full state as header + attention part + recurrent part, and a PARTIAL_ONLY state as
-        the same header + the recurrent part (llama_memory_hybrid::state_write); `split_layout` is checked on
-        this build at start. Without it, `kv` is the whole full state. On a `truncatable` model: (full state, b"").
-        """
-        full = self.save_state(seq)
-        if self.truncatable:
-            return full, b""
-        if not self.split_layout:
-            return full, self.save_checkpoint(seq)
-        body = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL) - _HEADER
-        return full[_HEADER:len(full) - body], full[:_HEADER] + full[len(full) - body:]
-
-    def restore(self, seq: int, n_tokens: int, kv: bytes | None, checkpoint: bytes | None) -> None:
-        """Bring sequence `seq` to the state after its first `n_tokens` tokens.
-
-        kv: stored attention KV covering at least n_tokens (from save_parts), or None to keep the sequence's own
-        KV (it must hold those tokens). checkpoint: the recurrent checkpoint taken at n_tokens. Order matters on
-        a hybrid memory: load the KV, then the checkpoint, then truncate the KV with llama_memory_seq_rm(seq,
-        n_tokens, -1), which fails before the checkpoint is loaded. On a `truncatable` model the checkpoint is
-        ignored (pass None): the KV is truncated. Raises EngineError (sequence cleared).
-        """
-        if kv is not None:
-            full = checkpoint[:_HEADER] + kv + checkpoint[_HEADER:] if self.split_layout else kv
-            self._set(seq, full, 0, clear=True)
-        if not self.truncatable:
-            self._set(seq, checkpoint, PARTIAL, clear=False)
-        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
-            self.clear(seq)
-            raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")
-
-    def _set(self, seq: int, data: bytes, flags: int, clear: bool) -> None:
+    def load_state(self, seq: int, data: bytes, partial: bool = False, clear: bool = True) -> None:
+        """Load a saved state into `seq` (llama_state_seq_set_data_ext), clearing the sequence first if `clear`.
+        Raises EngineError (sequence cleared) when llama.cpp refuses it. How the parts of a state are combined
+        is the state kind's business (`self.state.restore`)."""
         if clear:
             self.clear(seq)
         src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
-        n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, len(data), seq, flags)
+        n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, len(data), seq, PARTIAL if partial else 0)
         if n == 0:
             self.clear(seq)
             raise EngineError(f"llama.cpp rejected a {len(data)}-byte state for sequence {seq}")
 
+    def truncate(self, seq: int, n_tokens: int) -> None:
+        """Keep the first `n_tokens` tokens of `seq` (llama_memory_seq_rm(seq, n_tokens, -1)). A recurrent state
+        cannot be cut back, so on a hybrid memory this fails unless a checkpoint at n_tokens was loaded. Raises
+        EngineError (sequence cleared) when the sequence does not end at n_tokens afterwards."""
+        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
+            self.clear(seq)
+            raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")
+
     def pos_max(self, seq: int) -> int:
         """Last position held by `seq` (llama_memory_seq_pos_max), -1 when empty."""
         return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
-
-    def state_sizes(self) -> tuple[int, int]:
-        """(recurrent state bytes per sequence, KV bytes per token) as llama.cpp serialises them
-        (llama_state_seq_get_size_ext at 2 and 4 tokens). Memory per slot is about rec + n_ctx * kv_per_token.
-        Uses and clears sequence 0."""
-        tok = max(self.bos_id, 0)
-        try:
-            self.decode(0, [tok] * 2, 0, want_logits=False)
-            two = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
-            rec = 0 if self.truncatable else llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, PARTIAL) - _HEADER
-            self.decode(0, [tok] * 2, 2, want_logits=False)
-            four = llama_cpp.llama_state_seq_get_size_ext(self.ctx, 0, 0)
-            return rec, (four - two) // 2
-        finally:
-            self.clear(0)
-
-    def _check_split_layout(self) -> bool:
-        """Whether a full state is header + KV part + the checkpoint's body (see save_parts)."""
-        try:
-            self.decode(0, [max(self.bos_id, 0)] * 2, 0, want_logits=False)
-            full, rec = self.save_state(0), self.save_checkpoint(0)
-            return len(rec) > _HEADER and full[:_HEADER] == rec[:_HEADER] and full.endswith(rec[_HEADER:])
-        finally:
-            self.clear(0)
 
     def close(self) -> None:
         """Free the batch, context and model."""

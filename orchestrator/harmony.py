@@ -19,6 +19,7 @@ import json
 import re
 
 from .formats import tool_call
+from .stops import partial_suffix
 
 START, MESSAGE = "<|start|>assistant", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -53,11 +54,6 @@ def parse_harmony(text: str, parse_tools: bool = True) -> tuple[str, str | None,
     return "".join(s for k, s in pieces if k == "content"), ("".join(reasoning) if reasoning else None), calls
 
 
-def _partial(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    return max((k for t in tags for k in range(1, min(len(t), len(text) + 1)) if text.endswith(t[:k])), default=0)
-
-
 class HarmonyStreamParser:
     """Streams harmony text as ("reasoning", s) / ("content", s) pieces; tool-call bodies are held and parsed at
     the end of their message. Same interface as parsing.StreamParser."""
@@ -85,7 +81,7 @@ class HarmonyStreamParser:
                 continue
             found = [(j, t) for t in ENDS + (START,) if (j := self.buf.find(t)) >= 0]
             if not found:
-                keep = _partial(self.buf, ENDS + (START,))
+                keep = partial_suffix(self.buf, ENDS + (START,))
                 self._body(out, self.buf[: len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
                 break

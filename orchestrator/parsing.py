@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .formats import HARMONY, QWEN35, OutputFormat
 from .harmony import HarmonyStreamParser, parse_harmony
+from .stops import partial_suffix
 
 @dataclass
 class ParsedOutput:
@@ -95,7 +96,6 @@ class StreamParser:
         self._held = ""  # trailing newlines not emitted yet
         self._started = False  # the current section has emitted text
         self._may_open_think = not opens_reasoning and fmt.think is not None
-        self.saw_reasoning = opens_reasoning
 
     def push(self, delta: str) -> list[tuple[str, str]]:
         self.buf += delta
@@ -107,7 +107,6 @@ class StreamParser:
             self._may_open_think = False
             if head.startswith(self.think_open):
                 self.in_reasoning = True
-                self.saw_reasoning = True
                 self.buf = head[len(self.think_open):]
         while self.buf:
             if self.in_tools:
@@ -129,7 +128,7 @@ class StreamParser:
                     self.in_tools = True
                     self.tool_text = tag
                 continue
-            keep = max((_partial_suffix(self.buf, t) for t in tags), default=0)
+            keep = partial_suffix(self.buf, tags)
             self._emit(out, self.buf[: len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
             break
@@ -163,13 +162,6 @@ class StreamParser:
         self._end_section(out, self.buf)
         self.buf = ""
         return out, []
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def make_stream_parser(opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35):

@@ -23,8 +23,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable, NamedTuple
 
 from .radix import RadixTree
+
+
+class Candidate(NamedTuple):
+    """An entry that may be evicted: its id, the tree that holds it, its size and its last use (lookup tick)."""
+
+    eid: int
+    tree: RadixTree
+    nbytes: int
+    last_used: int
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,7 @@ class EvictionPolicy:
             return 0, float(last_used)
         return 1, last_used + self.bonus_ticks * math.log2(1 + self.value(tree, eid, nbytes) / self.reference)
 
-    def victim(self, tree: RadixTree, candidates: dict[int, tuple[int, int]]) -> int:
-        """The entry to evict among `candidates` ({eid: (nbytes, last_used)}). Raises ValueError if empty."""
-        if not candidates:
-            raise ValueError("nothing to evict")
-        return min(candidates, key=lambda e: self.priority(tree, e, *candidates[e]))
+    def victim(self, candidates: Iterable[Candidate]) -> int | None:
+        """The id of the entry to evict first among `candidates` (the first of equals), or None if there is none."""
+        best = min(candidates, key=lambda c: self.priority(c.tree, c.eid, c.nbytes, c.last_used), default=None)
+        return best.eid if best is not None else None

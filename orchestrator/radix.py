@@ -2,16 +2,17 @@
 
 The tree knows tokens and entry ids only; bytes live in the tiers (`orchestrator.cache`).
 
-    root ──[248045, 8678, 198 ... 29]──▶ A depth 1834 {rec}          (end of the tools block)
-                                        ├──[ ... 248046, 198]──▶ B depth 1901 {rec}   (end of system)
-                                        │                         └──[...]──▶ D depth 2210 {rec, kv}
-                                        └──[ 42 ... ]──▶ C depth 2050 {rec, kv}
+    root ──[248045, 8678, 198 ... 29]──▶ A depth 1834 {checkpoint}        (end of the tools block)
+                                     ├──[ ... 248046, 198]──▶ B depth 1901 {checkpoint}   (end of system)
+                                     │                         └──[...]──▶ D depth 2210 {checkpoint, kv}
+                                     └──[ 42 ... ]──▶ C depth 2050 {checkpoint, kv}
 
-A node's depth is the number of tokens from the root to it. A node holds at most one entry per kind:
-  * "rec": a recurrent checkpoint, the recurrent state after exactly `depth` tokens;
-  * "kv":  the attention KV of those `depth` tokens. KV is a prefix-closed quantity: the KV of D covers every
-           position of B and A too, so a checkpoint at any ancestor plus a KV entry in its subtree restores
-           that ancestor (load KV, load checkpoint, truncate the KV).
+A node's depth is the number of tokens from the root to it. A node holds at most one entry per kind
+(`EntryKind`):
+  * CHECKPOINT: a recurrent checkpoint, the recurrent state after exactly `depth` tokens;
+  * KV: the attention KV of those `depth` tokens. KV is a prefix-closed quantity (vLLM: "downward-closed"): the
+        KV of D covers every position of B and A too, so a checkpoint at any ancestor plus a KV entry in its
+        subtree restores that ancestor (load KV, load checkpoint, truncate the KV).
 
 Invariants (checked by `check()`):
   * children are keyed by the first token of their edge, and every edge is non-empty;
@@ -23,10 +24,23 @@ Invariants (checked by `check()`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Iterator, Sequence
 
-REC, KV = "rec", "kv"
-KINDS = (REC, KV)
+
+class EntryKind(str, Enum):
+    """What a snapshot entry holds. Values are the names used in logs, stats and disk keys."""
+
+    CHECKPOINT = "checkpoint"  # the recurrent state at one position (llama.cpp: a PARTIAL_ONLY sequence state)
+    KV = "kv"  # the attention KV of a prefix (or the whole state where it is KV only, or cannot be split)
+
+    def __str__(self) -> str:
+        return self.value
+
+    __hash__ = str.__hash__  # a member and its value are the same dict key
+
+
+CHECKPOINT, KV = EntryKind.CHECKPOINT, EntryKind.KV
 
 
 @dataclass(eq=False)
@@ -35,7 +49,7 @@ class _Node:
     parent: "_Node | None"
     depth: int
     children: dict[int, "_Node"] = field(default_factory=dict)
-    entries: dict[str, int] = field(default_factory=dict)
+    entries: dict[EntryKind, int] = field(default_factory=dict)
     kv_below: int = 0
 
 
@@ -44,7 +58,7 @@ class PathNode:
     """A node on the matched path of a query: its depth (tokens) and entry ids by kind."""
 
     depth: int
-    rec: int | None
+    checkpoint: int | None
     kv: int | None
     kv_below: int  # KV entries in this node's subtree (0: no stored KV covers this depth)
 
@@ -73,7 +87,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ updates
 
-    def insert(self, tokens: Sequence[int], kind: str, eid: int) -> int | None:
+    def insert(self, tokens: Sequence[int], kind: EntryKind, eid: int) -> int | None:
         """Attach entry `eid` of `kind` to the node for exactly `tokens`, splitting an edge if needed.
 
         Returns the id of the entry of the same kind it replaces there, or None. Raises ValueError for an empty
@@ -81,8 +95,7 @@ class RadixTree:
         """
         if not tokens:
             raise ValueError("cannot store a snapshot of an empty prefix")
-        if kind not in KINDS:
-            raise ValueError(f"unknown entry kind {kind!r}")
+        kind = EntryKind(kind)  # ValueError for an unknown kind
         if eid in self._nodes:
             raise ValueError(f"entry id {eid} is already in the tree")
         node = self._root
@@ -161,7 +174,8 @@ class RadixTree:
             node = child
             i += k
             if node.entries:
-                out.append(PathNode(node.depth, node.entries.get(REC), node.entries.get(KV), node.kv_below))
+                out.append(PathNode(node.depth, node.entries.get(CHECKPOINT), node.entries.get(KV),
+                                    node.kv_below))
         return out
 
     def kv_covering(self, tokens: Sequence[int], depth: int) -> int | None:
@@ -205,7 +219,7 @@ class RadixTree:
             i += k
         return node
 
-    def find(self, tokens: Sequence[int], kind: str) -> int | None:
+    def find(self, tokens: Sequence[int], kind: EntryKind) -> int | None:
         """The entry of `kind` stored at exactly `tokens`, or None."""
         node = self._node_at(tokens, len(tokens)) if tokens else None
         return node.entries.get(kind) if node is not None and node.depth == len(tokens) else None
@@ -219,10 +233,7 @@ class RadixTree:
             node = node.parent
         return tuple(t for edge in reversed(parts) for t in edge)
 
-    def depth_of(self, eid: int) -> int:
-        return self._nodes[eid].depth
-
-    def kind_of(self, eid: int) -> str:
+    def kind_of(self, eid: int) -> EntryKind:
         node = self._nodes[eid]
         return next(k for k, v in node.entries.items() if v == eid)
 

@@ -11,6 +11,16 @@ import codecs
 from dataclasses import dataclass, field
 
 
+def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`: text that could still
+    grow into a tag, so a stream holds it back.
+
+    >>> partial_suffix("answer</thi", ("</think>",))
+    5
+    """
+    return max((k for t in tags for k in range(1, min(len(t), len(text) + 1)) if text.endswith(t[:k])), default=0)
+
+
 @dataclass
 class TextStream:
     """Accumulates token bytes; `stop` strings end the text (the stop string itself is not part of it)."""
@@ -43,12 +53,8 @@ class TextStream:
                     self.text = self.text[:i]
                     self.stopped = True
         limit = len(self.text)
-        if not final and not self.stopped:
-            for s in self.stop:  # hold back a tail that is a prefix of a stop string
-                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        limit = min(limit, len(self.text) - k)
-                        break
+        if not final and not self.stopped:  # hold back a tail that is a prefix of a stop string
+            limit -= partial_suffix(self.text, self.stop)
         limit = max(limit, self.emitted)
         out = self.text[self.emitted:limit]
         self.emitted = limit

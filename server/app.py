@@ -32,12 +32,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from orchestrator.config import Config
-from orchestrator.errors import (ContextOverflow, Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled,
-                                 Unauthorized, UnsupportedMediaType)
+from orchestrator.errors import (Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled, Unauthorized,
+                                 UnsupportedMediaType)
 from orchestrator.parsing import make_stream_parser, parse_output
 from orchestrator.prompt import Prompt
 from orchestrator.runtime import Runtime
-from orchestrator.scheduler import Event, Job, Result
+from orchestrator.request import Event, Job, Result
 
 from .errors import (ANTHROPIC, EXCEPTION_HANDLERS, OPENAI, NotFound, anthropic_payload, error_body, error_payload,
                      error_response, error_status)
@@ -124,14 +124,13 @@ class Api:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
-        self.metrics = Metrics(runtime.cache)
+        self.metrics = Metrics(runtime.cache_stats)
         self._late_system_ok: bool | None = None  # does the template render a system message mid-conversation?
 
     def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "") -> Job:
-        n_ctx = self.rt.engine.n_ctx
+        """The job for a prompt (a prompt that does not fit the context is refused by `Runtime.submit`)."""
+        n_ctx = self.rt.n_ctx
         n = len(prompt.tokens)
-        if n + 1 > n_ctx:
-            raise ContextOverflow(n, n_ctx)
         cfg = self.rt.config
         max_tokens = opts.max_tokens or min(cfg.max_tokens_default, cfg.max_tokens_limit)
         sampling = opts.sampling
@@ -149,7 +148,7 @@ class Api:
         def sink(ev: Event) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        cancel = self.rt.scheduler.submit(job, sink)
+        cancel = self.rt.submit(job, sink)
         return events, cancel
 
     def _log(self, kind: str, r: Result) -> None:
@@ -385,7 +384,7 @@ class Api:
     def _stop_reason(self, r: Result, has_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
         """Anthropic's (stop_reason, stop_sequence); which stop string ended the text is read from the text of
         all completion tokens, the stop string included (Result.text ends before it)."""
-        full = b"".join(self.rt.engine.piece(t) for t in r.completion_tokens).decode("utf-8", "replace") \
+        full = self.rt.detokenize(r.completion_tokens) \
             if stop and r.finish_reason == "stop" else r.text
         return anthropic.stop_reason(r, has_calls, stop, full)
 
@@ -471,11 +470,8 @@ class Api:
     # ------------------------------------------------------------------ models, metrics, cache, health
 
     def _model_card(self) -> dict:
-        info = self.rt.engine.info
         return {"id": self.rt.model_id, "object": "model", "created": 0, "owned_by": "orchestrator",
-                "meta": {"name": info.name, "architecture": info.architecture, "n_ctx": self.rt.engine.n_ctx,
-                         "n_vocab": info.n_vocab, "size_bytes": info.size_bytes, "n_params": info.n_params,
-                         "chat_format": self.rt.prompts.output_format.name}}
+                "meta": self.rt.model_meta()}
 
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -491,16 +487,13 @@ class Api:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def cache_stats(self, request: Request):
-        s = self.rt.cache.stats()
-        return JSONResponse({**dataclasses.asdict(s), "checkpoint_interval": self.rt.scheduler.checkpoint_interval,
-                             "split_layout": self.rt.engine.split_layout})
+        return JSONResponse(self.rt.cache_report())
 
     async def cache_flush(self, request: Request):
         """Administration: drop every snapshot in every tier. Off (403) on a server without --api-key."""
         if self.rt.config.api_key is None:
             raise Forbidden("cache administration is off: start the server with --api-key to enable it")
-        n = len(self.rt.cache.entries())
-        self.rt.cache.clear()
+        n = self.rt.flush_cache()
         log.warning("cache flushed by an administration request: %d entries dropped", n)
         return JSONResponse({"flushed_entries": n})
 
@@ -508,12 +501,7 @@ class Api:
         return JSONResponse(openapi_schema(self.rt.config))
 
     async def health(self, request: Request):
-        s = self.rt.cache.stats()
-        sched = self.rt.scheduler
-        return JSONResponse({"status": "ok", "slots": len(sched.slots), "slots_busy": sched.slots_busy,
-                             "queue_length": sched.queue_length,
-                             "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
-                                       "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}})
+        return JSONResponse({"status": "ok", **self.rt.health()})
 
 
 def create_app(runtime: Runtime) -> Starlette:

@@ -1,40 +1,39 @@
 """Prometheus metrics (prometheus-client), one registry per app: GET /metrics.
 
 Request-level counters and histograms are recorded per finished request, and every refused or failed request
-is counted by route, status and error code; cache sizes and eviction counters
-are read from the cache's own stats at scrape time (a custom collector), so they never drift.
+is counted by route, status and error code; cache sizes and eviction counters are read from the cache's own
+stats at scrape time (a custom collector), so they never drift: entries, bytes and budget per tier come from
+each tier's own `stats()`.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from orchestrator.cache import SnapshotCache
-from orchestrator.scheduler import Result
+from orchestrator.cache import CacheStats
+from orchestrator.request import Result
 
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class _CacheCollector:
-    def __init__(self, cache: SnapshotCache) -> None:
-        self.cache = cache
+    def __init__(self, stats: Callable[[], CacheStats]) -> None:
+        self.stats = stats
 
     def collect(self):
-        s = self.cache.stats()
-        entries = GaugeMetricFamily("orchestrator_cache_entries", "Snapshot entries held, per tier", labels=["tier"])
-        entries.add_metric(["ram"], s.ram_entries)
-        entries.add_metric(["disk"], s.disk_entries)
-        yield entries
-        size = GaugeMetricFamily("orchestrator_cache_bytes", "Snapshot bytes held, per tier", labels=["tier"])
-        size.add_metric(["ram"], s.ram_bytes)
-        size.add_metric(["disk"], s.disk_bytes)
-        yield size
-        budget = GaugeMetricFamily("orchestrator_cache_budget_bytes", "Snapshot byte budget, per tier",
-                                   labels=["tier"])
-        budget.add_metric(["ram"], s.ram_budget_bytes)
-        budget.add_metric(["disk"], s.disk_budget_bytes)
-        yield budget
+        s = self.stats()
+        tiers = {t.name: t for t in s.tiers}
+        names = ["ram", "disk"] + [n for n in tiers if n not in ("ram", "disk")]  # a missing tier reads 0
+        for name, doc, value in (("entries", "Snapshot entries held, per tier", lambda t: t.entries),
+                                 ("bytes", "Snapshot bytes held, per tier", lambda t: t.bytes),
+                                 ("budget_bytes", "Snapshot byte budget, per tier", lambda t: t.budget_bytes)):
+            family = GaugeMetricFamily(f"orchestrator_cache_{name}", doc, labels=["tier"])
+            for tier in names:
+                family.add_metric([tier], value(tiers[tier]) if tier in tiers else 0)
+            yield family
         for name, value, doc in (
                 ("evictions", s.evictions, "Entries that left the RAM tier"),
                 ("spills", s.spills, "Evicted entries written to the disk tier"),
@@ -49,7 +48,7 @@ class _CacheCollector:
 class Metrics:
     """Counters and histograms of one server."""
 
-    def __init__(self, cache: SnapshotCache) -> None:
+    def __init__(self, cache_stats: Callable[[], CacheStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("orchestrator_prompt_tokens", "Prompt tokens received", registry=r)
@@ -65,7 +64,7 @@ class Metrics:
         self.errors = Counter("orchestrator_request_errors", "Requests refused or failed, by route, HTTP status "
                               "(499: the client disconnected) and error code", ["route", "status", "code"],
                               registry=r)
-        r.register(_CacheCollector(cache))
+        r.register(_CacheCollector(cache_stats))
 
     def observe(self, r: Result) -> None:
         self.prompt_tokens.inc(r.prompt_tokens)

@@ -23,7 +23,7 @@ import uvicorn
 from orchestrator.config import Config
 from orchestrator.engine import SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.scheduler import Job, Result
+from orchestrator.request import Job, Result
 from server.app import create_app
 
 
@@ -64,6 +64,17 @@ def runtime(tiny_model):
     rt = Runtime.start(make_config(tiny_model))
     yield rt
     rt.close()
+
+
+@pytest.fixture()
+def fresh_cache(runtime):
+    """The module's runtime with an empty cache (after earlier after-generation snapshots landed); drained and
+    recounted (`SnapshotCache.check`) after the test."""
+    runtime.scheduler.drain()
+    runtime.cache.clear()
+    yield runtime
+    runtime.scheduler.drain()
+    runtime.cache.check()
 
 
 @dataclass

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.scheduler import Event
+from orchestrator.request import Event
 from server.anthropic import parse_messages
 from server.schemas import parse_chat
 

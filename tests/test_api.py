@@ -181,7 +181,9 @@ def test_metrics_and_cache_stats(client, runtime):
     assert any(k.startswith("orchestrator_requests_total{cache_tier=") for k in values)
     stats = client.get("/v1/cache/stats").json()
     assert stats["ram_bytes"] == values['orchestrator_cache_bytes{tier="ram"}']
-    assert stats["entries_by_kind"]["rec"] > 0 and stats["entries_by_kind"]["kv"] > 0
+    assert stats["entries_by_kind"]["checkpoint"] > 0 and stats["entries_by_kind"]["kv"] > 0
+    assert (stats["state_kind"], stats["split_layout"]) == ("hybrid", True)
+    assert [t["name"] for t in stats["tiers"]] == ["ram"]  # each tier's own stats
     assert stats["ram_bytes"] <= stats["ram_budget_bytes"]
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from server.schemas import parse_chat
 
+pytestmark = pytest.mark.usefixtures("fresh_cache")
+
 SYSTEM = "You are a meticulous assistant for a public library; cite the shelf for every book you mention. " * 3
 BREAK = {"mode": "explicit"}
 
@@ -42,14 +44,6 @@ def history(n_turns):
         msgs += [{"role": "user", "content": f"Question {i}: which shelf holds volume {i} of the atlas?"},
                  {"role": "assistant", "content": f"Volume {i} is on shelf {i % 7}."}]
     return msgs
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache(runtime):
-    runtime.cache.clear()
-    yield
-    runtime.scheduler.drain()
-    runtime.cache.check()
 
 
 @pytest.mark.parametrize("marked", [True, False])

@@ -11,10 +11,12 @@ import pytest
 
 from orchestrator.engine import SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.scheduler import Job
+from orchestrator.request import Job
 from orchestrator.synth import ensure_model
 
 from .conftest import assert_same_as_cold, make_config
+
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 
 TOOLS = [
     {"type": "function", "function": {
@@ -38,13 +40,6 @@ def sys_msg(text=SYSTEM):
 
 def user(text):
     return {"role": "user", "content": text}
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache(runtime):
-    runtime.cache.clear()
-    yield
-    runtime.cache.check()
 
 
 def test_shared_tools_and_system_prefix_different_user_tails(runtime):
@@ -218,14 +213,14 @@ def test_after_generation_snapshot_equals_cold_prefill(runtime):
 
 
 def test_min_segment_is_measured_once_per_model_and_cpu(tmp_path, tiny_model, monkeypatch):
-    from orchestrator.engine import Engine
+    from orchestrator import calibration
 
     file = tmp_path / "calibration.json"
     rt = Runtime.start(make_config(tiny_model, calibration_file=file))
     measured = rt.engine.min_segment
     rt.close()
     assert list(json.loads(file.read_text()).values()) == [measured]
-    monkeypatch.setattr(Engine, "measure_min_segment", lambda self, *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(calibration, "measure_min_segment", lambda *a, **k: pytest.fail("measured again"))
     rt = Runtime.start(make_config(tiny_model, calibration_file=file))
     assert rt.engine.min_segment == measured
     rt.close()

@@ -58,16 +58,16 @@ def warnings_of(caplog) -> list[str]:
 
 
 def test_round_trip_kind_tokens_payload(tmp_path):
-    full = ("full", (0, 1, 2**32 - 1, 151_643), os.urandom(5000))
-    rec = ("recurrent", tuple(range(300)), b"\x00" * 7)
+    full = ("kv", (0, 1, 2**32 - 1, 151_643), os.urandom(5000))
+    rec = ("checkpoint", tuple(range(300)), b"\x00" * 7)
     with DiskTier(tmp_path, 1 << 20, FP) as t:
         assert t.put("a", full[1], full[0], full[2])
         assert t.put("b", list(rec[1]), rec[0], bytearray(rec[2]))  # any sequence, any bytes-like payload
-        assert t.put("empty", [], "full", b"")
+        assert t.put("empty", [], "kv", b"")
         assert t.get("a") == full
         got = t.get("b")
         assert got == rec and type(got[2]) is bytes
-        assert t.get("empty") == ("full", (), b"")
+        assert t.get("empty") == ("kv", (), b"")
         assert t.get("missing") is None
         assert "a" in t and "missing" not in t and len(t) == 3
         assert t.bytes == nbytes(full[1], full[2]) + nbytes(rec[1], rec[2]) + HEADER
@@ -79,10 +79,10 @@ def test_round_trip_kind_tokens_payload(tmp_path):
 def test_file_layout_is_the_documented_one(tmp_path):
     tokens, payload = [5, 70000], b"payload!"
     with DiskTier(tmp_path, 1 << 20, FP) as t:
-        t.put("k", tokens, "recurrent", payload)
+        t.put("k", tokens, "checkpoint", payload)
     raw = only_file(tmp_path).read_bytes()
     magic, version, fp, kind, n, plen, crc = struct.unpack_from("<8sH32sBIQI", raw)
-    assert (magic, version, fp, kind, n, plen) == (b"ORCSNAP\0", 1, FP, 1, 2, len(payload))
+    assert (magic, version, fp, kind, n, plen) == (b"ORCSNAP\0", 2, FP, 1, 2, len(payload))
     assert raw[HEADER:HEADER + 8] == struct.pack("<2I", *tokens)
     assert raw[HEADER + 8:] == payload
     assert crc == zlib.crc32(raw[:HEADER - 4] + raw[HEADER:])
@@ -92,14 +92,14 @@ def test_lru_order_exact(tmp_path):
     size = nbytes([1], b"x" * 41)  # 104 bytes; three fit in 330
     with DiskTier(tmp_path, 330, FP) as t:
         for k in "abc":
-            assert t.put(k, [1], "full", b"x" * 41)
+            assert t.put(k, [1], "kv", b"x" * 41)
         assert t.get("a") is not None  # order now b, c, a
         assert t.keys() == ["b", "c", "a"]
-        assert t.put("d", [1], "full", b"x" * 41)
+        assert t.put("d", [1], "kv", b"x" * 41)
         assert t.keys() == ["c", "a", "d"] and "b" not in t
-        assert t.put("a", [2], "full", b"y" * 41)  # replacing makes it most recent, evicts nothing
-        assert t.keys() == ["c", "d", "a"] and t.get("a") == ("full", (2,), b"y" * 41)
-        assert t.put("e", [1], "full", b"x" * (41 + size))  # needs two slots: c and d go
+        assert t.put("a", [2], "kv", b"y" * 41)  # replacing makes it most recent, evicts nothing
+        assert t.keys() == ["c", "d", "a"] and t.get("a") == ("kv", (2,), b"y" * 41)
+        assert t.put("e", [1], "kv", b"x" * (41 + size))  # needs two slots: c and d go
         assert t.keys() == ["a", "e"]
         assert t.stats().evictions == 3
         recount(t, tmp_path)
@@ -116,7 +116,7 @@ def test_random_ops_match_a_model_and_never_exceed_the_budget(tmp_path):
             if op < 0.55:
                 toks = tuple(rng.randrange(1000) for _ in range(rng.randrange(0, 20)))
                 payload = rng.randbytes(rng.randrange(0, 900))
-                kind = rng.choice(["full", "recurrent"])
+                kind = rng.choice(["kv", "checkpoint"])
                 size = nbytes(toks, payload)
                 stored = t.put(key, toks, kind, payload)
                 assert stored == (size <= budget)
@@ -146,7 +146,7 @@ def test_threads_sharing_a_tier_keep_the_budget_and_the_data(tmp_path):
             for _ in range(60):
                 key = f"k{rng.randrange(12)}"
                 if rng.random() < 0.5:
-                    t.put(key, [len(key)], "full", key.encode() * rng.randrange(1, 60))
+                    t.put(key, [len(key)], "kv", key.encode() * rng.randrange(1, 60))
                 else:
                     got = t.get(key)  # whatever is there must be intact and belong to this key
                     assert got is None or (got[1] == (len(key),) and set(got[2].split(key.encode())) == {b""})
@@ -165,15 +165,15 @@ def test_threads_sharing_a_tier_keep_the_budget_and_the_data(tmp_path):
 
 def test_entry_larger_than_budget_is_refused_and_evicts_nothing(tmp_path):
     with DiskTier(tmp_path, 500, FP) as t:
-        assert t.put("small", [1], "full", b"s" * 10)
-        assert not t.put("big", [1, 2], "full", b"b" * (500 - HEADER - 8 + 1))
+        assert t.put("small", [1], "kv", b"s" * 10)
+        assert not t.put("big", [1, 2], "kv", b"b" * (500 - HEADER - 8 + 1))
         assert "big" not in t and t.keys() == ["small"]
         assert t.stats().rejected_too_large == 1
-        assert t.put("exact", [1, 2], "full", b"b" * (500 - HEADER - 8))  # exactly the budget fits
+        assert t.put("exact", [1, 2], "kv", b"b" * (500 - HEADER - 8))  # exactly the budget fits
         assert t.keys() == ["exact"] and t.bytes == 500
         recount(t, tmp_path)
     with DiskTier(tmp_path / "zero", 0, FP) as t:
-        assert not t.put("a", [], "full", b"")
+        assert not t.put("a", [], "kv", b"")
 
 
 def test_smaller_budget_after_reopen_shrinks_lru_first(tmp_path):
@@ -181,7 +181,7 @@ def test_smaller_budget_after_reopen_shrinks_lru_first(tmp_path):
     size = nbytes([1, 2], payload)
     with DiskTier(tmp_path, 10 * size, FP) as t:
         for k in "abcde":
-            t.put(k, [1, 2], "full", payload)
+            t.put(k, [1, 2], "kv", payload)
         t.get("a")
         t.get("c")  # LRU order: b, d, e, a, c
     with DiskTier(tmp_path, 2 * size + 1, FP) as t:
@@ -194,9 +194,9 @@ def test_smaller_budget_after_reopen_shrinks_lru_first(tmp_path):
 
 def test_entries_after_reopen_list_what_is_stored_in_lru_order(tmp_path):
     stored = {
-        "a": ("full", (1, 2, 3), b"A" * 30),
-        "b": ("recurrent", (1, 2), b"B" * 20),
-        "c": ("full", tuple(range(1000, 1100)), b"C" * 10),
+        "a": ("kv", (1, 2, 3), b"A" * 30),
+        "b": ("checkpoint", (1, 2), b"B" * 20),
+        "c": ("kv", tuple(range(1000, 1100)), b"C" * 10),
     }
     with DiskTier(tmp_path, 10_000, FP) as t:
         for k, (kind, toks, payload) in stored.items():
@@ -215,8 +215,8 @@ def test_entries_after_reopen_list_what_is_stored_in_lru_order(tmp_path):
 
 def test_other_fingerprint_entries_are_deleted_not_returned(tmp_path, caplog):
     with DiskTier(tmp_path, 10_000, FP) as t:
-        t.put("a", [1], "full", b"a")
-        t.put("b", [2], "recurrent", b"b")
+        t.put("a", [1], "kv", b"a")
+        t.put("b", [2], "checkpoint", b"b")
     with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
         with DiskTier(tmp_path, 10_000, OTHER_FP) as t:
             assert len(t) == 0 and list(t.entries()) == [] and t.get("a") is None
@@ -226,12 +226,26 @@ def test_other_fingerprint_entries_are_deleted_not_returned(tmp_path, caplog):
         assert len(t) == 0
 
 
+def test_entries_of_an_older_format_version_are_discarded_with_one_clear_line(tmp_path, caplog):
+    with DiskTier(tmp_path, 10_000, FP) as t:
+        for i in range(3):
+            t.put(f"rec-{i}", [i], "checkpoint", b"r")
+    for p in val_files(tmp_path):
+        _rewrite_header(p, version=1)  # as written by the previous release
+    with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+        with DiskTier(tmp_path, 10_000, FP) as t:
+            assert len(t) == 0 and t.bytes == 0 and val_files(tmp_path) == []
+            assert t.stats().rejected_invalid == 3
+    (line,) = warnings_of(caplog)
+    assert "3 snapshots" in line and "format version 1" in line and "discarded, version changed" in line
+
+
 def _corrupt_and_expect_miss(tmp_path, caplog, corrupt, reason: str) -> None:
     """Store a victim and a bystander; `corrupt(path)` the victim's file under the open tier; get must miss."""
     with DiskTier(tmp_path, 100_000, FP) as t:
-        t.put("victim", [1, 2, 3], "full", b"payload" * 10)
+        t.put("victim", [1, 2, 3], "kv", b"payload" * 10)
         victim = only_file(tmp_path)
-        t.put("bystander", [4], "recurrent", b"ok")
+        t.put("bystander", [4], "checkpoint", b"ok")
         corrupt(victim)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
@@ -239,7 +253,7 @@ def _corrupt_and_expect_miss(tmp_path, caplog, corrupt, reason: str) -> None:
         msgs = warnings_of(caplog)
         assert len(msgs) == 1 and "victim" in msgs[0] and reason in msgs[0], msgs
         assert "victim" not in t and not victim.exists()
-        assert t.get("bystander") == ("recurrent", (4,), b"ok")
+        assert t.get("bystander") == ("checkpoint", (4,), b"ok")
         recount(t, tmp_path)
         t.delete("bystander")
 
@@ -281,35 +295,35 @@ def _rewrite_header(p: Path, **fields) -> None:
 
 def test_wrong_magic_or_version_is_a_miss_even_with_a_valid_crc(tmp_path, caplog):
     _corrupt_and_expect_miss(tmp_path, caplog, lambda p: _rewrite_header(p, magic=b"ORCSNAP\1"), "magic")
-    _corrupt_and_expect_miss(tmp_path, caplog, lambda p: _rewrite_header(p, version=2), "version")
+    _corrupt_and_expect_miss(tmp_path, caplog, lambda p: _rewrite_header(p, version=3), "version")
     _corrupt_and_expect_miss(tmp_path, caplog, lambda p: _rewrite_header(p, kind=7), "kind")
 
 
 def test_invalid_entries_are_dropped_at_reopen(tmp_path, caplog):
     with DiskTier(tmp_path, 100_000, FP) as t:
-        t.put("short", [1], "full", b"x" * 50)
+        t.put("short", [1], "kv", b"x" * 50)
         short = only_file(tmp_path)
-        t.put("good", [2], "full", b"y" * 50)
+        t.put("good", [2], "kv", b"y" * 50)
     os.truncate(short, 30)  # even the header is incomplete
     with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
         with DiskTier(tmp_path, 100_000, FP) as t:
             assert [e.key for e in t.entries()] == ["good"]
-            assert t.get("short") is None and t.get("good") == ("full", (2,), b"y" * 50)
+            assert t.get("short") is None and t.get("good") == ("kv", (2,), b"y" * 50)
             recount(t, tmp_path)
     assert any("short" in m and "truncated" in m for m in warnings_of(caplog))
 
 
 def test_truncated_blob_from_a_killed_writer_is_rejected(tmp_path, caplog):
     with DiskTier(tmp_path, 100_000, FP) as t:
-        t.put("old", [1], "full", b"o" * 100)
-        t.put("torn", [1, 2], "full", b"t" * 100)
+        t.put("old", [1], "kv", b"o" * 100)
+        t.put("torn", [1, 2], "kv", b"t" * 100)
     blob = next(p.read_bytes() for p in val_files(tmp_path) if p.read_bytes().endswith(b"t" * 100))
     with diskcache.Cache(str(tmp_path)) as dc:  # a writer died after committing half a value
         dc.set("torn", blob[: len(blob) // 2])
     with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
         with DiskTier(tmp_path, 100_000, FP) as t:
             assert t.keys() == ["old"] and t.get("torn") is None
-            assert t.get("old") == ("full", (1,), b"o" * 100)
+            assert t.get("old") == ("kv", (1,), b"o" * 100)
             recount(t, tmp_path)
     assert any("torn" in m for m in warnings_of(caplog))
 
@@ -320,7 +334,7 @@ def test_process_killed_mid_write_leaves_a_consistent_cache(tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         import orchestrator.disk as disk
         t = disk.DiskTier({str(tmp_path)!r}, 1 << 20, {FP!r})
-        assert t.put("old", [1], "full", b"o" * 1000)
+        assert t.put("old", [1], "kv", b"o" * 1000)
         def dying_write(path, parts):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "xb") as f:
@@ -328,34 +342,34 @@ def test_process_killed_mid_write_leaves_a_consistent_cache(tmp_path):
                 f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         disk._write_parts = dying_write
-        t.put("new", [2], "full", b"n" * 1000)
+        t.put("new", [2], "kv", b"n" * 1000)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     assert len(val_files(tmp_path)) == 2  # the committed one and the half-written one
     with DiskTier(tmp_path, 1 << 20, FP) as t:  # the dead process's lock is gone with it
-        assert t.keys() == ["old"] and t.get("old") == ("full", (1,), b"o" * 1000)
+        assert t.keys() == ["old"] and t.get("old") == ("kv", (1,), b"o" * 1000)
         recount(t, tmp_path)  # the half-written file was swept
 
 
 def test_full_disk_warns_once_returns_false_and_keeps_serving_reads(tmp_path, caplog, monkeypatch):
     with DiskTier(tmp_path, 100_000, FP) as t:
-        t.put("old", [1], "full", b"o" * 100)
+        t.put("old", [1], "kv", b"o" * 100)
 
         monkeypatch.setattr(disk, "_write_parts", write_then_disk_full)
         with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
-            assert t.put("new", [2], "full", b"n" * 100) is False
+            assert t.put("new", [2], "kv", b"n" * 100) is False
             assert t.disabled
-            assert t.put("newer", [3], "full", b"n" * 100) is False
-            assert t.get("old") == ("full", (1,), b"o" * 100)
+            assert t.put("newer", [3], "kv", b"n" * 100) is False
+            assert t.get("old") == ("kv", (1,), b"o" * 100)
         msgs = warnings_of(caplog)
         assert len(msgs) == 1 and "disk full" in msgs[0], msgs
         assert t.keys() == ["old"]
         recount(t, tmp_path)  # the partial file was removed
         monkeypatch.undo()
-        assert t.put("later", [4], "full", b"l") is False  # stays off until reopened
+        assert t.put("later", [4], "kv", b"l") is False  # stays off until reopened
     with DiskTier(tmp_path, 100_000, FP) as t:
-        assert not t.disabled and t.put("later", [4], "full", b"l")
+        assert not t.disabled and t.put("later", [4], "kv", b"l")
 
 
 def test_pickled_values_are_never_loaded(tmp_path):
@@ -366,7 +380,7 @@ def test_pickled_values_are_never_loaded(tmp_path):
             return (os.mkdir, (str(canary),))
 
     with DiskTier(tmp_path / "c", 100_000, FP) as t:
-        t.put("good", [1], "full", b"g")
+        t.put("good", [1], "kv", b"g")
     with diskcache.Cache(str(tmp_path / "c")) as dc:
         dc.set("evil", Boom())
         dc.set("text", "not bytes")
@@ -395,11 +409,11 @@ def test_misuse_raises(tmp_path):
         DiskTier(tmp_path, -1, FP)
     with DiskTier(tmp_path, 1000, FP) as t:
         with pytest.raises(ValueError):
-            t.put("k", [1], "kv", b"")
+            t.put("k", [1], "full", b"")  # format version 1's name
         with pytest.raises(ValueError):
-            t.put("k", [-1], "full", b"")
+            t.put("k", [-1], "kv", b"")
         with pytest.raises(ValueError):
-            t.put("k", [2**32], "full", b"")
+            t.put("k", [2**32], "kv", b"")
         with pytest.raises(TypeError):
-            t.put(3, [1], "full", b"")
+            t.put(3, [1], "kv", b"")
         assert len(t) == 0

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 import orchestrator.disk as disk
-from orchestrator.radix import KV, REC
+from orchestrator.radix import CHECKPOINT, KV
 from orchestrator.runtime import Runtime, state_fingerprint
+from orchestrator.state import HybridState
 
 from .conftest import assert_same_as_cold, write_then_disk_full
 
@@ -40,8 +41,8 @@ def val_files(d: Path) -> list[Path]:
 def assert_disk_consistent(rt: Runtime, d: Path) -> None:
     """Files on disk == what the tier counts, within its budget; the tree matches the tiers."""
     files = val_files(d)
-    assert sum(p.stat().st_size for p in files) == rt.cache.disk.bytes <= rt.cache.disk.budget_bytes
-    assert len(files) == len(rt.cache.disk)
+    assert sum(p.stat().st_size for p in files) == rt.cache.tier("disk").bytes <= rt.cache.tier("disk").budget_bytes
+    assert len(files) == len(rt.cache.tier("disk"))
     rt.cache.check()
 
 
@@ -49,13 +50,13 @@ def _replace_ram_bytes(rt: Runtime, kind: str, corrupt) -> int:
     """Replace the RAM bytes of every entry of `kind` with corrupt(bytes); returns how many."""
     c = rt.cache
     with c._lock:
-        ids = [e for e, m in c._meta.items() if m.kind == kind and e in c._ram]
-        for e in ids:
-            new = corrupt(c._ram[e])
-            c._ram_bytes += len(new) - len(c._ram[e])
-            c._ram[e] = new
-            c._meta[e].nbytes = len(new)
-    return len(ids)
+        hot = [m for m in c._meta.values() if m.kind == kind and m.level == 0]
+        for m in hot:
+            new = corrupt(c.hot.get(m.key).payload)
+            c.hot.delete(m.key)
+            assert c.hot.put(m.key, (), kind, new)
+            m.nbytes = len(new)
+    return len(hot)
 
 
 @pytest.mark.parametrize("corrupt", [lambda b: b[: len(b) // 2], lambda b: bytes([b[0] ^ 0xFF]) + b[1:]],
@@ -66,7 +67,7 @@ def test_llama_cpp_refusing_a_restore_clears_the_sequence_drops_the_entry_and_co
     rt.cache.clear()
     assert_same_as_cold(rt, ask("Is rack 12 overheating?"))
     rt.scheduler.drain()
-    assert _replace_ram_bytes(rt, REC, corrupt) > 0
+    assert _replace_ram_bytes(rt, CHECKPOINT, corrupt) > 0
     dropped = rt.cache.stats().dropped
     with caplog.at_level(logging.WARNING, logger="orchestrator.scheduler"):
         miss = assert_same_as_cold(rt, ask("Is rack 14 overheating?"))
@@ -103,7 +104,7 @@ def test_truncated_and_flipped_snapshot_files_are_misses_after_a_restart(start, 
     assert_disk_consistent(rt, d)
     assert not files[0].exists()  # the truncated file is rejected at open; the others when first read
     read = [p for p in files[1:] if not p.exists()]
-    assert read and len(val_files(d)) == len(rt.cache.disk)
+    assert read and len(val_files(d)) == len(rt.cache.tier("disk"))
 
 
 def test_disk_filling_during_spills_keeps_serving_from_ram(start, tmp_path, monkeypatch, caplog):
@@ -121,7 +122,7 @@ def test_disk_filling_during_spills_keeps_serving_from_ram(start, tmp_path, monk
     rt.scheduler.drain()
     warnings = [r.getMessage() for r in caplog.records if r.name == "orchestrator.disk"]
     assert len(warnings) == 1 and "disk full" in warnings[0]
-    assert rt.cache.disk.disabled and rt.cache.stats().ram_bytes <= 4 << 20
+    assert rt.cache.tier("disk").disabled and rt.cache.stats().ram_bytes <= 4 << 20
     assert_disk_consistent(rt, d)  # the half-written file was removed
     assert_same_as_cold(rt, ask("Fifth."))
     hit = assert_same_as_cold(rt, ask("Fifth."))
@@ -199,7 +200,7 @@ def test_model_file_replaced_in_place_between_runs_empties_the_disk_tier(start, 
 def test_fingerprint_sees_a_change_in_the_middle_of_the_file_even_with_the_old_mtime(tmp_path, tiny_model):
     model = tmp_path / "model.gguf"
     shutil.copy(tiny_model, model)
-    eng = types.SimpleNamespace(n_ctx=1024, n_seq_max=1, flash_attn=False, split_layout=True)
+    eng = types.SimpleNamespace(n_ctx=1024, n_seq_max=1, flash_attn=False, state=HybridState(split_layout=True))
     st = model.stat()
     before = state_fingerprint(model, eng)
     assert state_fingerprint(model, eng) == before
@@ -224,19 +225,19 @@ def test_a_disk_entry_whose_key_does_not_match_its_content_is_dropped(start, tmp
     assert_same_as_cold(rt, ask("Which disks failed?"))
     assert_same_as_cold(rt, [{"role": "user", "content": "Unrelated, to push the rest to disk. " * 8}])
     rt.scheduler.drain()
-    on_disk = [(k, t) for k, tier, t in rt.cache.entries() if tier == "disk" and k == REC]
+    on_disk = [(k, t) for k, tier, t in rt.cache.entries() if tier == "disk" and k == CHECKPOINT]
     assert len(on_disk) >= 2
-    tier = rt.cache.disk
+    tier = rt.cache.tier("disk")
     (_, short), (_, long_) = sorted(on_disk, key=lambda e: len(e[1]))[:2]
     key_short = next(m.key for e, m in rt.cache._meta.items() if rt.cache._tree_of(e).tokens_of(e) == short
-                     and m.kind == REC)
+                     and m.kind == CHECKPOINT)
     key_long = next(m.key for e, m in rt.cache._meta.items() if rt.cache._tree_of(e).tokens_of(e) == long_
-                    and m.kind == REC)
+                    and m.kind == CHECKPOINT)
     kind, tokens, payload = tier.get(key_long)
     tier.put(key_short, tokens, kind, payload)  # the long prefix's snapshot under the short prefix's key
     rt.close()
     rt = start(**kw)
-    assert key_short not in rt.cache.disk  # refused at the index rebuild
+    assert key_short not in rt.cache.tier("disk")  # refused at the index rebuild
     t = assert_same_as_cold(rt, ask("Which disks failed?"))
     assert t.result.cached_tokens != len(short)
     assert_disk_consistent(rt, d)

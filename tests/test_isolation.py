@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 from orchestrator.cache import SnapshotCache, disk_key, salt_id
 from orchestrator.disk import DiskTier
-from orchestrator.radix import KV, REC
+from orchestrator.radix import CHECKPOINT, KV
 from orchestrator.runtime import Runtime
+from orchestrator.tiers import RamTier
 
 from .conftest import assert_same_as_cold, make_config
 
@@ -18,16 +17,8 @@ def ask(text: str) -> list[dict]:
     return [SYSTEM, {"role": "user", "content": text}]
 
 
-@pytest.fixture()
-def fresh(runtime):
-    runtime.cache.clear()
-    runtime.scheduler.drain()
-    yield runtime
-    runtime.cache.check()
-
-
-def test_salts_never_share_snapshots_and_the_same_salt_does(fresh):
-    rt = fresh
+def test_salts_never_share_snapshots_and_the_same_salt_does(fresh_cache):
+    rt = fresh_cache
     a1 = assert_same_as_cold(rt, ask("Do you repair brakes?"), cache_salt="tenant-a")
     assert a1.result.cached_tokens == 0
     # Same prompt, another salt: straight after tenant a, so the live sequence holds a's prefix too.
@@ -71,8 +62,9 @@ def test_salted_entries_keep_their_salt_on_disk_and_across_restarts(tiny_model, 
         assert rt.cache.stats().spills > 0
         # RAM is not written out at close: a's entries, its KV included, must have spilled to disk
         assert {(kind, tier) for kind, tier, _ in rt.cache.entries()} >= {(KV, "disk")}
-        keys = rt.cache.disk.keys()
-        assert any(k.startswith("s" + salt_id("a")) for k in keys) and any(k.startswith("s" + salt_id("b")) for k in keys)
+        keys = rt.cache.tier("disk").keys()
+        assert any(k.startswith("s" + salt_id("a")) for k in keys)
+        assert any(k.startswith("s" + salt_id("b")) for k in keys)
         assert not any("a" == k or "tenant" in k for k in keys)  # the salt itself is never written
     finally:
         rt.close()
@@ -91,17 +83,20 @@ def test_salted_entries_keep_their_salt_on_disk_and_across_restarts(tiny_model, 
 def test_cache_level_salts_are_separate_trees_with_a_shared_budget(tmp_path):
     fp = bytes(32)
     with DiskTier(tmp_path, 1 << 20, fp) as disk:
-        c = SnapshotCache(250, disk)
+        c = SnapshotCache([RamTier(250), disk])
         toks = [1, 2, 3, 4]
-        assert c.put(toks, REC, b"r" * 100, salt="a") and c.put(toks, KV, b"k" * 100, salt="a")
-        assert c.contains(toks, REC, salt="a") and not c.contains(toks, REC, salt="b") and not c.contains(toks, REC)
+        assert c.put(toks, CHECKPOINT, b"r" * 100, salt="a") and c.put(toks, KV, b"k" * 100, salt="a")
+        assert c.contains(toks, CHECKPOINT, salt="a")
+        assert not c.contains(toks, CHECKPOINT, salt="b") and not c.contains(toks, CHECKPOINT)
         assert c.plan(toks + [5, 6], 6, salt="a").n_tokens == 4
         assert c.plan(toks + [5, 6], 6, salt="b").n_tokens == 0
         assert c.plan(toks + [5, 6], 6, toks).n_tokens == 0  # live KV is no help without a checkpoint of one's own
-        assert c.put(toks, REC, b"R" * 100, salt="b")  # the budget is shared: this spills the oldest entry
+        assert c.put(toks, CHECKPOINT, b"R" * 100, salt="b")  # the budget is shared: this spills the oldest entry
         assert c.stats().spills == 1 and c.stats().ram_bytes <= 250
         c.check()
-        assert disk_key(REC, toks, salt_id("a")) != disk_key(REC, toks, salt_id("b")) != disk_key(REC, toks)
+        keys = [disk_key(CHECKPOINT, toks, salt_id("a")), disk_key(CHECKPOINT, toks, salt_id("b")),
+                disk_key(CHECKPOINT, toks)]
+        assert len(set(keys)) == 3
         c.clear()
         assert c.salts() == {} and c.plan(toks + [5, 6], 6, salt="a").n_tokens == 0
         c.check()

@@ -12,7 +12,8 @@ import pytest
 from orchestrator.engine import SamplingParams
 from orchestrator.radix import KV
 from orchestrator.runtime import Runtime
-from orchestrator.scheduler import Job
+from orchestrator.request import Job
+from orchestrator.state import KVState
 from orchestrator.synth import ensure_model
 
 from .conftest import make_config
@@ -50,7 +51,7 @@ def same_as_cold(rt: Runtime, tokens, boundaries=()):
 
 def test_pure_attention_model_restores_any_prefix_without_checkpoints(attn_rt):
     rt = attn_rt
-    assert rt.engine.truncatable and rt.cache.truncatable
+    assert rt.engine.state.entry_kinds == {KV} and rt.cache.state is rt.engine.state
     base = rt.engine.tokenize("Release notes for version 2.4: the scheduler now batches decode steps, " * 6)
     a = base + rt.engine.tokenize(" and the disk tier checks every snapshot.")
     b = base + rt.engine.tokenize(" while the radix tree keeps branch ends only.")
@@ -77,7 +78,7 @@ def test_pure_attention_chat_through_the_template(attn_rt):
 
 def test_gemma3_sliding_window_model_serves_real_text_and_caches(gemma_rt):
     rt = gemma_rt
-    assert rt.engine.truncatable  # full-size window cache: KV only, any prefix
+    assert isinstance(rt.engine.state, KVState) and rt.engine.state.swa_full  # full-size window cache: KV only
     text = ("The printing press was invented by Johannes Gutenberg around 1440 in Mainz. It allowed books to be "
             "produced quickly and cheaply, and it spread literacy across Europe. ") * 18
     base = rt.engine.tokenize(text, add_special=True)

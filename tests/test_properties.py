@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from orchestrator.cache import SnapshotCache
 from orchestrator.disk import DiskTier
-from orchestrator.radix import KV, REC, common_len
+from orchestrator.radix import CHECKPOINT, KV, common_len
+from orchestrator.tiers import RamTier
 
 from .conftest import run_chat
 
@@ -137,24 +138,24 @@ ops = st.lists(st.tuples(
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_cache_plans_are_the_deepest_restorable_prefix_of_their_own_salt(operations):
-    cache = SnapshotCache(1 << 30)  # no eviction: the model below is exact
+    cache = SnapshotCache([RamTier(1 << 30)])  # no eviction: the model below is exact
     model: dict[str, dict[str, set[tuple[int, ...]]]] = {}
     for op, salt, tokens in operations:
-        entries = model.setdefault(salt, {REC: set(), KV: set()})
+        entries = model.setdefault(salt, {CHECKPOINT: set(), KV: set()})
         if op == "put_rec":
-            assert cache.put(tokens, REC, b"r" * len(tokens), salt=salt)
-            entries[REC].add(tuple(tokens))
+            assert cache.put(tokens, CHECKPOINT, b"r" * len(tokens), salt=salt)
+            entries[CHECKPOINT].add(tuple(tokens))
         elif op == "put_kv":
             assert cache.put(tokens, KV, b"k" * len(tokens), salt=salt)
             # Storing KV may drop KV it supersedes (SnapshotCache._drop_superseded): read back what is left.
-            entries[KV] = {k for kind, _tier, k in _entries_of(cache, salt) if kind == KV}
-            entries[REC] = {k for kind, _tier, k in _entries_of(cache, salt) if kind == REC}
+            entries[KV] = {k for kind, _tier, k in cache.entries(salt=salt) if kind == KV}
+            entries[CHECKPOINT] = {k for kind, _tier, k in cache.entries(salt=salt) if kind == CHECKPOINT}
         else:
             plan = cache.plan(tokens, len(tokens), salt=salt)
             best = 0
             for p in range(len(tokens), 0, -1):
                 prefix = tuple(tokens[:p])
-                if prefix in entries[REC] and any(k[:p] == prefix for k in entries[KV]):
+                if prefix in entries[CHECKPOINT] and any(k[:p] == prefix for k in entries[KV]):
                     best = p
                     break
             assert plan.n_tokens == best
@@ -165,11 +166,6 @@ def test_cache_plans_are_the_deepest_restorable_prefix_of_their_own_salt(operati
         cache.check()
 
 
-def _entries_of(cache: SnapshotCache, salt: str):
-    from orchestrator.cache import salt_id
-    sid = salt_id(salt)
-    with cache._lock:
-        return [(m.kind, m.tier, cache._tree_of(e).tokens_of(e)) for e, m in cache._meta.items() if m.salt == sid]
 
 
 @settings(max_examples=40, deadline=None)
@@ -178,7 +174,7 @@ def test_cache_under_a_small_budget_stays_consistent_and_never_crosses_salts(ope
     """With a RAM budget and a disk tier that both evict (a disk file is 59 + 5 bytes per token here), the index
     stays what the tiers hold (`check`), within budget, and bytes read back are the salt's own."""
     with tempfile.TemporaryDirectory() as d, DiskTier(d, disk_budget, b"f" * 32) as disk:
-        cache = SnapshotCache(budget, disk=disk)
+        cache = SnapshotCache([RamTier(budget), disk])
         for op, salt, tokens in operations:
             if op == "plan":
                 plan = cache.plan(tokens, len(tokens), salt=salt)
@@ -187,7 +183,7 @@ def test_cache_under_a_small_budget_stays_consistent_and_never_crosses_salts(ope
                     if got is not None:
                         assert got[1] == (salt.encode() or b"-") * plan.n_tokens
             else:
-                kind = REC if op == "put_rec" else KV
+                kind = CHECKPOINT if op == "put_rec" else KV
                 cache.put(tokens, kind, (salt.encode() or b"-") * len(tokens), salt=salt)  # salt-marked bytes
             s = cache.stats()
             assert s.ram_bytes <= budget and s.disk_bytes <= disk_budget

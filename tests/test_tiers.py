@@ -7,7 +7,7 @@ import random
 import shutil
 
 
-from orchestrator.radix import KV, REC
+from orchestrator.radix import CHECKPOINT, KV
 
 from .conftest import assert_same_as_cold, run_chat
 
@@ -76,7 +76,7 @@ def test_two_conversations_alternate_under_a_six_snapshot_budget_and_keep_the_sh
                 assert t.result.cached_tokens == t.boundaries.message_ends[-3]
             elif name == "b":
                 assert t.result.cached_tokens == shared_end
-            assert (REC, "ram", tuple(t.tokens[:shared_end])) in rt.cache.entries()
+            assert (CHECKPOINT, "ram", tuple(t.tokens[:shared_end])) in rt.cache.entries()
             rt.cache.check()
     assert n > 1500 and rt.cache.stats().evictions > 0
 
@@ -148,4 +148,4 @@ def test_interval_checkpoints_serve_a_divergence_inside_a_long_message(start):
     shared = next(i for i, (x, y) in enumerate(zip(hit.tokens, rt.prompts.chat(a, None, {}).tokens)) if x != y)
     assert shared > 1000 and hit.result.cached_tokens == (shared // 256) * 256
     kinds = {k for k, _tier, _t in rt.cache.entries()}
-    assert kinds == {REC, KV}
+    assert kinds == {CHECKPOINT, KV}

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from orchestrator.engine import SamplingParams
-from orchestrator.scheduler import Job
+from orchestrator.request import Job
 from server.schemas import parse_chat
 
 from .conftest import LiveServer

@@ -1,0 +1,196 @@
+"""Calibration: what the runtime measures on the served model and this CPU at start, and passes to the engine.
+
+    min_segment      the fewest tokens a prefill ubatch may have for its result to be bit-identical to the same
+                     tokens inside a larger ubatch (the rule of reuse.py rests on it)
+    batch_invariant  whether one decode step batched over sequences equals decoding each alone
+    state_sizes      recurrent bytes per sequence and KV bytes per token (logged: memory per slot)
+
+Each probe uses and clears the sequences it needs; they run before the scheduler starts. min_segment is kept in a
+small JSON file (`CalibrationFile`) so that a restart does not measure again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import llama_cpp
+import numpy as np
+
+from .engine import Engine
+from .errors import EngineError
+
+log = logging.getLogger("orchestrator.calibration")
+
+
+def measure_min_segment(engine: Engine, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24)) -> int:
+    """The fewest tokens a prefill ubatch may have for its result to be bit-identical to the same tokens inside one
+    larger ubatch: the smallest tested size above every size that differed.
+
+    Prefills a 56-token prompt whole, then split into a short segment at its start or its end for each size, and
+    compares the last logits. Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): 2 for the F16 tiny preset;
+    8 for Q4_K_M models (tiny-q4, the 0.8b: max |Δlogit| 0.23 with 2..7 tokens; Gemma 3 270M: 1.2), where
+    ggml-cpu takes other matmul kernels for fewer than 8 rows. The thresholds differ by CPU (llamafile sgemm:
+    n < 2, 4 or 8 depending on the ISA), hence a measurement at start. Uses and clears sequence 0; raises
+    EngineError if even the largest size differs.
+    """
+    n = min(2 * max(sizes) + 8, engine.n_batch)  # the reference must be one ubatch
+    sizes = [m for m in sizes if 2 * m + 8 <= n] or [2]
+    tokens = [1000 + (37 * i) % 5000 for i in range(n)]
+    try:
+        engine.clear(0)
+        engine.decode(0, tokens, 0)
+        ref = engine.logits()
+        worst = 0
+        for m in sizes:
+            for cut in (m, n - m):
+                engine.clear(0)
+                engine.decode(0, tokens[:cut], 0, want_logits=False)
+                engine.decode(0, tokens[cut:], cut)
+                if not np.array_equal(engine.logits(), ref):
+                    worst = max(worst, m)
+        above = [m for m in sizes if m > worst]
+        if not above:
+            raise EngineError(f"prefill splits into segments of up to {max(sizes)} tokens change the logits on "
+                              f"this model and CPU; prefix reuse cannot be exact here (run with --no-cache)")
+        return min(above)
+    finally:
+        engine.clear(0)
+
+
+def check_batch_invariance(engine: Engine) -> bool:
+    """Whether a decode step batched over sequences gives, for each sequence, bit-identical logits to the same
+    token decoded alone, at every batch width from 2 to n_seq_max. Clears the sequences it uses.
+
+    Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): true up to 7 rows for the K-quant synthetic models
+    (per-row dot products whatever the width), false from 8 rows (the kernels that make prefill fast: max
+    |Δlogit| 0.14 on the 0.8b), and false at any width for the F16 tiny preset (another matmul path for more than
+    one row: 8e-4). So it is measured on the served model, for the configured number of slots.
+    """
+    k = engine.n_seq_max
+    if k < 2:
+        return False
+    prompts = [[1000 + 7 * s + i for i in range(4)] for s in range(k)]
+    nxt = [2000 + s for s in range(k)]
+    try:
+        alone = []
+        for s in range(k):
+            engine.clear(s)
+            engine.decode(s, prompts[s], 0, want_logits=False)
+            engine.decode(s, [nxt[s]], len(prompts[s]))
+            alone.append(engine.logits())
+            engine.clear(s)
+        for width in range(2, k + 1):
+            for s in range(width):
+                engine.decode(s, prompts[s], 0, want_logits=False)
+            engine.decode_step([(s, nxt[s], len(prompts[s])) for s in range(width)])
+            same = all(np.array_equal(engine.logits(i), alone[i]) for i in range(width))
+            for s in range(width):
+                engine.clear(s)
+            if not same:
+                return False
+        return True
+    finally:
+        for s in range(k):
+            engine.clear(s)
+
+
+def state_sizes(engine: Engine) -> tuple[int, int]:
+    """(recurrent state bytes per sequence, KV bytes per token) as llama.cpp serialises them (at 2 and 4 tokens).
+    Memory per slot is about recurrent + n_ctx * kv_per_token. Uses and clears sequence 0."""
+    tok = max(engine.bos_id, 0)
+    try:
+        engine.decode(0, [tok] * 2, 0, want_logits=False)
+        two = engine.state_size(0)
+        recurrent = engine.state.checkpoint_bytes(engine, 0)
+        engine.decode(0, [tok] * 2, 2, want_logits=False)
+        four = engine.state_size(0)
+        return recurrent, (four - two) // 2
+    finally:
+        engine.clear(0)
+
+
+class CalibrationFile:
+    """The measured min_segment of a model on this machine, kept in a small JSON file so that a restart does not
+    measure again. Keyed by the model file (`model_file_digest`), the llama-cpp-python version, the CPU's
+    instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), n_batch and weight
+    repacking. No file (None) or an unreadable one: measure every time."""
+
+    def __init__(self, file: Path | None, file_digest: bytes, n_batch: int, extra_bufts: bool) -> None:
+        self.file = file
+        h = hashlib.blake2b(digest_size=16)
+        h.update(file_digest)
+        cpu = ""
+        try:
+            cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                        if ln.startswith(("flags", "Features"))), "")
+        except OSError:
+            self.file = None  # no way to tell this CPU from another: do not trust a stored value
+        for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts):
+            h.update(repr(part).encode())
+        self.key = h.hexdigest()
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.file.read_text()) if self.file and self.file.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+
+    def get(self) -> int | None:
+        value = self._read().get(self.key)
+        return value if isinstance(value, int) and value >= 2 else None
+
+    def put(self, min_segment: int) -> None:
+        if self.file is None:
+            return
+        data = self._read()
+        data[self.key] = min_segment
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(self.file)
+        except OSError as e:
+            log.warning("could not save the calibration to %s: %s", self.file, e)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    min_segment: int
+    batch_invariant: bool
+
+
+def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "auto") -> Calibration:
+    """Measure (or read back) the facts above, pass them to the engine (`Engine.calibrate`) and return them.
+    Batch invariance is measured only where it matters: more than one sequence, and decode batching not off."""
+    min_segment = file.get()
+    if min_segment is None:
+        min_segment = measure_min_segment(engine)
+        file.put(min_segment)
+    engine.calibrate(min_segment)
+    invariant = engine.n_seq_max >= 2 and decode_batching != "off" and check_batch_invariance(engine)
+    engine.calibrate(min_segment, invariant)
+    return Calibration(min_segment, invariant)
+
+
+def decode_batching(calibration: Calibration, n_seq_max: int, mode: str) -> bool:
+    """Whether the slots' decode steps share one llama_decode call. "auto": only when measured bit-identical to
+    decoding alone; "on" trades that for throughput; "off" never."""
+    if n_seq_max < 2 or mode == "off":
+        return False
+    if mode == "on":
+        if not calibration.batch_invariant:
+            log.warning("--decode-batching on: batched decoding is NOT bit-identical to decoding alone on this "
+                        "model; outputs may depend on concurrent requests")
+        return True
+    if calibration.batch_invariant:
+        log.info("decode steps of all slots are batched (measured bit-identical to decoding alone)")
+    else:
+        log.warning("batched decoding is not bit-identical to decoding alone on this model (weight types); slots "
+                    "decode one at a time. --decode-batching on trades exactness for throughput")
+    return calibration.batch_invariant

@@ -1,0 +1,268 @@
+"""The rules of reuse, in one place: what a request restores (match, restore), where its prefill stops to store
+what (store), and the state kept after generation. vLLM keeps these behind its KVCacheManager
+(get_computed_blocks, cache_blocks), SGLang behind match_prefix / cache_unfinished_req / cache_finished_req.
+
+The scheduler calls, per request:
+
+    reuse.must_wait(task, earlier)   # admission order: wait for a snapshot an earlier request is about to store
+    reuse.pick_slot(task, free)      # which free sequence serves it
+    reuse.admit(task, slot)          # restore the deepest reusable prefix; plan the snapshot positions
+    reuse.prefilled(task, end)       # after each prefill chunk: the live KV, and a checkpoint at a position
+    reuse.after_generation(task)     # after the result: rewind and choose what to re-prefill and store, or not
+    reuse.store_finished(task)       # at the end of that re-prefill: store its KV and checkpoint
+
+Why every stored state is exact (cached runs equal cold runs bit for bit): with the engine's settings (flash
+attention off; "Numerics" in engine.py) any split of a prefill into ubatches of at least `min_segment` tokens
+(measured at start, calibration.py) gives bit-identical states and logits, but shorter ubatches, and a token
+computed alone (as in decoding), do not. Hence one rule, written once (`max_hit`):
+
+    last restorable position of an n-token prompt = n - min_segment
+
+(vLLM's max_cache_hit_length, which is n - 1 there). Every request stores a checkpoint exactly there, its
+*repeat point*, so a byte-identical repeat prefills only min_segment tokens; snapshot positions closer than
+min_segment to the previous one are skipped; and the state after generation is not the decode state but a
+re-prefill, from the deepest state at most `max_hit` deep, of the rest of the prompt and the generated tokens
+as one batch.
+
+What is stored where (hybrid models; a KV-only model stores only the KV where a branch ends, state.py):
+
+    prompt  ──────────┬───────────────┬─────────────────────────┬──────────┬ n
+                      tools end       system end   (interval)   repeat point = n - min_segment
+    stored:           checkpoint      checkpoint   checkpoint   checkpoint
+    after generation: prompt + generated (+ end-of-turn) tokens ──▶ checkpoint and KV at their end
+                      (or at the prompt's end when that cannot be an exact prefill; see after_generation)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable, Sequence
+
+from .cache import RestorePlan, SnapshotCache
+from .engine import Engine
+from .errors import EngineError
+from .radix import CHECKPOINT, KV, EntryKind, common_len
+from .request import Job, Phase, Slot, Task
+
+log = logging.getLogger("orchestrator.reuse")
+
+
+class Reuse:
+    """Match, restore and store for the sequences `slots` of `engine`, over `cache`.
+
+    checkpoint_interval: tokens between interval checkpoints inside long stretches between boundaries (0: off).
+    """
+
+    def __init__(self, engine: Engine, cache: SnapshotCache, slots: Sequence[Slot], checkpoint_interval: int = 0):
+        self.engine, self.cache, self.slots = engine, cache, slots
+        self.state = engine.state
+        self.min_segment = engine.min_segment  # fewest tokens per exact prefill ubatch (calibration.py)
+        self.checkpoint_interval = checkpoint_interval
+
+    # ------------------------------------------------------------------ the rule
+
+    def max_hit(self, n_tokens: int) -> int:
+        """The last restorable position of an n-token prompt: at least min_segment tokens are always prefilled
+        (the module docstring)."""
+        return n_tokens - self.min_segment
+
+    def stores(self, job: Job) -> bool:
+        """Whether a job stores snapshots: a cache run whose prompt is not itself a too-short ubatch."""
+        return job.use_cache and len(job.prompt_tokens) >= self.min_segment
+
+    def snapshot_positions(self, job: Job, start: int = 0) -> list[int]:
+        """Where the prefill of `job` from position `start` stops, ascending: the template boundaries, a
+        checkpoint every `checkpoint_interval` tokens inside any longer stretch between two of them (a long tool
+        output or document), and the repeat point, less those the state kind does not store and those closer
+        than min_segment to the previous stop or beyond `max_hit`. A cold run stops at the same places (the
+        repeat point apart) without storing anything.
+
+        Interval positions count from the boundary before them, so two prompts that share that boundary and
+        diverge inside the long message share their interval checkpoints too.
+        """
+        n = len(job.prompt_tokens)
+        bounds = sorted(b for b in set(job.boundaries) if 0 < b < n)
+        candidates = set(bounds)
+        if self.checkpoint_interval:
+            for lo, hi in zip([0] + bounds, bounds + [n]):
+                candidates.update(range(lo + self.checkpoint_interval, hi, self.checkpoint_interval))
+        if self.stores(job):
+            # The repeat point: the last position an identical request can restore. Taken instead of a
+            # checkpoint at the very end, which nothing could restore.
+            candidates.add(self.max_hit(n))
+        kept, pos = [], start
+        for b in self.state.snapshot_positions(sorted(candidates)):
+            if b - pos >= self.min_segment and b <= self.max_hit(n):
+                kept.append(b)
+                pos = b
+        return kept
+
+    # ------------------------------------------------------------------ match
+
+    def plans(self, tokens: list[int], salt: str) -> list[RestorePlan]:
+        """The restore plan of `tokens` under `salt` with each slot's live KV (stored entries are the same for
+        all; a slot holding another salt's state offers none)."""
+        limit = self.max_hit(len(tokens))
+        return [self.cache.plan(tokens, limit, s.live if s.salt == salt else (), salt=salt) for s in self.slots]
+
+    def pick_slot(self, task: Task, free: Sequence[Slot]) -> Slot:
+        """The free slot whose own live KV restores the deepest prefix (no copy), else, by preference, the last
+        slot of the same prompt_cache_key, an empty slot, the least recently used."""
+        depth = ([p.n_tokens for p in self.plans(task.tokens, task.job.cache_salt)] if task.job.use_cache
+                 else [0] * len(self.slots))
+        best = max(depth)
+
+        def score(s: Slot):
+            key = bool(task.job.prompt_cache_key) and s.key == task.job.prompt_cache_key
+            return (best > 0 and depth[s.seq] == best, key, not s.live, -s.last_used)
+
+        return max(free, key=score)
+
+    def must_wait(self, task: Task, earlier: Iterable[Task]) -> bool:
+        """Sequential semantics: whether `task` should wait for a snapshot deeper than anything stored now that
+        an earlier request (in a slot or queued) of the same salt is about to store, instead of prefilling the
+        shared prefix a second time. So concurrent requests report the cached_tokens a sequential run
+        reports, and a fleet of agents sharing a tools block prefills it once."""
+        if not task.job.use_cache:
+            return False
+        avail = max(p.n_tokens for p in self.plans(task.tokens, task.job.cache_salt))
+        upto = self.max_hit(task.n)
+        if upto <= avail:
+            return False
+        for other in earlier:
+            if other.order >= task.order or not other.job.use_cache or other.job.cache_salt != task.job.cache_salt:
+                continue
+            shared = min(common_len(other.tokens, task.tokens), upto)
+            if shared <= avail:
+                continue
+            if shared == other.n:
+                return True  # it extends the other's whole prompt: wait for its after-generation state too
+            if other.phase in (Phase.QUEUED, Phase.PREFILL):
+                ahead = other.positions if other.phase == Phase.PREFILL else self.snapshot_positions(other.job)
+                if any(avail < p <= shared for p in ahead):
+                    return True
+        return False
+
+    # ------------------------------------------------------------------ restore
+
+    def admit(self, task: Task, slot: Slot) -> None:
+        """Bring the slot's sequence to the deepest reusable prefix of the task's prompt (what is reported as
+        cached is what was restored) and plan the task's snapshot positions from there."""
+        start, task.source = self._restore(slot, task.tokens, task.job.use_cache, task.job.cache_salt)
+        slot.salt = task.job.cache_salt
+        task.cached = task.pos = start
+        task.store = self.stores(task.job)
+        task.positions = self.snapshot_positions(task.job, start)
+
+    def _restore(self, slot: Slot, tokens: list[int], use_cache: bool, salt: str) -> tuple[int, str]:
+        """Restore and return (n_tokens, tier). The KV may come from a stored entry, the slot's own sequence, or
+        another slot's sequence (busy or not: its state is saved and its KV part loaded here, bytes llama.cpp
+        itself wrote, so the copy is exact)."""
+        if use_cache:
+            for _attempt in range(3):  # a part that vanished (evicted, corrupt on disk) is dropped: plan again
+                plans = self.plans(tokens, salt)
+                src = max(self.slots, key=lambda s: (plans[s.seq].n_tokens, s is slot))
+                plan = plans[src.seq]
+                if plan.n_tokens == 0:
+                    break
+                parts = self.cache.load(plan)
+                if parts is None:
+                    continue
+                kv, checkpoint = parts
+                try:
+                    if kv is None and src is not slot:  # the KV is live in another slot: copy it as bytes
+                        kv = self.state.save(self.engine, src.seq, (KV,))[KV]
+                    self.state.restore(self.engine, slot.seq, plan.n_tokens, kv, checkpoint)
+                except EngineError:  # the sequence is cleared: drop what failed and plan again
+                    log.warning("llama.cpp refused a snapshot restore; its entries are dropped", exc_info=True)
+                    self.reset(slot)
+                    self.cache.discard(plan)
+                    continue
+                slot.live = tokens[: plan.n_tokens]
+                return plan.n_tokens, plan.tier
+        self.reset(slot)
+        return 0, "none"
+
+    def reset(self, slot: Slot) -> None:
+        """Clear the slot's sequence: it offers nothing to reuse."""
+        self.engine.clear(slot.seq)
+        slot.live = []
+
+    # ------------------------------------------------------------------ store
+
+    def prefilled(self, task: Task, end: int) -> None:
+        """The slot's sequence now holds task.work[:end], computed by prefill: its KV is a reusable source
+        (unless the whole work is a too-short ubatch), and at a snapshot position a checkpoint is stored."""
+        task.slot.live = task.work[:end] if len(task.work) >= self.min_segment else []
+        task.pos = end
+        if task.positions and end == task.positions[0]:
+            task.positions.pop(0)
+            if task.store:  # the repeat point too counts as a boundary: it keeps its branch's KV, as a
+                # user-message end did when restores could leave 2 tokens to prefill
+                task.saved += self._store(task, task.work[:end], (CHECKPOINT,), boundary=True)
+
+    def after_generation(self, task: Task) -> bool:
+        """After the result is delivered: choose the state to store, rewind the sequence to re-prefill it
+        exactly, and set task.work and task.pos for that (True); or nothing to do (False).
+
+        The state after the generated tokens (and the end-of-turn token): what the conversation's next request
+        extends. Instead the state where the prompt ends, when the generated text is not what the next request
+        will send (cancelled, or cut by a stop string), when it would not fit the context, when it is stored
+        already, or when too few tokens were generated for an exact prefill from the rewind point. Nothing when
+        that is stored already, or when the sequence cannot be rewound.
+        """
+        if not task.store:
+            return False
+        salt = task.job.cache_salt
+        full = task.tokens + task.generated()
+        try:
+            if (task.cancel.is_set() or task.stream.stopped or len(full) > self.engine.n_ctx
+                    or self.cache.contains(full, KV, salt=salt)):
+                work = task.tokens
+                if self.cache.contains(work, KV, salt=salt):
+                    return False
+            else:
+                work = full
+            start = self._rewind(task)
+            if not start:
+                return False
+            if 0 < len(work) - start < self.min_segment:  # too few generated tokens for an exact prefill
+                work = task.tokens
+        except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
+            log.warning("after-generation snapshot failed", exc_info=True)
+            self.reset(task.slot)
+            return False
+        task.work, task.pos, task.positions = work, start, []
+        return True
+
+    def _rewind(self, task: Task) -> int:
+        """Drop the decoded tokens: back to a state the re-prefill can go on from exactly, and return its
+        position (0: none): the deepest position the state kind can rewind to (the prompt's end on a KV-only
+        model, the repeat point as a rule on a hybrid one) with the live KV."""
+        prompt = task.tokens
+        limit = self.state.rewind_limit(len(prompt), self.min_segment)
+        plan = self.cache.plan(prompt, limit, prompt, salt=task.job.cache_salt)
+        parts = self.cache.load(plan) if plan.n_tokens else None
+        if parts is None or parts[0] is not None:
+            return 0
+        self.state.restore(self.engine, task.slot.seq, plan.n_tokens, None, parts[1])
+        task.slot.live = prompt[:plan.n_tokens]
+        return plan.n_tokens
+
+    def store_finished(self, task: Task) -> None:
+        """The re-prefill after generation reached its end: store its KV and checkpoint (the branch end)."""
+        self._store(task, task.work, (KV, CHECKPOINT), boundary=False)
+
+    def _store(self, task: Task, tokens: list[int], kinds: tuple[EntryKind, ...], boundary: bool) -> int:
+        """Save the entries of `kinds` (those the state kind has) missing for `tokens` from the slot's current
+        state (one full save gives both KV and checkpoint); returns how many were stored."""
+        salt = task.job.cache_salt
+        missing = [k for k in kinds if k in self.state.entry_kinds and not self.cache.contains(tokens, k, salt=salt)]
+        if not missing:
+            return 0
+        start = time.perf_counter()
+        data = self.state.save(self.engine, task.slot.seq, missing)
+        stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=salt) for k in missing)
+        task.snapshot_s += time.perf_counter() - start
+        return stored

@@ -1,0 +1,259 @@
+"""What a model's sequence state is made of, and every rule of reuse that follows from it: one object per model.
+
+llama.cpp answers what the memory of a model is (`llama_model_is_recurrent`, `llama_model_is_hybrid`,
+`llama_model_n_swa`); `state_kind()` turns the answers into one of these classes, once, when the engine loads the
+model. Nothing else in the server branches on the kind of model: the cache asks its state kind how deep a stored
+entry restores and what a new entry supersedes, the engine asks it how to configure the context, and the reuse
+rules ask it where to stop a prefill, how to save, restore and rewind a sequence.
+
+    kind        models                                  entry kinds          a restore of position p needs
+    KVState     attention only; sliding window served   KV                   a KV entry (or the live KV) that
+                with a full-size window cache                                covers p: truncated to p
+    HybridState recurrent layers, with attention (Qwen3.5) KV, CHECKPOINT    a checkpoint at exactly p, and KV
+                or without (an empty KV part)                                covering p: load KV, load the
+                                                                             checkpoint, truncate the KV to p
+
+A new model family with another state layout (say, a sliding-window model served with a window-sized cache,
+or a layout llama.cpp cannot split) is one more subclass here and one more line in `state_kind()`.
+
+The engine side goes through `StateIO`, a handful of byte-level primitives of the engine (llama.cpp's
+llama_state_seq_* and llama_memory_seq_rm), so this module never imports llama.cpp and runs on a fake engine
+in the unit tests. It knows one fact of llama.cpp's byte layout, measured on the running build (`probe`): a full
+sequence state is an 8-byte header, the attention part, then the recurrent part, and a PARTIAL_ONLY state is the
+same header and the same recurrent part (llama_memory_hybrid::state_write).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Collection, Iterable, Protocol, Sequence
+
+from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
+
+HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and PARTIAL_ONLY states
+
+
+class StateIO(Protocol):
+    """The engine's byte-level state primitives (`Engine`, and the unit tests' fake engine)."""
+
+    def save_state(self, seq: int, partial: bool = False) -> bytes:
+        """The state of `seq` (partial: the recurrent part only, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)."""
+
+    def load_state(self, seq: int, data: bytes, partial: bool = False, clear: bool = True) -> None:
+        """Load a saved state into `seq` (clear it first if `clear`). Raises EngineError (sequence cleared)."""
+
+    def state_size(self, seq: int, partial: bool = False) -> int:
+        """Bytes `save_state` would write now."""
+
+    def truncate(self, seq: int, n_tokens: int) -> None:
+        """Keep the first `n_tokens` of `seq` (llama_memory_seq_rm(seq, n, -1)); raises EngineError (sequence
+        cleared) when the memory cannot be cut there."""
+
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None: ...
+
+    def clear(self, seq: int) -> None: ...
+
+
+class StateKind(ABC):
+    """The rules of one state layout. Stateless apart from what `probe` measures; shared by engine and cache."""
+
+    name: str
+    entry_kinds: frozenset[EntryKind]  # the kinds of entries this state is stored as
+    swa_full: bool = False  # llama.cpp context setting this state needs (a full-size sliding-window cache)
+
+    def probe(self, io: StateIO, token: int) -> None:  # noqa: B027 - most kinds have nothing to measure
+        """Measure what depends on the llama.cpp build (at engine start; uses and clears sequence 0)."""
+
+    @property
+    def layout(self) -> str:
+        """A name for the byte layout of stored entries; part of the disk tier's fingerprint."""
+        return self.name
+
+    def describe(self) -> dict:
+        """For /v1/cache/stats: the kind, and whether stored entries are the parts of one full save."""
+        return {"state_kind": self.name, "split_layout": False}
+
+    # ------------------------------------------------------------------ planning (the cache)
+
+    @abstractmethod
+    def match(self, tree: RadixTree, tokens: Sequence[int], max_tokens: int,
+              live: int) -> tuple[int, int | None, int | None]:
+        """How deep stored entries restore `tokens`: (p, checkpoint id, kv id) for the deepest restorable
+        p <= max_tokens; kv id None when the live sequence's KV (its first `live` tokens, computed by prefill)
+        serves. (0, None, None) when nothing restores."""
+
+    @abstractmethod
+    def superseded(self, tree: RadixTree, tokens: Sequence[int], kv_ids: Iterable[int],
+                   is_boundary: Callable[[int], bool]) -> list[int]:
+        """Entries that a new KV entry for `tokens` makes redundant, among the KV entries `kv_ids` of the same
+        tree (and the checkpoints that only they made restorable), each once, in the order to drop them.
+        `is_boundary(id)`: whether a checkpoint was taken at a template boundary or interval (the others end a
+        request)."""
+
+    # ------------------------------------------------------------------ prefill and rewind (the reuse rules)
+
+    @abstractmethod
+    def snapshot_positions(self, candidates: Sequence[int]) -> list[int]:
+        """Of the ascending candidate positions (template boundaries, intervals, the repeat point), those where a
+        prefill stops to store an entry."""
+
+    @abstractmethod
+    def rewind_limit(self, n_prompt: int, min_segment: int) -> int:
+        """After generation: the deepest prompt position a sequence may be brought back to (from its own KV and
+        stored checkpoints) to re-prefill from."""
+
+    # ------------------------------------------------------------------ save and restore (the engine)
+
+    @abstractmethod
+    def save(self, io: StateIO, seq: int, kinds: Collection[EntryKind]) -> dict[EntryKind, bytes]:
+        """Entries of `kinds` for the current state of `seq` (at least those asked; one full save may give
+        more)."""
+
+    @abstractmethod
+    def restore(self, io: StateIO, seq: int, n_tokens: int, kv: bytes | None, checkpoint: bytes | None) -> None:
+        """Bring `seq` to the state after its first `n_tokens` tokens. kv: a stored KV entry covering n_tokens, or
+        None to keep the sequence's own KV (it must hold those tokens). checkpoint: the entry at n_tokens where
+        the kind has them. Raises EngineError (sequence cleared)."""
+
+    def checkpoint_bytes(self, io: StateIO, seq: int) -> int:
+        """Size of the recurrent part of `seq`'s state (0 where there is none)."""
+        return 0
+
+
+class KVState(StateKind):
+    """Attention only (sliding window too, with its full-size window cache): the KV is the whole state, and any
+    prefix of a sequence is restored by truncating its KV (llama_memory_seq_rm), so no checkpoints are stored,
+    only KV where a branch ends, and a request reuses every token it shares."""
+
+    name = "kv"
+    entry_kinds = frozenset({KV})
+
+    def __init__(self, swa_full: bool = False) -> None:
+        # Sliding-window models (Gemma 2/3) get a full-size window cache. With the default window-sized cache,
+        # cells of tokens that left the window are reused, so a restored sequence's cells are laid out otherwise
+        # than a cold run's and the attention sums round differently: seeded sampling diverged after a few tokens
+        # on Gemma 3 270M. With a full cache nothing is evicted and the layout is the cold run's.
+        self.swa_full = swa_full
+
+    def match(self, tree, tokens, max_tokens, live):
+        depth, kv_id = tree.deepest_kv(tokens, max_tokens)
+        if min(live, max_tokens) >= depth:
+            return min(live, max_tokens), None, None
+        return depth, None, kv_id
+
+    def superseded(self, tree, tokens, kv_ids, is_boundary):
+        # Another branch stays restorable at every token of its own: only KV on the same path is covered.
+        gone = []
+        for eid in kv_ids:
+            other = tree.tokens_of(eid)
+            if common_len(other, tokens) == len(other):
+                gone.append(eid)
+        return gone
+
+    def snapshot_positions(self, candidates):
+        return []  # a KV entry restores any prefix: nothing to store mid-prompt
+
+    def rewind_limit(self, n_prompt, min_segment):
+        return n_prompt  # the prompt's KV, computed by prefill, truncates to its end exactly
+
+    def save(self, io, seq, kinds):
+        return {KV: io.save_state(seq)}
+
+    def restore(self, io, seq, n_tokens, kv, checkpoint):
+        if kv is not None:
+            io.load_state(seq, kv, partial=False, clear=True)
+        io.truncate(seq, n_tokens)
+
+
+class HybridState(StateKind):
+    """Recurrent layers (Gated DeltaNet, Mamba), alone or with attention layers (Qwen3.5): the recurrent state
+    cannot be rewound, so a restore needs a checkpoint taken at exactly that position, plus attention KV covering
+    it, which is prefix-closed and so stored only where a branch ends. A pure recurrent model is the case of an
+    empty KV part."""
+
+    name = "hybrid"
+    entry_kinds = frozenset({KV, CHECKPOINT})
+
+    def __init__(self, split_layout: bool | None = None) -> None:
+        self.split_layout = split_layout  # full state == header + KV part + checkpoint body (probed at start)
+
+    def probe(self, io: StateIO, token: int) -> None:
+        """Whether a full state is header + KV part + the checkpoint's body on this build (see `save`)."""
+        try:
+            io.decode(0, [token] * 2, 0, want_logits=False)
+            full, part = io.save_state(0), io.save_state(0, partial=True)
+            self.split_layout = (len(part) > HEADER and full[:HEADER] == part[:HEADER]
+                                 and full.endswith(part[HEADER:]))
+        finally:
+            io.clear(0)
+
+    @property
+    def layout(self) -> str:
+        return f"hybrid split={self.split_layout}"
+
+    def describe(self) -> dict:
+        return {"state_kind": self.name, "split_layout": bool(self.split_layout)}
+
+    def match(self, tree, tokens, max_tokens, live):
+        for node in reversed(tree.path(tokens, max_tokens)):
+            if node.checkpoint is None:
+                continue
+            if node.depth <= live:
+                return node.depth, node.checkpoint, None
+            kv_id = node.kv if node.kv is not None else tree.kv_covering(tokens, node.depth)
+            if kv_id is not None:
+                return node.depth, node.checkpoint, kv_id
+        return 0, None, None
+
+    def superseded(self, tree, tokens, kv_ids, is_boundary):
+        """KV is prefix-closed, so a KV entry on the same path is covered outright. A KV entry E on another branch
+        is superseded when every *boundary* checkpoint on E's path lies on the shared part: what E alone covers is
+        then only the end of a previous request (its end-of-prompt and generated tokens, which the next prompt
+        typically renders differently). E goes, with the end checkpoints in its tail, which no KV would cover any
+        more; should that branch come back, it is prefilled from its last boundary checkpoint."""
+        gone: dict[int, None] = {}  # ordered, once each: two dropped branches may share an end checkpoint
+        for eid in kv_ids:
+            other = tree.tokens_of(eid)
+            branch = common_len(other, tokens)
+            tail = [n.checkpoint for n in tree.path(other) if n.depth > branch and n.checkpoint is not None]
+            if any(is_boundary(c) for c in tail):
+                continue
+            gone.update(dict.fromkeys(tail + [eid]))
+        return list(gone)
+
+    def snapshot_positions(self, candidates):
+        return list(candidates)
+
+    def rewind_limit(self, n_prompt, min_segment):
+        # The generated tokens were decoded one at a time, which a prefill does not reproduce: back to the
+        # deepest checkpoint from which at least min_segment tokens are prefilled (the repeat point, as a rule).
+        return n_prompt - min_segment
+
+    def save(self, io, seq, kinds):
+        if KV not in kinds:
+            return {CHECKPOINT: io.save_state(seq, partial=True)}
+        full = io.save_state(seq)
+        if not self.split_layout:  # the KV entry is then the whole state
+            return {KV: full, CHECKPOINT: io.save_state(seq, partial=True)}
+        body = io.state_size(seq, partial=True) - HEADER
+        return {KV: full[HEADER:len(full) - body], CHECKPOINT: full[:HEADER] + full[len(full) - body:]}
+
+    def restore(self, io, seq, n_tokens, kv, checkpoint):
+        # Order matters on a hybrid memory: the KV, then the checkpoint, then the truncation, which fails before
+        # the checkpoint is loaded (the recurrent state cannot be cut back).
+        if kv is not None:
+            full = checkpoint[:HEADER] + kv + checkpoint[HEADER:] if self.split_layout else kv
+            io.load_state(seq, full, partial=False, clear=True)
+        io.load_state(seq, checkpoint, partial=True, clear=False)
+        io.truncate(seq, n_tokens)
+
+    def checkpoint_bytes(self, io, seq):
+        return io.state_size(seq, partial=True) - HEADER
+
+
+def state_kind(recurrent: bool, hybrid: bool, n_swa: int) -> StateKind:
+    """The state kind of a model, from llama.cpp's answers: llama_model_is_recurrent, llama_model_is_hybrid,
+    llama_model_n_swa (window size; 0 without sliding-window layers)."""
+    if recurrent or hybrid:
+        return HybridState()
+    return KVState(swa_full=n_swa > 0)

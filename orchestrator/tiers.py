@@ -1,0 +1,185 @@
+"""Storage tiers of the snapshot cache: one protocol, bytes in and bytes out, and the RAM tier.
+
+A tier stores opaque snapshot payloads under string keys (the cache's `disk_key`: salt, kind, length and hash of
+the prefix), with the entry's kind and, where the tier persists them, its token ids. It knows nothing of the
+radix tree, of llama.cpp or of HTTP. `SnapshotCache` holds an ordered list of tiers, fastest first:
+
+    tiers[0]   the hot tier (RAM). The cache decides what leaves it, by its eviction policy, and moves it to
+               the first lower tier that takes it. A hot tier never evicts on its own: `put` refuses (False)
+               what does not fit.
+    tiers[1:]  lower tiers (disk; a tier shared across machines would be another). Each keeps within its own
+               budget by evicting on its own (least recently used), and reports every key it evicted through
+               `on_evict`, so that the cache's index forgets it.
+
+Failure semantics: a failing tier is a miss, never an error to the client. `get` of a key that is missing,
+corrupt or unreadable returns None; `put` that cannot store returns False; a tier that breaks (a full or
+failing disk) disables its writes and says so once in the log. The cache also treats an exception out of a
+lower tier as a miss (logged), so a broken tier costs prefill time, not requests.
+
+A new tier is one class with the members of `Tier`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+
+from .radix import EntryKind
+
+
+class Stored(NamedTuple):
+    """What `Tier.get` returns. tokens: the prefix the payload belongs to, or None from a tier that does not
+    keep token ids (RAM: the cache's own index knows them)."""
+
+    kind: EntryKind
+    tokens: tuple[int, ...] | None
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One stored entry as `Tier.entries()` lists it. `nbytes`: what it costs the tier's budget."""
+
+    key: str
+    kind: EntryKind
+    tokens: tuple[int, ...] | None
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of one tier since it opened, and what it holds now (`bytes` as counted against its budget)."""
+
+    name: str
+    entries: int
+    bytes: int
+    budget_bytes: int
+    hits: int = 0
+    misses: int = 0
+    inserts: int = 0
+    evictions: int = 0  # entries the tier evicted on its own to fit its budget
+    rejected_too_large: int = 0
+    rejected_invalid: int = 0  # entries found corrupt or of another model, deleted
+    disabled: bool = False  # writes are off after a failure
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A byte store of snapshot entries under string keys. See the module docstring for the failure semantics.
+
+    Thread-safety is the tier's own business (the cache calls it under its lock, the tier may be shared).
+    """
+
+    name: str  # "ram", "disk", ...: reported as `restore_source` and as the metrics' tier label
+    on_evict: Callable[[str], None] | None  # called with each key the tier evicted on its own
+
+    @property
+    def budget_bytes(self) -> int: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def get(self, key: str) -> Stored | None:
+        """The entry under `key`, or None (absent, corrupt, unreadable: a miss). Marks it used."""
+
+    def put(self, key: str, tokens: Sequence[int], kind: EntryKind, payload: bytes) -> bool:
+        """Store `payload` under `key`, replacing what was there. False when nothing was stored."""
+
+    def contains(self, key: str) -> bool:
+        """Whether an entry is stored under `key` (without reading or touching it)."""
+
+    def delete(self, key: str) -> bool:
+        """Forget `key`; whether it was stored."""
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Every entry, in the tier's eviction order where it has one (least recently used first). The cache
+        rebuilds its index from a persistent tier with it."""
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None:
+        """Release files and connections. Idempotent."""
+
+
+class RamTier:
+    """The hot tier: payloads in a dict, at most `budget_bytes` of them. Never evicts on its own (the cache's
+    policy decides); `put` returns False when the entry does not fit. Keeps no token ids."""
+
+    name = "ram"
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("cache budget must be >= 0 bytes")
+        self._budget = budget_bytes
+        self._data: dict[str, tuple[EntryKind, bytes]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.on_evict: Callable[[str], None] | None = None
+        self._inserts = self._too_large = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def contains(self, key: str) -> bool:
+        return key in self._data
+
+    def get(self, key: str) -> Stored | None:
+        """The entry under `key` (no copy: bytes are immutable), or None. Hits and misses of the hot tier are
+        the cache's plans, so it counts none here."""
+        with self._lock:
+            got = self._data.get(key)
+            return Stored(got[0], None, got[1]) if got is not None else None
+
+    def put(self, key: str, tokens: Sequence[int], kind: EntryKind, payload: bytes) -> bool:
+        with self._lock:
+            old = self._data.get(key)
+            room = self._budget - self._bytes + (len(old[1]) if old is not None else 0)
+            if len(payload) > room:
+                if len(payload) > self._budget:
+                    self._too_large += 1
+                return False
+            if old is not None:
+                self._bytes -= len(old[1])
+                del self._data[key]
+            self._data[key] = (EntryKind(kind), bytes(payload))
+            self._bytes += len(payload)
+            self._inserts += 1
+            return True
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is None:
+                return False
+            self._bytes -= len(old[1])
+            return True
+
+    def entries(self) -> Iterator[EntryInfo]:
+        with self._lock:
+            items = list(self._data.items())
+        for key, (kind, payload) in items:
+            yield EntryInfo(key, kind, None, len(payload))
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.name, len(self._data), self._bytes, self._budget, inserts=self._inserts,
+                             rejected_too_large=self._too_large)
+
+    def close(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0

@@ -1,0 +1,240 @@
+"""A fake engine for unit tests of the scheduler and the reuse rules: no llama.cpp, no model, milliseconds.
+
+It has the Engine's interface (decode, decode_step, logits, sampler, is_eog, piece, tokenize, clear, pos_max,
+calibrate) and its byte-level state primitives (save_state, load_state, state_size, truncate), so the real state
+kinds (orchestrator/state.py), cache, reuse rules and scheduler run on it unchanged.
+
+What it models, so that the tests can catch what the real numerics would punish:
+
+  * A sequence's state is its history: the tokens in its KV and, on a hybrid model, in its recurrent state, each
+    with a mark saying how it was computed. Logits are a deterministic function of the whole state (a seeded
+    random vector), so a restore that brings the wrong checkpoint, or KV of another prefix, gives other logits.
+  * Exactness: a token computed in a ubatch shorter than `exact_from` tokens (the "hardware" threshold that
+    calibration.measure_min_segment finds) is marked with that ubatch's size, as on a real CPU where a short
+    ubatch takes other kernels; a decode step is such a ubatch of one row. So a cached run equals its cold run
+    only if every stored state came from a prefill of long enough chunks, as the rules promise.
+  * Batch invariance: a decode step of several rows marks its tokens alike to decoding alone only when
+    `batch_invariant` (the hardware's answer, which calibration.check_batch_invariance finds).
+  * The recurrent state cannot be cut back: `truncate` fails unless the recurrent history is at most that long
+    (llama_memory_seq_rm on a recurrent memory), and the sequence must then end exactly there.
+  * Byte sizes like the real ones at 1/64 scale: a checkpoint of `checkpoint_bytes` (19.3 MiB / 64 for
+    Qwen3.5-0.8B) and `kv_bytes_per_token` of KV per token (12 KiB / 64), in llama.cpp's layout: header, KV part,
+    recurrent part for a full state; header and recurrent part for a partial one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+
+from orchestrator.engine import SamplingParams, chunk_sizes
+from orchestrator.errors import EngineError, ModelLoadError
+from orchestrator.state import HEADER, HybridState, KVState
+
+MAGIC = b"FAKESEQ\0"
+assert len(MAGIC) == HEADER
+_ENTRY = struct.Struct("<IH")  # token id, mark
+
+
+def _encode(history: Sequence[tuple[int, int]], per_token: int, total: int | None = None) -> bytes:
+    """n (u32), then one entry per token padded to `per_token` bytes; padded to `total` bytes if given."""
+    parts = [struct.pack("<I", len(history))]
+    pad = b"\0" * (per_token - _ENTRY.size)
+    for tok, mark in history:
+        parts.append(_ENTRY.pack(tok, mark) + pad)
+    out = b"".join(parts)
+    if total is not None:
+        out += b"\0" * max(0, total - len(out))
+    return out
+
+
+def _decode(data: bytes, per_token: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """(history, bytes read) of `_encode`'s output (without its final padding). Raises EngineError."""
+    if len(data) < 4:
+        raise EngineError("fake state truncated")
+    (n,) = struct.unpack_from("<I", data)
+    end = 4 + n * per_token
+    if len(data) < end:
+        raise EngineError("fake state truncated")
+    return tuple(_ENTRY.unpack_from(data, 4 + i * per_token) for i in range(n)), end
+
+
+class _Seq:
+    def __init__(self, hybrid: bool) -> None:
+        self.kv: list[tuple[int, int]] = []
+        self.rec: tuple[tuple[int, int], ...] | None = () if hybrid else None
+
+
+class FakeSampler:
+    """Greedy argmax, or a seeded draw from softmax(logits / temperature)."""
+
+    def __init__(self, engine: FakeEngine, params: SamplingParams) -> None:
+        self.engine, self.params = engine, params
+        self.rng = np.random.default_rng(params.seed)
+        self.closed = False
+
+    def sample(self, idx: int = -1) -> int:
+        logits = self.engine.logits(idx)
+        if self.params.temperature <= 0:
+            return int(np.argmax(logits))
+        p = np.exp((logits - logits.max()) / self.params.temperature)
+        return int(self.rng.choice(len(p), p=p / p.sum()))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeEngine:
+    """See the module docstring. hybrid: a recurrent + attention state (HybridState), else KV only (KVState)."""
+
+    def __init__(self, n_seq_max: int = 2, n_ctx: int = 4096, n_batch: int = 64, hybrid: bool = True,
+                 exact_from: int = 4, batch_invariant: bool = True, n_vocab: int = 64,
+                 checkpoint_bytes: int = 316_000, kv_bytes_per_token: int = 192) -> None:
+        self.n_seq_max, self.n_ctx, self.n_batch, self.n_vocab = n_seq_max, n_ctx, n_batch, n_vocab
+        self.exact_from, self.hw_batch_invariant = exact_from, batch_invariant
+        self.checkpoint_nbytes, self.kv_bytes_per_token = checkpoint_bytes, kv_bytes_per_token
+        self.hybrid = hybrid
+        self.state = HybridState() if hybrid else KVState()
+        self.bos_id, self.eog_id = 0, n_vocab - 1
+        self._seqs = [_Seq(hybrid) for _ in range(n_seq_max)]
+        self._logits: list[np.ndarray] = []
+        self.min_segment, self.batch_invariant = 2, False
+        self.prefilled_tokens = 0  # tokens computed by decode() in ubatches of more than one token
+        self.on_decode: Callable[[int, Sequence[int], int], None] | None = None  # called before each decode()
+        self.fail_loads = False  # load_state refuses everything (llama.cpp rejecting a state)
+        self._running = threading.Event()
+        self._running.set()
+        self.state.probe(self, 1)
+
+    # ------------------------------------------------------------------ test controls
+
+    def pause(self) -> None:
+        """Hold the worker at its next decode until `resume` (to queue several requests at once)."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    # ------------------------------------------------------------------ Engine interface
+
+    def calibrate(self, min_segment: int, batch_invariant: bool = False) -> None:
+        if min_segment < 2 or self.n_batch < 2 * min_segment - 1:
+            raise ModelLoadError(f"min_segment {min_segment} does not fit n_batch {self.n_batch}")
+        self.min_segment, self.batch_invariant = min_segment, batch_invariant
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """One token per word, from a hash (never the end-of-generation id)."""
+        return [1 + int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "little") % (self.n_vocab - 2)
+                for w in text.split()]
+
+    def piece(self, token: int) -> bytes:
+        return f" w{token}".encode()
+
+    def is_eog(self, token: int) -> bool:
+        return token == self.eog_id
+
+    def sampler(self, params: SamplingParams) -> FakeSampler:
+        return FakeSampler(self, params)
+
+    def logits(self, idx: int = -1) -> np.ndarray:
+        return self._logits[idx].copy()
+
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
+        if self.on_decode is not None:
+            self.on_decode(seq, tokens, pos)
+        self._running.wait()
+        s = self._seqs[seq]
+        if pos != len(s.kv) or (s.rec is not None and len(s.rec) != len(s.kv)):
+            self.clear(seq)
+            raise EngineError(f"fake decode at position {pos} of a sequence holding {len(s.kv)} tokens")
+        if pos + len(tokens) > self.n_ctx:
+            self.clear(seq)
+            raise EngineError("fake context full")
+        for start, n in chunk_sizes(len(tokens), self.n_batch, self.min_segment):
+            mark = n if n < self.exact_from else 0
+            self._append(s, tokens[start:start + n], mark)
+            if n > 1:
+                self.prefilled_tokens += n
+        self._logits = [self._vector(s)] if want_logits else []
+
+    def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
+        self._running.wait()
+        if not 0 < len(items) <= self.n_batch:
+            raise ValueError("bad decode step")
+        mark = 1 if (len(items) == 1 or self.hw_batch_invariant) else 100 + len(items)
+        out = []
+        for seq, tok, pos in items:
+            s = self._seqs[seq]
+            if pos != len(s.kv):
+                raise EngineError("fake decode step at a wrong position")
+            self._append(s, [tok], mark)
+            out.append(self._vector(s))
+        self._logits = out
+
+    def _append(self, s: _Seq, tokens: Sequence[int], mark: int) -> None:
+        new = [(int(t), mark) for t in tokens]
+        s.kv.extend(new)
+        if s.rec is not None:
+            s.rec = s.rec + tuple(new)
+
+    def _vector(self, s: _Seq) -> np.ndarray:
+        h = hashlib.blake2b(repr((s.kv, s.rec)).encode(), digest_size=8).digest()
+        return np.random.default_rng(int.from_bytes(h, "little")).standard_normal(self.n_vocab).astype(np.float32)
+
+    def clear(self, seq: int) -> None:
+        self._seqs[seq] = _Seq(self.hybrid)
+
+    def pos_max(self, seq: int) -> int:
+        s = self._seqs[seq]
+        return (min(len(s.kv), len(s.rec)) if s.rec is not None else len(s.kv)) - 1
+
+    def tokens(self, seq: int) -> list[int]:
+        """The tokens sequence `seq` holds (for assertions)."""
+        return [t for t, _ in self._seqs[seq].kv]
+
+    # ------------------------------------------------------------------ state bytes (StateIO)
+
+    def save_state(self, seq: int, partial: bool = False) -> bytes:
+        s = self._seqs[seq]
+        rec = _encode(s.rec, _ENTRY.size, self.checkpoint_nbytes) if s.rec is not None else b""
+        if partial:
+            return MAGIC + rec
+        return MAGIC + _encode(s.kv, self.kv_bytes_per_token) + rec
+
+    def state_size(self, seq: int, partial: bool = False) -> int:
+        return len(self.save_state(seq, partial))
+
+    def load_state(self, seq: int, data: bytes, partial: bool = False, clear: bool = True) -> None:
+        if clear:
+            self.clear(seq)
+        try:
+            if self.fail_loads or data[:HEADER] != MAGIC:
+                raise EngineError("not a state of this fake model")
+            body = data[HEADER:]
+            s = self._seqs[seq]
+            if partial:
+                if s.rec is None:
+                    raise EngineError("no recurrent state in this model")
+                s.rec = _decode(body, _ENTRY.size)[0]
+                return
+            kv, used = _decode(body, self.kv_bytes_per_token)
+            s.kv = list(kv)
+            if s.rec is not None:
+                s.rec = _decode(body[used:], _ENTRY.size)[0]
+        except EngineError:
+            self.clear(seq)
+            raise
+
+    def truncate(self, seq: int, n_tokens: int) -> None:
+        s = self._seqs[seq]
+        if (s.rec is not None and len(s.rec) > n_tokens) or len(s.kv) < n_tokens:
+            self.clear(seq)
+            raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens")
+        s.kv = s.kv[:n_tokens]
+        if self.pos_max(seq) != n_tokens - 1:
+            self.clear(seq)
+            raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens")

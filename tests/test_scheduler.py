@@ -1,0 +1,464 @@
+"""The scheduler and the reuse rules on a fake engine (tests/fake_engine.py): no model, seconds for the file.
+
+Slot choice, waiting for a shared prefix, cancellation in every phase, the after-generation choice, KV-only
+models, refused restores, batched decoding and the calibration probes, each with the outputs compared to cold
+runs. The fake engine marks every token computed in a too-short ubatch, so a rule that stored or restored an
+inexact state would show up as a difference from the cold run. The same properties are checked end to end on
+the real model in test_correctness.py, test_slots.py and test_models.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator import calibration
+from orchestrator.cache import SnapshotCache
+from orchestrator.engine import SamplingParams
+from orchestrator.errors import EngineError, RequestCancelled, RequestTimeout
+from orchestrator.radix import CHECKPOINT, KV, common_len
+from orchestrator.request import Event, EventKind, Job, Phase, Slot, Task
+from orchestrator.reuse import Reuse
+from orchestrator.scheduler import Scheduler
+from orchestrator.tiers import RamTier
+
+from .fake_engine import FakeEngine
+
+MS = 4  # min_segment of these tests (the fake's exact_from)
+SYSTEM = [(7 * i) % 61 + 1 for i in range(40)]  # a shared prefix; a template boundary ends it
+TAILS = [[50 + i, 20, 21, 22, 23, 24, 25, 26, 27, 28 + i] for i in range(4)]
+
+
+@pytest.fixture()
+def make():
+    """make(n_slots=2, hybrid=True, **scheduler kw) -> (engine, cache, scheduler); closed after the test."""
+    made = []
+
+    def _make(n_slots=2, hybrid=True, ram=64 << 20, hw_invariant=True, batch_decode=False, n_ctx=4096, **kw):
+        eng = FakeEngine(n_seq_max=n_slots, hybrid=hybrid, exact_from=MS, batch_invariant=hw_invariant, n_ctx=n_ctx)
+        eng.calibrate(MS, hw_invariant)
+        cache = SnapshotCache([RamTier(ram)], state=eng.state)
+        kw.setdefault("prefill_chunk", 16)
+        s = Scheduler(eng, cache, n_slots=n_slots, batch_decode=batch_decode, **kw)
+        made.append(s)
+        return eng, cache, s
+
+    yield _make
+    for s in made:
+        s.close()
+
+
+def job(tokens, boundaries=(), max_tokens=6, **kw) -> Job:
+    return Job(list(tokens), boundaries, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
+               want_logits=True, **kw)
+
+
+def same_as_cold(s: Scheduler, tokens, boundaries=(), max_tokens=6, **kw):
+    warm = s.run(job(tokens, boundaries, max_tokens, **kw))
+    cold = s.run(job(tokens, boundaries, max_tokens, use_cache=False))
+    assert cold.cached_tokens == 0
+    assert warm.completion_tokens == cold.completion_tokens
+    assert np.array_equal(warm.first_logits, cold.first_logits)
+    s.drain()
+    return warm
+
+
+def kinds_at(cache: SnapshotCache) -> set[tuple[str, int]]:
+    return {(str(kind), len(tokens)) for kind, _tier, tokens in cache.entries()}
+
+
+def submit_all(s: Scheduler, eng: FakeEngine, jobs, cancels=None) -> list:
+    """Submit every job while the worker is held, so that admission sees them all at once; wait for the results
+    (a Result or the error)."""
+    out, done = [None] * len(jobs), [threading.Event() for _ in jobs]
+
+    def sink_for(i):
+        def sink(ev: Event) -> None:
+            if ev.kind != EventKind.TEXT:
+                out[i] = ev.result if ev.kind == EventKind.DONE else ev.error
+                done[i].set()
+        return sink
+
+    eng.pause()
+    for i, j in enumerate(jobs):
+        s.submit(j, sink_for(i), cancels[i] if cancels else None)
+    eng.resume()
+    for d in done:
+        assert d.wait(30)
+    return out
+
+
+# ---------------------------------------------------------------- the fake engine itself
+
+
+def test_the_fake_engine_punishes_short_ubatches_and_lost_checkpoints():
+    eng = FakeEngine(exact_from=MS)
+    eng.calibrate(2)
+    tokens = SYSTEM[:20]
+    eng.decode(0, tokens, 0)
+    whole = eng.logits()
+    eng.clear(0)
+    eng.decode(0, tokens[:17], 0, want_logits=False)
+    eng.decode(0, tokens[17:], 17)  # a 3-token ubatch: below the fake's exactness threshold
+    assert not np.array_equal(eng.logits(), whole)
+    # A checkpoint of another prefix of the same length restores without complaint, as on llama.cpp, but what
+    # follows differs; one of another length cannot be cut to the position.
+    other = [t + 1 for t in tokens[:8]]
+    eng.clear(0)
+    eng.decode(0, other, 0, want_logits=False)
+    wrong = eng.state.save(eng, 0, (CHECKPOINT,))[CHECKPOINT]
+    eng.clear(0)
+    eng.decode(0, tokens[:16], 0, want_logits=False)
+    mine = eng.state.save(eng, 0, (KV, CHECKPOINT))
+    eng.clear(0)
+    eng.decode(0, tokens[:8], 0, want_logits=False)
+    right = eng.state.save(eng, 0, (CHECKPOINT,))[CHECKPOINT]
+    after = []
+    for checkpoint in (right, wrong):
+        eng.state.restore(eng, 1, 8, mine[KV], checkpoint)
+        eng.decode(1, tokens[8:16], 8)
+        after.append(eng.logits())
+    eng.clear(0)
+    eng.decode(0, tokens[:16], 0)
+    assert np.array_equal(after[0], eng.logits()) and not np.array_equal(after[1], eng.logits())
+    with pytest.raises(EngineError):
+        eng.state.restore(eng, 1, 12, mine[KV], right)
+    # Sizes like the real ones (1/64 scale): a fixed-size checkpoint, KV growing per token.
+    assert len(mine[CHECKPOINT]) == 8 + eng.checkpoint_nbytes
+    assert len(mine[KV]) == 4 + 16 * eng.kv_bytes_per_token
+
+
+def test_calibration_finds_the_fakes_thresholds():
+    for exact_from in (2, 8):
+        eng = FakeEngine(n_seq_max=3, exact_from=exact_from, batch_invariant=exact_from == 8)
+        assert calibration.measure_min_segment(eng) == exact_from
+        assert calibration.check_batch_invariance(eng) is (exact_from == 8)
+        rec, kv_token = calibration.state_sizes(eng)
+        assert (rec, kv_token) == (eng.checkpoint_nbytes, eng.kv_bytes_per_token)
+
+
+# ---------------------------------------------------------------- the rule, positions and restores
+
+
+def test_shared_prefix_restores_the_boundary_and_a_repeat_restores_the_repeat_point(make):
+    eng, cache, s = make()
+    a, b = SYSTEM + TAILS[0], SYSTEM + TAILS[1]
+    first = same_as_cold(s, a, [len(SYSTEM)])
+    assert first.cached_tokens == 0 and first.snapshots_saved == 2  # the boundary and the repeat point
+    assert (str(CHECKPOINT), len(SYSTEM)) in kinds_at(cache)
+    assert same_as_cold(s, b, [len(SYSTEM)]).cached_tokens == len(SYSTEM)
+    again = same_as_cold(s, b, [len(SYSTEM)])
+    assert again.cached_tokens == s.reuse.max_hit(len(b)) == len(b) - MS
+    assert again.restore_source in ("live", "ram")
+
+
+def test_snapshot_positions_are_built_once_filtered_by_min_segment():
+    eng = FakeEngine(exact_from=MS)
+    eng.calibrate(MS)
+    reuse = Reuse(eng, SnapshotCache([RamTier(1 << 20)], state=eng.state), [Slot(0)], checkpoint_interval=10)
+    j = job(range(1, 41), boundaries=[3, 5, 12, 30, 38, 99])
+    # boundaries 3 (closer than MS to the start), 5, 12, 30, 38 (beyond the repeat point, 40 - MS = 36); an
+    # interval checkpoint at 22 (10 after the boundary 12: the other stretches are shorter than 10)
+    assert reuse.snapshot_positions(j) == [5, 12, 22, 30, 36]
+    assert reuse.snapshot_positions(j, start=20) == [30, 36]  # from a restored position: 22 is too close
+    cold = job(range(1, 41), [5, 12], use_cache=False)
+    assert reuse.snapshot_positions(cold) == [5, 12, 22, 32]  # a cold run stores nothing: no repeat point
+    kv = FakeEngine(hybrid=False, exact_from=MS)
+    kv.calibrate(MS)
+    assert Reuse(kv, SnapshotCache([RamTier(1)], state=kv.state), [Slot(0)]).snapshot_positions(j) == []
+
+
+def test_interval_checkpoints_serve_a_divergence_inside_a_long_message(make):
+    eng, cache, s = make(checkpoint_interval=32)
+    doc = [(11 * i) % 60 + 1 for i in range(150)]
+    same_as_cold(s, doc + [9, 9, 9, 9, 9])
+    changed = doc[:100] + [62] + doc[101:] + [9, 9, 9, 9, 9]
+    assert same_as_cold(s, changed).cached_tokens == 96  # the last interval checkpoint before the change
+
+
+# ---------------------------------------------------------------- slot choice
+
+
+def test_slot_choice_prefers_live_kv_then_the_cache_key_then_an_empty_slot_then_the_least_recently_used():
+    eng = FakeEngine(n_seq_max=4, exact_from=MS)
+    eng.calibrate(MS)
+    cache = SnapshotCache([RamTier(64 << 20)], state=eng.state)
+    slots = [Slot(i) for i in range(4)]
+    reuse = Reuse(eng, cache, slots)
+    prompt = SYSTEM + TAILS[0]
+    cache.put(prompt[:len(SYSTEM)], CHECKPOINT, b"x")
+    slots[2].live, slots[2].last_used = list(prompt[:45]), 5.0  # its KV covers the boundary checkpoint
+    slots[1].live, slots[1].last_used, slots[1].key = [1, 2, 3], 1.0, "agent-7"
+    slots[3].live, slots[3].last_used = [4, 5, 6], 0.5
+
+    def task(tokens, key="") -> Task:
+        return Task(job(tokens, prompt_cache_key=key), lambda ev: None, threading.Event(), 0, 0)
+
+    assert reuse.pick_slot(task(prompt), slots).seq == 2
+    assert reuse.pick_slot(task([9, 9, 9, 9, 9, 9], "agent-7"), slots).seq == 1
+    assert reuse.pick_slot(task([9, 9, 9, 9, 9, 9]), slots).seq == 0  # empty
+    assert reuse.pick_slot(task([9, 9, 9, 9, 9, 9]), slots[1:]).seq == 3  # least recently used
+    slots[0].salt = slots[2].salt = "other"  # another tenant's live KV is no reason to pick a slot
+    assert reuse.pick_slot(task(prompt), slots[1:]).seq == 3
+
+
+def test_kv_live_in_another_busy_slot_is_copied_and_the_request_equals_its_cold_run(make):
+    eng, cache, s = make(n_slots=2)
+    # The second request waits for the first to store the shared boundary, then restores it with the KV that
+    # the first request's busy sequence holds, copied as bytes.
+    a, b = submit_all(s, eng, [job(SYSTEM + TAILS[0], [len(SYSTEM)], max_tokens=30),
+                               job(SYSTEM + TAILS[1], [len(SYSTEM)])])
+    assert (a.slot, b.slot) == (0, 1)
+    assert (b.cached_tokens, b.restore_source) == (len(SYSTEM), "live")
+    s.drain()
+    cold = s.run(job(SYSTEM + TAILS[1], [len(SYSTEM)], use_cache=False))
+    assert b.completion_tokens == cold.completion_tokens and np.array_equal(b.first_logits, cold.first_logits)
+
+
+# ---------------------------------------------------------------- waiting for a shared prefix
+
+
+def test_requests_sharing_a_prefix_wait_for_it_and_report_the_sequential_cached_tokens(make):
+    eng, cache, s = make(n_slots=3)
+    jobs = [job(SYSTEM + t, [len(SYSTEM)]) for t in TAILS[:3]]
+    got = submit_all(s, eng, jobs)
+    assert [r.cached_tokens for r in got] == [0, len(SYSTEM), len(SYSTEM)]
+    s.drain()
+    for j, r in zip(jobs, got):  # and each equals its cold run
+        cold = s.run(job(j.prompt_tokens, use_cache=False))
+        assert r.completion_tokens == cold.completion_tokens and np.array_equal(r.first_logits, cold.first_logits)
+
+
+def test_requests_that_share_nothing_or_another_salt_do_not_wait(make):
+    eng, cache, s = make(n_slots=3)
+    jobs = [job(SYSTEM + TAILS[0], [len(SYSTEM)]), job([62 - t for t in SYSTEM] + TAILS[1], [len(SYSTEM)]),
+            job(SYSTEM + TAILS[2], [len(SYSTEM)], cache_salt="tenant-b")]
+    got = submit_all(s, eng, jobs)
+    assert [r.cached_tokens for r in got] == [0, 0, 0]
+    assert len({r.slot for r in got}) == 3  # all three ran side by side
+
+
+def test_must_wait_looks_at_what_an_earlier_request_is_about_to_store():
+    eng = FakeEngine(n_seq_max=2, exact_from=MS)
+    eng.calibrate(MS)
+    slots = [Slot(0), Slot(1)]
+    reuse = Reuse(eng, SnapshotCache([RamTier(64 << 20)], state=eng.state), slots)
+    earlier = Task(job(SYSTEM + TAILS[0], [len(SYSTEM)]), lambda ev: None, threading.Event(), 0, 0)
+    later = Task(job(SYSTEM + TAILS[1], [len(SYSTEM)]), lambda ev: None, threading.Event(), 1, 0)
+    assert reuse.must_wait(later, [earlier])  # queued: its positions are planned by the same builder
+    earlier.phase, earlier.positions = Phase.PREFILL, [len(SYSTEM), len(SYSTEM) + 6]
+    assert reuse.must_wait(later, [earlier])
+    earlier.positions = [len(SYSTEM) + 6]  # the shared boundary is stored already (or was skipped)
+    assert not reuse.must_wait(later, [earlier])
+    earlier.phase = Phase.DECODE  # nothing more to store on the shared part
+    assert not reuse.must_wait(later, [earlier])
+    extends = Task(job(SYSTEM + TAILS[0] + [5, 5, 5, 5, 5, 5]), lambda ev: None, threading.Event(), 2, 0)
+    assert reuse.must_wait(extends, [earlier])  # it extends the whole prompt: wait for the after-generation state
+    assert not reuse.must_wait(later, [Task(job(SYSTEM + TAILS[0], [len(SYSTEM)], use_cache=False),
+                                            lambda ev: None, threading.Event(), 0, 0)])  # a cold run stores nothing
+
+
+# ---------------------------------------------------------------- cancellation in every phase
+
+
+def test_cancel_while_queued_or_timed_out_in_the_queue(make):
+    eng, cache, s = make(n_slots=1)
+    cancelled = threading.Event()
+    cancelled.set()
+    got = submit_all(s, eng, [job(SYSTEM + TAILS[0]), job(SYSTEM + TAILS[1], timeout_s=1e-9),
+                              job(SYSTEM + TAILS[2])], [None, None, cancelled])
+    assert isinstance(got[1], RequestTimeout) and isinstance(got[2], RequestCancelled)
+    s.drain()
+    served = SYSTEM + TAILS[0] + got[0].completion_tokens + [eng.eog_id]
+    assert all(list(t) == served[:len(t)] for _k, _tier, t in cache.entries())  # nothing of the others
+
+
+def test_cancel_during_prefill_keeps_its_checkpoints_and_stores_no_end_state(make):
+    eng, cache, s = make(n_slots=1, checkpoint_interval=16)
+    tokens = [(5 * i) % 60 + 1 for i in range(100)]
+    cancel = threading.Event()
+
+    def on_decode(seq, toks, pos):
+        if pos >= 48:
+            cancel.set()  # the scheduler sees it before the next step
+
+    eng.on_decode = on_decode
+    done, box = threading.Event(), []
+    s.submit(job(tokens), lambda ev: (box.append(ev), done.set()) if ev.kind != EventKind.TEXT else None, cancel)
+    assert done.wait(30) and isinstance(box[0].error, RequestCancelled)
+    s.drain()
+    eng.on_decode = None
+    stored = kinds_at(cache)
+    assert stored and all(k == str(CHECKPOINT) for k, _ in stored) and max(n for _, n in stored) < len(tokens)
+    deepest = max(n for _, n in stored)
+    assert same_as_cold(s, tokens).cached_tokens == deepest
+
+
+def test_cancel_during_decode_delivers_what_was_generated_and_stores_the_prompts_end(make):
+    eng, cache, s = make(n_slots=1)
+    tokens = SYSTEM + TAILS[0]
+    cancel = threading.Event()
+    done, box = threading.Event(), []
+
+    def sink(ev):
+        if ev.kind == EventKind.TEXT:
+            cancel.set()  # the client goes away after the first piece of text
+        else:
+            box.append(ev)
+            done.set()
+
+    s.submit(job(tokens, [len(SYSTEM)], max_tokens=50), sink, cancel)
+    assert done.wait(30) and box[0].kind == EventKind.DONE
+    r = box[0].result
+    assert 0 < len(r.completion_tokens) < 50
+    s.drain()
+    assert (str(KV), len(tokens)) in kinds_at(cache)  # where the prompt ends: the generated text was cut
+    assert not any(k == str(KV) and n > len(tokens) for k, n in kinds_at(cache))
+
+
+def test_cancel_while_storing_the_after_generation_state_does_not_stop_it(make):
+    eng, cache, s = make(n_slots=1)
+    tokens = SYSTEM + TAILS[0]
+    cancel = threading.Event()
+    done, box = threading.Event(), []
+
+    def sink(ev):
+        if ev.kind == EventKind.DONE:
+            box.append(ev)
+            done.set()
+
+    eng.on_decode = lambda seq, toks, pos: cancel.set() if box else None  # the STORE phase's first chunk
+    s.submit(job(tokens, [len(SYSTEM)], max_tokens=30), sink, cancel)
+    assert done.wait(30)
+    s.drain()
+    assert cancel.is_set()
+    r = box[0].result
+    full = len(tokens) + len(r.completion_tokens) + (r.finish_reason == "stop")
+    assert (str(KV), full) in kinds_at(cache) and (str(CHECKPOINT), full) in kinds_at(cache)
+
+
+# ---------------------------------------------------------------- the after-generation choice
+
+
+def test_after_generation_the_state_after_the_generated_tokens_is_stored_and_continues_exactly(make):
+    eng, cache, s = make()
+    prompt = SYSTEM + TAILS[0]
+    first = s.run(job(prompt, [len(SYSTEM)], max_tokens=12))
+    s.drain()
+    generated = first.completion_tokens + ([eng.eog_id] if first.finish_reason == "stop" else [])
+    nxt = prompt + generated + [3, 3, 4, 4, 5, 5]
+    warm = same_as_cold(s, nxt)
+    assert warm.cached_tokens == len(prompt) + len(generated)
+
+
+def test_after_generation_a_stop_string_stores_the_prompts_end(make):
+    eng, cache, s = make()
+    prompt = SYSTEM + TAILS[0]
+    probe = s.run(job(prompt, max_tokens=6, use_cache=False))
+    stop = probe.text.split()[1]  # the second generated piece: the stream stops there
+    r = s.run(job(prompt, [len(SYSTEM)], max_tokens=6, stop=(stop,)))
+    assert r.finish_reason == "stop"
+    s.drain()
+    assert {n for k, n in kinds_at(cache) if k == str(KV)} == {len(prompt)}
+
+
+def test_after_generation_too_few_tokens_for_an_exact_prefill_store_the_prompts_end_on_a_kv_model(make):
+    eng, cache, s = make(hybrid=False)
+    prompt = SYSTEM + TAILS[0]
+    s.run(job(prompt, max_tokens=1))  # one generated token: shorter than min_segment beyond the prompt
+    s.drain()
+    assert kinds_at(cache) == {(str(KV), len(prompt))}
+
+
+def test_after_generation_of_an_identical_repeat_the_prompts_end_is_stored(make):
+    eng, cache, s = make()
+    prompt = SYSTEM + TAILS[0]
+    r = s.run(job(prompt, max_tokens=8))
+    s.drain()
+    full = len(prompt) + len(r.completion_tokens) + (r.finish_reason == "stop")
+    assert {n for k, n in kinds_at(cache) if k == str(KV)} == {full}
+    assert s.run(job(prompt, max_tokens=8)).completion_tokens == r.completion_tokens
+    s.drain()  # the state after these tokens is stored already: the prompt's end instead
+    assert (str(KV), len(prompt)) in kinds_at(cache)
+
+
+# ---------------------------------------------------------------- other models and faults
+
+
+def test_a_kv_only_model_restores_any_shared_prefix_without_checkpoints(make):
+    eng, cache, s = make(hybrid=False)
+    a = SYSTEM + TAILS[0]
+    b = SYSTEM[:33] + [62] + SYSTEM[34:] + TAILS[1]  # diverges mid-message, at no boundary
+    same_as_cold(s, a)
+    assert same_as_cold(s, b).cached_tokens == 33
+    assert {k for k, _ in kinds_at(cache)} == {str(KV)}
+    assert same_as_cold(s, b).cached_tokens == len(b) - MS
+
+
+def test_a_restore_llama_cpp_refuses_drops_the_entries_and_the_request_continues_as_a_miss(make, caplog):
+    eng, cache, s = make(n_slots=1)
+    same_as_cold(s, SYSTEM + TAILS[0], [len(SYSTEM)])
+    eng.fail_loads = True
+    s.run(job([1, 2, 3, 4, 5, 6, 7, 8]))  # another prompt in the slot: its live KV is no help
+    s.drain()
+    dropped = cache.stats().dropped
+    miss = s.run(job(SYSTEM + TAILS[1], [len(SYSTEM)]))
+    assert (miss.cached_tokens, miss.restore_source) == (0, "none")
+    assert cache.stats().dropped > dropped
+    assert any("refused a snapshot restore" in r.getMessage() for r in caplog.records)
+    eng.fail_loads = False
+    s.drain()
+    cache.check()
+    cold = s.run(job(SYSTEM + TAILS[1], use_cache=False))
+    assert miss.completion_tokens == cold.completion_tokens and np.array_equal(miss.first_logits, cold.first_logits)
+
+
+@pytest.mark.parametrize("hw_invariant,batch_decode", [(True, True), (False, False), (False, True)])
+def test_batched_decoding_equals_decoding_alone_only_where_calibration_says_so(make, hw_invariant, batch_decode):
+    eng, cache, s = make(n_slots=3, hw_invariant=hw_invariant, batch_decode=batch_decode)
+    assert calibration.check_batch_invariance(eng) is hw_invariant
+    jobs = [job([40 + i] + SYSTEM[i:] + TAILS[i], max_tokens=10, use_cache=False) for i in range(3)]
+    together = submit_all(s, eng, jobs)
+    same = [r.completion_tokens == s.run(j).completion_tokens for j, r in zip(jobs, together)]
+    assert all(same) is (hw_invariant or not batch_decode)  # --decode-batching on, where it is not exact
+
+
+# ---------------------------------------------------------------- random traffic against cold runs
+
+prompts = st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=30), min_size=1, max_size=6)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts, st.data())
+def test_random_traffic_equals_cold_runs_and_never_over_reports(make, parts, data):
+    """Requests built from shared pieces (many common prefixes), some concurrent, some extending earlier prompts
+    and outputs: every output equals its cold run, and cached_tokens never exceeds what an earlier request shared.
+    """
+    eng, cache, s = make(n_slots=data.draw(st.integers(1, 3)), hybrid=data.draw(st.booleans()),
+                         ram=data.draw(st.sampled_from([2_000_000, 64 << 20])))
+    earlier: list[list[int]] = []
+    for _round in range(3):
+        batch = []
+        for _ in range(data.draw(st.integers(1, 3))):
+            tokens = [t for p in data.draw(st.lists(st.sampled_from(parts), min_size=1, max_size=4)) for t in p]
+            if earlier and data.draw(st.booleans()):
+                tokens = data.draw(st.sampled_from(earlier)) + tokens
+            bounds = sorted({len(p) for p in parts if len(p) < len(tokens)})
+            batch.append(job(tokens + [9], bounds, max_tokens=data.draw(st.integers(1, 6))))
+        got = submit_all(s, eng, batch)
+        s.drain()
+        for j, r in zip(batch, got):
+            cold = s.run(job(j.prompt_tokens, max_tokens=j.max_tokens, use_cache=False))
+            assert r.completion_tokens == cold.completion_tokens
+            assert np.array_equal(r.first_logits, cold.first_logits)
+            bound = max([common_len(j.prompt_tokens, e) for e in earlier] + [0])
+            peers = [b.prompt_tokens for b in batch if b is not j]
+            bound = max([bound] + [common_len(j.prompt_tokens, p) for p in peers])
+            assert r.cached_tokens <= min(bound, len(j.prompt_tokens) - MS) or r.cached_tokens == 0
+        earlier += [j.prompt_tokens + r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else [])
+                    for j, r in zip(batch, got)]
+        cache.check()
