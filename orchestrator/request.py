@@ -5,7 +5,9 @@ was restored and stored.
 
     QUEUED ──admit: restore──▶ PREFILL ──prompt done──▶ DECODE ──result delivered──▶ STORE ──▶ DONE
        │                          │                        │                            (after-generation
-       └── cancelled / timed out ─┴────────────────────────┴──▶ DONE                     state, if any)
+       └── cancelled / timed out ─┴────────────────────────┴──▶ DONE                     state, if any;
+                                                                                      taken over or
+                                                                                      preempted at a chunk)
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Phase(str, Enum):
     PREFILL = "prefill"  # the prompt's uncached tokens are computed, in chunks
     DECODE = "decode"  # one token a step
     STORE = "store"  # result delivered; the after-generation state is re-prefilled and stored (SGLang's
-    #                  cache_finished_req). The slot stays busy, the caller no longer waits.
+    #                  cache_finished_req), one chunk at a time while no other request prefills or decodes; a
+    #                  new request takes it over (it extends the work) or preempts it (no free slot).
     DONE = "done"  # released
 
 
@@ -48,7 +51,10 @@ class Job:
     (0 < b < n_prompt). max_tokens: completion budget. stop: stop strings. want_logits: keep the first-step
     logits (float32, shape (n_vocab,)) in the result, for correctness checks. prompt_cache_key: OpenAI's
     routing hint; requests with the same key prefer the slot that last served it. timeout_s: seconds from
-    submission to completion (None: the scheduler's default; 0: none).
+    submission to completion (None: the scheduler's default; 0: none). restorable_after: given the generated
+    token ids (with the end-of-generation token that ended them, if one did), whether the request most likely
+    to follow starts with the prompt and exactly those ids (`PromptBuilder.restorable_after`); None: assume it
+    does. When it says no, the state after generation is not computed (issue 18).
     """
 
     prompt_tokens: list[int]
@@ -61,6 +67,7 @@ class Job:
     prompt_cache_key: str = ""
     timeout_s: float | None = None
     cache_salt: str = ""  # snapshots are shared only among jobs with the same salt ("" = the shared cache)
+    restorable_after: Callable[[Sequence[int]], bool] | None = None
 
 
 @dataclass
@@ -138,6 +145,8 @@ class Task:
         self.finish = "length"
         self.pending: int | None = None  # the token to decode next
         self.delivered = False  # DONE or ERROR was sent
+        self.cut = False  # the generated tokens are not the whole answer (cancelled or a stop string), read at
+        #                   the result: the caller may set `cancel` once it has the result
 
     def expired(self, now: float) -> bool:
         """Cancelled by the caller or past its deadline."""

@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -124,11 +124,14 @@ class Api:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
-        self.metrics = Metrics(runtime.cache_stats)
+        self.metrics = Metrics(runtime.cache_stats, runtime.after_generation_stats)
         self._late_system_ok: bool | None = None  # does the template render a system message mid-conversation?
 
-    def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "") -> Job:
-        """The job for a prompt (a prompt that does not fit the context is refused by `Runtime.submit`)."""
+    def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "",
+             restorable_after: Callable[[Sequence[int]], bool] | None = None) -> Job:
+        """The job for a prompt (a prompt that does not fit the context is refused by `Runtime.submit`).
+        restorable_after: for a chat prompt, whether the state after a given answer is worth storing
+        (`PromptBuilder.restorable_after`)."""
         n_ctx = self.rt.n_ctx
         n = len(prompt.tokens)
         cfg = self.rt.config
@@ -139,7 +142,7 @@ class Api:
         return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
                    max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
                    use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key,
-                   cache_salt=opts.cache_salt)
+                   cache_salt=opts.cache_salt, restorable_after=restorable_after)
 
     def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
         loop = asyncio.get_running_loop()
@@ -265,7 +268,8 @@ class Api:
         cfg = self.rt.config
         req = parse_chat(await _json_body(request, cfg.max_body_bytes), cfg)
         prompt = await self._chat_prompt(req)
-        job = self._job(prompt, req.options, req.prompt_cache_key)
+        job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
+            req.messages, req.tools, req.template_kwargs, prompt, req.parse_tools))
         events, cancel = self._submit(job)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
@@ -366,7 +370,8 @@ class Api:
 
     async def messages(self, request: Request):
         req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
-        job = self._job(prompt, req.options)
+        job = self._job(prompt, req.options, restorable_after=self.rt.prompts.restorable_after(
+            req.messages, req.tools, req.template_kwargs, prompt, req.parse_tools))
         events, cancel = self._submit(job)
         mid = f"msg_{uuid.uuid4().hex}"
         if req.options.stream:
