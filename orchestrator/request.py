@@ -68,6 +68,8 @@ class Job:
     timeout_s: float | None = None
     cache_salt: str = ""  # snapshots are shared only among jobs with the same salt ("" = the shared cache)
     restorable_after: Callable[[Sequence[int]], bool] | None = None
+    prepare_s: dict[str, float] = field(default_factory=dict)  # seconds spent before submission, by phase
+    #                                                            (render, tokenize, boundaries: Prompt's)
 
 
 @dataclass
@@ -88,6 +90,8 @@ class Result:
     snapshot_s: float = 0.0  # part of prefill_s (and ttft_s) spent saving snapshots
     first_logits: np.ndarray | None = None
     slot: int = 0
+    phases: dict[str, float] = field(default_factory=dict)  # the breakdown of total_s (and of the prompt's
+    #   preparation before it), seconds by phase: `Task.result` lists them in order
 
 
 @dataclass(frozen=True)
@@ -175,15 +179,22 @@ class Task:
         return self.out + ([self.eog] if self.eog is not None else [])
 
     def result(self, now: float) -> Result:
+        """The result at `now` (after the last token). `phases`: the job's preparation phases, then queue (wait
+        for a slot), restore, prefill (snapshot saves excluded), snapshot (saving snapshots during prefill),
+        sample (prefill's end to the first token: logits, sampler set-up, first sample), decode (the rest)."""
         c = self.clock
         total = now - c.submitted
+        first = c.first_token if c.first_token is not None else now
+        phases = {**self.job.prepare_s, "queue": c.admitted - c.submitted, "restore": c.restored - c.admitted,
+                  "prefill": c.prefilled - c.restored - self.snapshot_s, "snapshot": self.snapshot_s,
+                  "sample": first - c.prefilled, "decode": now - first}
         return Result(
             completion_tokens=self.out, text=self.stream.text, finish_reason=self.finish, prompt_tokens=self.n,
             cached_tokens=self.cached, restore_source=self.source, restore_s=c.restored - c.admitted,
             prefill_s=c.prefilled - c.restored,
             ttft_s=c.first_token - c.submitted if c.first_token is not None else total, total_s=total,
             snapshots_saved=self.saved, snapshot_s=self.snapshot_s, first_logits=self.first_logits,
-            slot=self.slot.seq)
+            slot=self.slot.seq, phases=phases)
 
 
 @dataclass

@@ -142,7 +142,9 @@ class Api:
         return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
                    max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
                    use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key,
-                   cache_salt=opts.cache_salt, restorable_after=restorable_after)
+                   cache_salt=opts.cache_salt, restorable_after=restorable_after,
+                   prepare_s={"render": prompt.render_s, "tokenize": prompt.tokenize_s,
+                              "boundaries": prompt.boundaries_s})
 
     def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
         loop = asyncio.get_running_loop()
@@ -156,9 +158,9 @@ class Api:
 
     def _log(self, kind: str, r: Result) -> None:
         self.metrics.observe(r)
-        log.info("%s prompt=%d cached=%d tier=%s restore_ms=%.1f prefill_ms=%.1f completion=%d total_ms=%.1f",
-                 kind, r.prompt_tokens, r.cached_tokens, r.restore_source, r.restore_s * 1e3, r.prefill_s * 1e3,
-                 len(r.completion_tokens), r.total_s * 1e3)
+        log.info("%s prompt=%d cached=%d tier=%s completion=%d total_ms=%.1f ttft_ms=%.1f %s", kind, r.prompt_tokens,
+                 r.cached_tokens, r.restore_source, len(r.completion_tokens), r.total_s * 1e3, r.ttft_s * 1e3,
+                 " ".join(f"{name}_ms={s * 1e3:.1f}" for name, s in r.phases.items()))
 
     def record_failure(self, route: str, exc: Exception) -> None:
         """Count and log a refused or failed request (status 499: the client disconnected)."""

@@ -88,6 +88,10 @@ class Metrics:
         self.prefill = Histogram("orchestrator_prefill_seconds", "Time to prefill the uncached part of a prompt",
                                  buckets=_SECONDS, registry=r)
         self.ttft = Histogram("orchestrator_ttft_seconds", "Time to first token", buckets=_SECONDS, registry=r)
+        self.phase = Histogram("orchestrator_request_phase_seconds", "Where a request's time went, by phase: "
+                               "render, tokenize, boundaries (building the prompt), queue, restore, prefill "
+                               "(snapshot saves excluded), snapshot, sample (first token), decode", ["phase"],
+                               buckets=_SECONDS, registry=r)
         self.errors = Counter("orchestrator_request_errors", "Requests refused or failed, by route, HTTP status "
                               "(499: the client disconnected) and error code", ["route", "status", "code"],
                               registry=r)
@@ -103,6 +107,8 @@ class Metrics:
             self.restore.observe(r.restore_s)
         self.prefill.observe(r.prefill_s)
         self.ttft.observe(r.ttft_s)
+        for name, seconds in r.phases.items():
+            self.phase.labels(name).observe(max(0.0, seconds))
 
     def failed(self, route: str, status: int, code: str) -> None:
         self.errors.labels(route, str(status), code).inc()
