@@ -480,12 +480,12 @@ def _response_format(raw: Any) -> dict | None:
 
 def _chat_logprobs(body: dict) -> int | None:
     """None, or the number of most likely tokens to return with each token's logprob (chat: `logprobs` true,
-    `top_logprobs` 0..MAX_TOP_LOGPROBS, which needs `logprobs` true as in OpenAI's API)."""
+    `top_logprobs` 0..MAX_TOP_LOGPROBS; above 0 it needs `logprobs` true, as in OpenAI's API)."""
     on = body.get("logprobs")
     if on is not None and not isinstance(on, bool):
         raise _bad("'logprobs' must be true or false", "logprobs")
     top = _num(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
-    if top is not None and not on:
+    if top and not on:  # 0 asks for nothing: accepted without logprobs, as clients send it by default
         raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if on else None
 

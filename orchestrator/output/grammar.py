@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass
+from typing import Any
 
 from llama_cpp.llama_grammar import SchemaConverter
 
@@ -35,6 +37,31 @@ from .formats import OutputFormat, plain_string
 # its JSON grammar (JSON_GBNF) does not: the converter's `char` rule is replaced by JSON_GBNF's characters.
 _JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 _CALL_FORMATS = ("qwen-xml", "hermes")
+# The converter spells a bound of n as n nested groups, which llama.cpp's grammar parser and sampler walk
+# recursively: larger bounds are refused rather than risk the worker's stack. Grammars above MAX_GRAMMAR_CHARS too.
+MAX_BOUND = 1000
+MAX_GRAMMAR_CHARS = 1 << 20
+_BOUND_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _check_bounds(schema: Any, param: str, depth: int = 0) -> None:
+    """Raise InvalidRequest (naming `param`) for a length or count bound, or a pattern quantifier, above
+    MAX_BOUND anywhere in `schema`."""
+    if depth > 100:
+        raise InvalidRequest(f"'{param}' is nested more than 100 levels deep", param=param)
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            bounds = [value] if key in _BOUND_KEYS and isinstance(value, int) else []
+            if key == "pattern" and isinstance(value, str):
+                bounds = [int(n) for m in _QUANTIFIER.finditer(value) for n in m.groups() if n]
+            if any(b > MAX_BOUND for b in bounds):
+                raise InvalidRequest(f"'{param}' has a bound above {MAX_BOUND} ({key}); this server's grammars "
+                                     f"take at most {MAX_BOUND}", param=param)
+            _check_bounds(value, param, depth + 1)
+    elif isinstance(schema, list):
+        for item in schema:
+            _check_bounds(item, param, depth + 1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +103,7 @@ class _Rules:
     def json(self, schema: dict, name: str, param: str) -> str:
         """The rule name for JSON values valid against `schema`. Raises InvalidRequest (naming `param`) for a
         schema the converter cannot handle."""
+        _check_bounds(schema, param)
         schema = copy.deepcopy(schema)  # resolve_refs rewrites $ref in place
         try:
             self.conv.resolve_refs(schema, "request")
@@ -89,12 +117,17 @@ class _Rules:
     def add(self, name: str, rule: str) -> str:
         return self.conv._add_rule(name, rule)
 
-    def text(self, root: str) -> str:
+    def text(self, root: str, param: str) -> str:
+        """The grammar with root rule `root`. Raises InvalidRequest (naming `param`) above MAX_GRAMMAR_CHARS."""
         rules = self.conv._rules
         if "char" in rules:
             rules["char"] = _JSON_CHAR
         rules["root"] = root
-        return self.conv.format_grammar()
+        text = self.conv.format_grammar()
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"the grammar for '{param}' would be {len(text)} characters; this server takes at "
+                                 f"most {MAX_GRAMMAR_CHARS}: simplify the schema", param=param)
+        return text
 
 
 def _raw_string(rules: _Rules, schema: dict, name: str) -> str:
@@ -173,9 +206,10 @@ def build(structure: Structure, tools: list[dict] | None, fmt: OutputFormat, ope
         if tools:  # the model may still call a tool instead of answering
             body = f"{response} | {_calls(rules, fmt, tools, None, many, 'response_format')}"
     else:  # tool_choice auto, at most one call: free text until a call starts, then exactly one call
-        return Constraint(rules.text(_calls(rules, fmt, tools, None, False, "parallel_tool_calls")),
+        return Constraint(rules.text(_calls(rules, fmt, tools, None, False, "parallel_tool_calls"), "tools"),
                           triggers=fmt.call_starts)
+    param = "tool_choice" if forced else "response_format"
     if opens_reasoning and fmt.think is not None:
         close = fmt.think[1]
-        return Constraint(rules.text(f'{_literal(close)} "\\n"? "\\n"? ({body})'), triggers=(close,))
-    return Constraint(rules.text(body))
+        return Constraint(rules.text(f'{_literal(close)} "\\n"? "\\n"? ({body})', param), triggers=(close,))
+    return Constraint(rules.text(body, param))
