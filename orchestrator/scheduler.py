@@ -239,6 +239,8 @@ class Scheduler:
         was restored)."""
         slot, depth = self.reuse.choose(task, free, storing)
         if slot.task is not None:
+            if not depth:
+                self.reuse.preempt(slot.task)
             self._release(slot.task)
         task.slot, slot.task = slot, task
         slot.key = task.job.prompt_cache_key
