@@ -138,7 +138,7 @@ def test_completion_choices_equal_their_cold_runs_streamed_and_echoed(oai):
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-@pytest.mark.parametrize("n", [PARALLEL + 1, 0, True, 1.5])
+@pytest.mark.parametrize("n", [PARALLEL + 1, 0, -1, True, 1.5])
 def test_n_outside_1_to_parallel_is_400_naming_n(srv, path, n):
     body = {"model": "m", "max_tokens": 2, "n": n}
     body.update({"messages": MSGS} if path.endswith("chat/completions") else {"prompt": PROMPT})
