@@ -6,13 +6,16 @@ was restored and stored.
 A job of n > 1 choices is n tasks: choice 0 is queued, restored and prefilled like any job; at its admission
 choices 1..n-1 (`Task.fork`) take a slot each and wait (FORK) until choice 0's prompt is prefilled, when its
 sequence state is copied to their slots (`Reuse.fork`). Then each samples with its own seed (`Job.choice`),
-decodes and delivers its own events (tagged with its `index`).
+decodes and delivers its own events (tagged with its `index`); only choice 0 stores (snapshots, and the state
+after generation).
 
     QUEUED ──admit: restore──▶ PREFILL ──prompt done──▶ DECODE ──result delivered──▶ STORE ──▶ DONE
        │                          │                        │                            (after-generation
        └── cancelled / timed out ─┴────────────────────────┴──▶ DONE                     state, if any;
                                                                                       taken over or
                                                                                       preempted at a chunk)
+
+    choices 1..n-1 of an n-choice job:  (admitted with choice 0) FORK ──choice 0's prompt state copied──▶ DECODE
 """
 
 from __future__ import annotations
