@@ -3,25 +3,33 @@ streams (`Event`), its progress from submission to release (`Task`, in a `Phase`
 it (`Slot`). Plain data: the scheduler moves a task through its phases, the reuse rules (reuse.py) fill in what
 was restored and stored.
 
+A job of n > 1 choices is n tasks: choice 0 is queued, restored and prefilled like any job; at its admission
+choices 1..n-1 (`Task.fork`) take a slot each and wait (FORK) until choice 0's prompt is prefilled, when its
+sequence state is copied to their slots (`Reuse.fork`). Then each samples with its own seed (`Job.choice`),
+decodes and delivers its own events (tagged with its `index`); only choice 0 stores (snapshots, and the state
+after generation).
+
     QUEUED ──admit: restore──▶ PREFILL ──prompt done──▶ DECODE ──result delivered──▶ STORE ──▶ DONE
        │                          │                        │                            (after-generation
        └── cancelled / timed out ─┴────────────────────────┴──▶ DONE                     state, if any;
                                                                                       taken over or
                                                                                       preempted at a chunk)
+
+    choices 1..n-1 of an n-choice job:  (admitted with choice 0) FORK ──choice 0's prompt state copied──▶ DECODE
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .engine import Sampler, SamplingParams, TokenLogprob
-from .errors import OrchestratorError
+from .errors import ContextOverflow, InvalidRequest, OrchestratorError, RequestCancelled, RequestTimeout
 from .output.stops import TextStream
 
 
@@ -31,6 +39,7 @@ class Phase(str, Enum):
     QUEUED = "queued"  # waiting for a slot
     PREFILL = "prefill"  # the prompt's uncached tokens are computed, in chunks
     DECODE = "decode"  # one token a step
+    FORK = "fork"  # choice i > 0 of an n-choice job, in its slot: waits for choice 0's prompt state (Reuse.fork)
     STORE = "store"  # result delivered; the after-generation state is re-prefilled and stored (SGLang's
     #                  cache_finished_req), one chunk at a time while no other request prefills or decodes; a
     #                  new request takes it over (it extends the work) or preempts it (no free slot).
@@ -55,7 +64,8 @@ class Job:
     submission to completion (None: the scheduler's default; 0: none). restorable_after: given the generated
     token ids (with the end-of-generation token that ended them, if one did), whether the request most likely
     to follow starts with the prompt and exactly those ids (`PromptBuilder.restorable_after`); None: assume it
-    does. When it says no, the state after generation is not computed (issue 18).
+    does. When it says no, the state after generation is not computed (issue 18). n: choices, 1..the scheduler's
+    slots: the prompt is prefilled once and choice i is sampled as `choice(i)` (seed + i).
     """
 
     prompt_tokens: list[int]
@@ -72,6 +82,23 @@ class Job:
     restorable_after: Callable[[Sequence[int]], bool] | None = None
     prepare_s: dict[str, float] = field(default_factory=dict)  # seconds spent before submission, by phase
     #                                                            (render, tokenize, boundaries: Prompt's)
+    n: int = 1
+
+    def check(self, n_ctx: int, n_slots: int) -> None:
+        """Whether a scheduler of `n_slots` slots of `n_ctx` tokens can run this job. Raises InvalidRequest (n
+        outside 1..n_slots), ContextOverflow (the prompt does not fit a slot), OrchestratorError (empty prompt)."""
+        if isinstance(self.n, bool) or not 1 <= self.n <= n_slots:
+            raise InvalidRequest(f"'n' is {self.n}: a request gets 1 to {n_slots} choices here, each generated in a "
+                                 f"slot of its own (--parallel {n_slots})", param="n")
+        if len(self.prompt_tokens) + 1 > n_ctx:
+            raise ContextOverflow(len(self.prompt_tokens), n_ctx)
+        if not self.prompt_tokens:
+            raise OrchestratorError("empty prompt")
+
+    def choice(self, i: int) -> Job:
+        """Choice i of this job as a job of its own (n = 1), the one whose cold run that choice equals: the same
+        prompt and settings, sampled with seed `sampling.seed + i` (llama.cpp keeps its low 32 bits)."""
+        return replace(self, n=1, sampling=replace(self.sampling, seed=self.sampling.seed + i))
 
 
 @dataclass
@@ -95,19 +122,22 @@ class Result:
     logprobs: list[TokenLogprob] | None = None  # one per completion token when the job asked for them
     phases: dict[str, float] = field(default_factory=dict)  # the breakdown of total_s (and of the prompt's
     #   preparation before it), seconds by phase: `Task.result` lists them in order
+    index: int = 0  # the choice (0..n-1); choices i > 0 report choice 0's restore and prefill as theirs
 
 
 @dataclass(frozen=True)
 class Event:
     """Streamed to the caller: TEXT (a delta), DONE (`result` set) or ERROR (`error` set). A TEXT event of a job
     that asked for logprobs carries those of the tokens sampled since the previous TEXT event (a token whose text
-    is held back, e.g. as a possible stop string, reports with the next delta; the rest are in the result)."""
+    is held back, e.g. as a possible stop string, reports with the next delta; the rest are in the result).
+    index: the choice it belongs to (0 unless the job has n > 1 choices)."""
 
     kind: EventKind
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
     result: Result | None = None
     error: OrchestratorError | None = None
+    index: int = 0
 
 
 Sink = Callable[[Event], None]
@@ -159,6 +189,34 @@ class Task:
         self.delivered = False  # DONE or ERROR was sent
         self.cut = False  # the generated tokens are not the whole answer (cancelled or a stop string), read at
         #                   the result: the caller may set `cancel` once it has the result
+        self.index = 0  # the choice this task generates (n > 1 choices: Job.n)
+        self.choices: list[Task] = []  # choice 0 of an n-choice job: the other choices, once admitted
+
+    def fork(self) -> list[Task]:
+        """Choice 0's n - 1 other choices (set as `choices`): each the task of `job.choice(i)` with the same prompt,
+        cancel flag, order, submission time and deadline, its events tagged with index i."""
+        def tagged(i: int) -> Sink:
+            return lambda ev: self.sink(replace(ev, index=i))
+
+        self.choices = []
+        for i in range(1, self.job.n):
+            t = Task(self.job.choice(i), tagged(i), self.cancel, self.order, 0)
+            t.index, t.clock.submitted, t.deadline = i, self.clock.submitted, self.deadline
+            self.choices.append(t)
+        return self.choices
+
+    def forked(self, first: Task) -> None:
+        """This choice now holds the prompt state of choice 0 (`first`): report its restore and prefill."""
+        self.cached, self.source = first.cached, first.source
+        self.clock.admitted, self.clock.restored, self.clock.prefilled = (first.clock.admitted, first.clock.restored,
+                                                                          first.clock.prefilled)
+        self.pos = first.pos
+
+    def stop_error(self, now: float) -> OrchestratorError:
+        """Why an expired task stops: cancelled by the caller, or past its deadline."""
+        if self.cancel.is_set():
+            return RequestCancelled()
+        return RequestTimeout(now - self.clock.submitted)
 
     def expired(self, now: float) -> bool:
         """Cancelled by the caller or past its deadline."""
@@ -189,6 +247,17 @@ class Task:
         new, self._reported = tuple(self.logprobs[self._reported:]), len(self.logprobs)
         return Event(EventKind.TEXT, text=delta, logprobs=new)
 
+    def conclude(self, now: float) -> Result:
+        """End generation at `now`: flush the text held back (a TEXT event), free the sampler, and return the
+        result. Whether the answer was cut (`cut`) is read first: the caller may cancel once it has the result."""
+        self.cut = self.cancel.is_set() or self.stream.stopped
+        tail = self.stream.finish()
+        if tail:
+            self.sink(self.text_event(tail))
+        self.sampler.close()
+        self.pending = None
+        return self.result(now)
+
     def generated(self) -> list[int]:
         """The completion tokens, with the end-of-generation token that ended them (it is in the sequence)."""
         return self.out + ([self.eog] if self.eog is not None else [])
@@ -209,7 +278,41 @@ class Task:
             prefill_s=c.prefilled - c.restored,
             ttft_s=c.first_token - c.submitted if c.first_token is not None else total, total_s=total,
             snapshots_saved=self.saved, snapshot_s=self.snapshot_s, first_logits=self.first_logits,
-            slot=self.slot.seq, logprobs=self.logprobs, phases=phases)
+            slot=self.slot.seq, logprobs=self.logprobs, phases=phases, index=self.index)
+
+
+class Collector:
+    """A sink that keeps the end of each of a job's `n` choices (DONE or ERROR; TEXT events are dropped) for a
+    caller that waits for the results (`Scheduler.run`). Thread-safe."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.n = n
+        self.ends: dict[int, Event] = {}
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def __call__(self, ev: Event) -> None:
+        if ev.kind == EventKind.TEXT:
+            return
+        with self._lock:
+            self.ends.setdefault(ev.index, ev)
+            if ev.kind == EventKind.ERROR or len(self.ends) == self.n:
+                self._done.set()
+
+    def wait(self, cancel: threading.Event | None = None) -> list[Result]:
+        """Block until every choice delivered its result, or one failed: the results by index. Raises the first
+        error delivered. Sets `cancel` (the job's flag) on the way out: the choices still running stop."""
+        try:
+            self._done.wait()
+        finally:
+            if cancel is not None:
+                cancel.set()
+        with self._lock:
+            ends = dict(self.ends)
+        for ev in ends.values():
+            if ev.kind == EventKind.ERROR:
+                raise ev.error
+        return [ends[i].result for i in range(self.n)]
 
 
 @dataclass

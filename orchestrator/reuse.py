@@ -11,6 +11,7 @@ The scheduler calls, per request:
     reuse.prefilled(task, end)       # after each prefill chunk: the live KV, and a checkpoint at a position
     reuse.after_generation(task)     # after the result: rewind and choose what to re-prefill and store, or not
     reuse.take_over(task, slot, n)   # or go on from the n tokens a STORE task left in the slot, no restore
+    reuse.fork(first, other)         # n > 1 choices: copy choice 0's prompt state to another choice's slot
     reuse.store_finished(task)       # at the end of that re-prefill: store its KV and checkpoint
 
 Why every stored state is exact (cached runs equal cold runs bit for bit): with the engine's settings (flash
@@ -147,7 +148,12 @@ class Reuse:
         slots re-prefilling an after-generation state (STORE), which are never busy for a new request. The STORE
         slot whose computed tokens the task extends, when that is at least as deep as any restore (issue 18: a
         tool result continues the work instead of waiting for it or computing it again); else the best free
-        slot; else a STORE slot, to be preempted (`preempt`)."""
+        slot; else a STORE slot, to be preempted (`preempt`).
+
+        Choice i > 0 of an n-choice job gets its state copied from choice 0 (`fork`), so any slot serves it: the one
+        whose live state is worth least (empty, else the least recently used), a free one before a STORE one."""
+        if task.index:
+            return min(free or storing, key=lambda s: (bool(s.live), s.last_used)), 0
         depth, slot = max(((self.take_over_depth(task, s.task), s) for s in storing), key=lambda d: d[0],
                           default=(0, None))
         if depth and depth >= max(p.n_tokens for p in self.plans(task.tokens, task.job.cache_salt)):
@@ -177,7 +183,8 @@ class Reuse:
         if upto <= avail:
             return False
         for other in earlier:
-            if other.order >= task.order or not other.job.use_cache or other.job.cache_salt != task.job.cache_salt:
+            if (other.order >= task.order or not other.job.use_cache or other.job.cache_salt != task.job.cache_salt
+                    or other.index):  # choices i > 0 store nothing (choice 0 does)
                 continue
             shared = min(common_len(other.tokens, task.tokens), upto)
             if shared <= avail:
@@ -231,6 +238,22 @@ class Reuse:
         self.reset(slot)
         return 0, "none"
 
+    def fork(self, first: Task, other: Task) -> None:
+        """Copy the state of choice 0's sequence (`first`, its prompt just prefilled, nothing decoded yet) to the
+        slot of another choice of the same job (FORK), as the bytes llama.cpp wrote
+        (llama_state_seq_get_data / set_data of the whole sequence: KV and recurrent parts), so the copy is exact
+        and that choice goes on as its cold run would. It stores nothing: only choice 0 keeps snapshots and its
+        after-generation state. The logits of the prefill's last token are untouched (a sequence state holds
+        none), so every choice samples its first token from them. Raises EngineError (that sequence cleared)."""
+        slot = other.slot
+        try:
+            self.engine.load_state(slot.seq, self.engine.save_state(first.slot.seq))
+        except EngineError:
+            slot.live = []
+            raise
+        slot.live, slot.salt = list(first.slot.live), first.slot.salt
+        other.forked(first)
+
     def reset(self, slot: Slot) -> None:
         """Clear the slot's sequence: it offers nothing to reuse."""
         self.engine.clear(slot.seq)
@@ -238,9 +261,13 @@ class Reuse:
 
     # ------------------------------------------------------------------ store
 
-    def prefilled(self, task: Task, end: int) -> None:
-        """The slot's sequence now holds task.work[:end], computed by prefill: its KV is a reusable source
-        (unless the whole work is a too-short ubatch), and at a snapshot position a checkpoint is stored."""
+    def prefilled(self, task: Task, end: int, seconds: float = 0.0) -> None:
+        """The slot's sequence now holds task.work[:end], computed by prefill in the last `seconds`: its KV is a
+        reusable source (unless the whole work is a too-short ubatch), and at a snapshot position a checkpoint is
+        stored. A STORE task's chunks count in `after_stats`."""
+        if task.phase == Phase.STORE:
+            self.after_stats.tokens += end - task.pos
+            self.after_stats.seconds += seconds
         task.slot.live = task.work[:end] if len(task.work) >= self.min_segment else []
         task.pos = end
         if task.positions and end == task.positions[0]:

@@ -26,6 +26,9 @@ queue refuses new requests with QueueFull (the server's 429). Checkpoints stored
 valid (each is complete at its position); the end-of-prompt state of a request cancelled during prefill is
 never stored.
 
+A job of n > 1 choices (request.py) waits, with the requests queued after it, until it has n slots (free or STORE);
+its prompt is prefilled once and copied (`Reuse.fork`); each choice equals its cold run (`Job.choice`).
+
 With `use_cache=False` a job is a cold run: its slot is cleared, the whole prompt is prefilled with the same
 rules, nothing is read or stored. That is the correctness oracle the tests compare against.
 """
@@ -41,9 +44,9 @@ import time
 
 from .cache.snapshots import SnapshotCache
 from .engine import Engine
-from .errors import ContextOverflow, EngineError, OrchestratorError, QueueFull, RequestCancelled, RequestTimeout
+from .errors import EngineError, OrchestratorError, QueueFull
 from .memory import HeapTrimmer
-from .request import Event, EventKind, Job, Phase, Result, Sink, Slot, Task
+from .request import Collector, Event, EventKind, Job, Phase, Result, Sink, Slot, Task
 from .reuse import Reuse
 
 log = logging.getLogger("orchestrator.scheduler")
@@ -101,13 +104,11 @@ class Scheduler:
     def submit(self, job: Job, sink: Sink, cancel: threading.Event | None = None) -> threading.Event:
         """Queue a job; returns its cancel flag (set it to stop the job at the next step).
 
-        Raises ContextOverflow (prompt does not fit a slot), OrchestratorError (empty prompt), QueueFull
-        (`queue_size` requests already waiting; `retry_after` says in how many seconds to retry).
+        Raises ContextOverflow (prompt does not fit a slot), OrchestratorError (empty prompt), InvalidRequest
+        (job.n outside 1..n_slots), QueueFull (`queue_size` requests already waiting; `retry_after` says in how
+        many seconds to retry).
         """
-        if len(job.prompt_tokens) + 1 > self.engine.n_ctx:
-            raise ContextOverflow(len(job.prompt_tokens), self.engine.n_ctx)
-        if not job.prompt_tokens:
-            raise OrchestratorError("empty prompt")
+        job.check(self.engine.n_ctx, len(self.slots))
         cancel = cancel or threading.Event()
         with self._cond:
             if self._closed:
@@ -122,20 +123,13 @@ class Scheduler:
         return cancel
 
     def run(self, job: Job) -> Result:
-        """Submit and wait (for tests, benchmarks and the CLI). Raises the job's error."""
-        done = threading.Event()
-        box: list[Event] = []
+        """Submit and wait (for tests, benchmarks and the CLI): choice 0's result. Raises the job's error."""
+        return self.run_choices(job)[0]
 
-        def sink(ev: Event) -> None:
-            if ev.kind != EventKind.TEXT:
-                box.append(ev)
-                done.set()
-
-        self.submit(job, sink)
-        done.wait()
-        if box[0].kind == EventKind.ERROR:
-            raise box[0].error
-        return box[0].result
+    def run_choices(self, job: Job) -> list[Result]:
+        """Submit and wait for all job.n results, by choice. Raises the first error (the others are cancelled)."""
+        box = Collector(job.n)
+        return box.wait(self.submit(job, box))
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until no job is queued or in a slot (after-generation snapshots included). False on timeout."""
@@ -197,7 +191,7 @@ class Scheduler:
             for t in gone:
                 self._waiting.remove(t)
         for t in gone:
-            self._deliver(t, Event(EventKind.ERROR, error=self._stop_error(t)))
+            self._deliver(t, Event(EventKind.ERROR, error=t.stop_error(now)))
         for t in self._active():
             if t.delivered:
                 continue  # storing its after-generation snapshot: not the caller's time any more
@@ -205,12 +199,7 @@ class Scheduler:
                 if t.phase == Phase.DECODE and t.cancel.is_set():
                     self._finish(t)  # deliver what was generated; the caller is gone or done
                 else:
-                    self._fail(t, self._stop_error(t))
-
-    def _stop_error(self, t: Task) -> OrchestratorError:
-        if t.cancel.is_set():
-            return RequestCancelled()
-        return RequestTimeout(time.perf_counter() - t.clock.submitted)
+                    self._fail(t, t.stop_error(now))
 
     # ------------------------------------------------------------------ admission
 
@@ -223,15 +212,22 @@ class Scheduler:
         with self._cond:
             queued = list(self._waiting)
         for task in queued:
-            free = [s for s in self.slots if s.task is None]
-            storing = [s for s in self.slots if s.task is not None and s.task.phase == Phase.STORE]
-            if not free and not storing:
-                return
+            free, storing = self._room()
+            if len(free) + len(storing) < task.job.n:
+                return  # oldest first: an n-choice job is not overtaken while it waits for n slots
             if self.reuse.must_wait(task, self._active() + queued):
                 continue
             with self._cond:
                 self._waiting.remove(task)
-            self._guard(task, self._place, task, free, storing)
+            for t in [task] + task.fork():  # choice 0 first: it picks the slot that restores most
+                if task.phase == Phase.DONE:
+                    break  # choice 0 failed: the others are never placed
+                self._guard(t, self._place, t, *self._room())
+
+    def _room(self) -> tuple[list[Slot], list[Slot]]:
+        """(free slots, slots storing an after-generation state: never busy for a waiting request)."""
+        return ([s for s in self.slots if s.task is None],
+                [s for s in self.slots if s.task is not None and s.task.phase == Phase.STORE])
 
     def _place(self, task: Task, free: list[Slot], storing: list[Slot]) -> None:
         """Bind the task to the slot `Reuse.choose` picks (a STORE task there is taken over or dropped at this
@@ -245,6 +241,9 @@ class Scheduler:
         task.slot, slot.task = slot, task
         slot.key = task.job.prompt_cache_key
         task.clock.admitted = time.perf_counter()
+        if task.index:  # choice i > 0: its state comes from choice 0's once prefilled (_prefilled)
+            task.phase = Phase.FORK
+            return
         if depth:
             self.reuse.take_over(task, slot, depth)
         else:
@@ -315,12 +314,9 @@ class Scheduler:
             end = target if target - t.pos <= self.engine.n_batch else target - self.min_segment
         final = end == n
         # live is extended only after a chunk is decoded; a failed decode clears the sequence.
-        started, pos = time.perf_counter(), t.pos
+        started = time.perf_counter()
         self.engine.decode(t.slot.seq, t.work[t.pos:end], t.pos, want_logits=final and t.phase == Phase.PREFILL)
-        if t.phase == Phase.STORE:
-            self.reuse.after_stats.tokens += end - pos
-            self.reuse.after_stats.seconds += time.perf_counter() - started
-        self.reuse.prefilled(t, end)
+        self.reuse.prefilled(t, end, time.perf_counter() - started)
         if not final:
             return
         if t.phase == Phase.STORE:
@@ -331,6 +327,14 @@ class Scheduler:
 
     def _prefilled(self, t: Task) -> None:
         t.clock.prefilled = time.perf_counter()
+        forks = [c for c in t.choices if c.phase == Phase.FORK]
+        for c in forks:  # state copies first: choice 0's end of generation may rewind its sequence
+            self._guard(c, self.reuse.fork, t, c)
+        for c in [c for c in forks if c.phase == Phase.FORK] + [t]:  # all from the same logits, untouched by copies
+            self._guard(c, self._start, c)
+
+    def _start(self, t: Task) -> None:
+        """Sample the first token from the prompt's logits and go on to decoding."""
         if t.job.want_logits:
             t.first_logits = self.engine.logits()
         t.sampler = self.engine.sampler(t.job.sampling)
@@ -354,14 +358,8 @@ class Scheduler:
 
     def _finish(self, t: Task) -> None:
         """Deliver the result, then store the state after generation (or at the end of the prompt)."""
-        t.cut = t.cancel.is_set() or t.stream.stopped  # before the result: the caller may cancel after it
-        tail = t.stream.finish()
-        if tail:
-            t.sink(t.text_event(tail))
-        result = t.result(time.perf_counter())
+        result = t.conclude(time.perf_counter())
         self._job_s = 0.8 * self._job_s + 0.2 * result.total_s
-        t.sampler.close()
-        t.pending = None
         self._deliver(t, Event(EventKind.DONE, result=result))
         if self.reuse.after_generation(t):
             t.phase = Phase.STORE
@@ -387,6 +385,9 @@ class Scheduler:
         self._deliver(t, Event(EventKind.ERROR, error=err))
         if t.slot is not None:
             self._release(t)
+        for c in t.choices:  # choices waiting for this one's prompt state never get it
+            if c.phase == Phase.FORK:
+                self._fail(c, err)
 
     def _release(self, t: Task) -> None:
         slot = t.slot

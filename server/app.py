@@ -108,10 +108,14 @@ def _authorize(request: Request, api_key: str) -> None:
         raise Unauthorized("incorrect API key provided")
 
 
-def _usage(r: Result) -> dict:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.completion_tokens),
-            "total_tokens": r.prompt_tokens + len(r.completion_tokens),
-            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+def _usage(results: Sequence[Result]) -> dict:
+    """OpenAI's usage of a request's choices: the prompt counted once (it is prefilled once), the completion tokens
+    of every choice."""
+    first = results[0]
+    completion = sum(len(r.completion_tokens) for r in results)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def _timings(r: Result) -> dict:
@@ -149,7 +153,7 @@ class Api:
                    use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key,
                    cache_salt=opts.cache_salt, restorable_after=restorable_after,
                    prepare_s={"render": prompt.render_s, "tokenize": prompt.tokenize_s,
-                              "boundaries": prompt.boundaries_s}, logprobs=opts.logprobs)
+                              "boundaries": prompt.boundaries_s}, logprobs=opts.logprobs, n=opts.n)
 
     def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
         loop = asyncio.get_running_loop()
@@ -161,10 +165,14 @@ class Api:
         cancel = self.rt.submit(job, sink)
         return events, cancel
 
-    def _log(self, kind: str, r: Result) -> None:
+    def _log(self, kind: str, results: Sequence[Result]) -> None:
+        """Observe and log a served request: choice 0's figures (the prompt is served once), the completion tokens
+        of all its choices."""
+        r = results[0]
         self.metrics.observe(r)
-        log.info("%s prompt=%d cached=%d tier=%s completion=%d total_ms=%.1f ttft_ms=%.1f %s", kind, r.prompt_tokens,
-                 r.cached_tokens, r.restore_source, len(r.completion_tokens), r.total_s * 1e3, r.ttft_s * 1e3,
+        log.info("%s prompt=%d cached=%d tier=%s completion=%d%s total_ms=%.1f ttft_ms=%.1f %s", kind,
+                 r.prompt_tokens, r.cached_tokens, r.restore_source, sum(len(x.completion_tokens) for x in results),
+                 f" choices={len(results)}" if len(results) > 1 else "", r.total_s * 1e3, r.ttft_s * 1e3,
                  " ".join(f"{name}_ms={s * 1e3:.1f}" for name, s in r.phases.items()))
 
     def record_failure(self, route: str, exc: Exception) -> None:
@@ -175,18 +183,23 @@ class Api:
         log.log(level, "refused %s status=%d code=%s: %s", route, status, code,
                 str(getattr(exc, "message", exc))[:200])
 
-    async def _collect(self, request: Request, events: asyncio.Queue, cancel: threading.Event) -> Result:
-        """Wait for a non-streamed result; a client that disconnects meanwhile cancels the job (its slot is
-        freed at the next step) and the request ends as RequestCancelled (499), also when the scheduler
+    async def _collect(self, request: Request, events: asyncio.Queue, cancel: threading.Event,
+                       n: int = 1) -> list[Result]:
+        """Wait for the non-streamed results of a job's `n` choices, by index; the first error (any choice's)
+        fails the request and cancels the other choices. A client that disconnects meanwhile cancels the job (its
+        slots are freed at the next step) and the request ends as RequestCancelled (499), also when the scheduler
         delivers what was generated until then."""
         watch = asyncio.create_task(_cancel_on_disconnect(request, cancel))
+        results: list[Result | None] = [None] * n
         try:
             while True:
                 ev = await events.get()
                 if ev.kind == "done":
                     if watch.done() and not watch.cancelled():
                         raise RequestCancelled()  # nobody to answer
-                    return ev.result
+                    results[ev.index] = ev.result
+                    if all(r is not None for r in results):
+                        return results
                 if ev.kind == "error":
                     raise ev.error
         finally:
@@ -195,10 +208,14 @@ class Api:
 
     async def _stream(self, events: asyncio.Queue, cancel: threading.Event, route: str, kind: str,
                       on_text: Callable[[Event], list[str]], on_done: Callable[[Result], list[str]],
-                      on_error: Callable[[Exception], list[str]]) -> AsyncIterator[str]:
-        """The lines of a server-sent event stream: on_text per TEXT event, then on_done or (if the job fails)
-        on_error. Leaving early (client gone) cancels the job at its next token and counts a disconnect."""
+                      on_error: Callable[[Exception], list[str]], n: int = 1,
+                      on_end: Callable[[list[Result]], list[str]] | None = None) -> AsyncIterator[str]:
+        """The lines of a server-sent event stream: on_text per TEXT event (of any of the job's `n` choices, as
+        they come), on_done per choice's result, then on_end with all results by index; or, as soon as one choice
+        fails, on_error (the other choices are cancelled). Leaving early (client gone) cancels the job at its next
+        token and counts a disconnect."""
         finished = False
+        results: list[Result | None] = [None] * n
         try:
             while True:
                 ev = await events.get()
@@ -211,8 +228,13 @@ class Api:
                         yield line
                     break
                 else:
-                    self._log(kind, ev.result)
+                    results[ev.index] = ev.result
                     for line in on_done(ev.result):
+                        yield line
+                    if any(r is None for r in results):
+                        continue
+                    self._log(kind, results)
+                    for line in on_end(results) if on_end else ():
                         yield line
                     break
             finished = True
@@ -223,9 +245,10 @@ class Api:
 
     def _openai_sse(self, events: asyncio.Queue, cancel: threading.Event, route: str, kind: str,
                     on_text: Callable[[Event], list[dict]], on_done: Callable[[Result], list[dict]],
-                    first: list[dict] = ()) -> AsyncIterator[str]:
-        """OpenAI's server-sent events: `data: {payload}` per payload (`first` ones at once), an error body if
-        the job fails, then `data: [DONE]`."""
+                    first: list[dict] = (), n: int = 1,
+                    on_end: Callable[[list[Result]], list[dict]] = lambda results: []) -> AsyncIterator[str]:
+        """OpenAI's server-sent events: `data: {payload}` per payload (`first` ones at once; on_done per choice,
+        on_end once all `n` are done), an error body if the job fails, then `data: [DONE]`."""
         def lines(payloads) -> list[str]:
             return [f"data: {json.dumps(p, ensure_ascii=False)}\n\n" for p in payloads]
 
@@ -233,7 +256,8 @@ class Api:
             for line in lines(first):
                 yield line
             inner = self._stream(events, cancel, route, kind, lambda ev: lines(on_text(ev)),
-                                 lambda r: lines(on_done(r)), lambda e: lines([error_payload(e)[0]]))
+                                 lambda r: lines(on_done(r)), lambda e: lines([error_payload(e)[0]]), n,
+                                 lambda results: lines(on_end(results)))
             try:
                 async for line in inner:
                     yield line
@@ -283,8 +307,15 @@ class Api:
         if req.options.stream:
             return StreamingResponse(self._chat_stream(events, cancel, cid, created, prompt, req),
                                      media_type="text/event-stream")
-        r = await self._collect(request, events, cancel)
-        self._log("chat", r)
+        results = await self._collect(request, events, cancel, job.n)
+        self._log("chat", results)
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": self.rt.model_id,
+            "choices": [self._chat_choice(r, prompt, req) for r in results],
+            "usage": _usage(results), "timings": _timings(results[0])})
+
+    def _chat_choice(self, r: Result, prompt: Prompt, req) -> dict:
+        """One entry of a chat completion's `choices`: the message parsed from choice r.index's text."""
         out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format,
                            req.tools)
         message = {"role": "assistant", "content": out.content}
@@ -292,26 +323,25 @@ class Api:
             message["reasoning_content"] = out.reasoning
         if out.tool_calls:
             message["tool_calls"] = out.tool_calls
-        finish = "tool_calls" if out.tool_calls else r.finish_reason
-        return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": self.rt.model_id,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                         "logprobs": None if r.logprobs is None else logprobs.chat(r.logprobs, self.rt.piece)}],
-            "usage": _usage(r), "timings": _timings(r)})
+        return {"index": r.index, "message": message, "finish_reason": "tool_calls" if out.tool_calls else
+                r.finish_reason, "logprobs": None if r.logprobs is None else logprobs.chat(r.logprobs, self.rt.piece)}
 
     def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
                      prompt: Prompt, req) -> AsyncIterator[str]:
-        """OpenAI's chunks; with stream_options.include_usage every chunk carries "usage": null and one last
-        chunk with no choices carries the usage, as OpenAI sends them."""
-        parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format,
-                                    req.tools)
+        """OpenAI's chunks, each of one choice (its `index`; with n > 1 choices their chunks interleave as they
+        are generated, each choice opening with its role chunk and ending with its finish_reason chunk); with
+        stream_options.include_usage every chunk carries "usage": null and one last chunk with no choices carries
+        the usage of all choices, as OpenAI sends them."""
+        n = req.options.n
+        parsers = [make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format,
+                                      req.tools) for _ in range(n)]
         keys = {"reasoning": "reasoning_content", "content": "content"}
         with_usage = req.options.include_usage
-        held: list = []  # logprobs of tokens whose text no chunk carried yet (held back by the parser)
-        seen = [0]  # logprobs received with TEXT events
+        held: list[list] = [[] for _ in range(n)]  # per choice: logprobs of tokens whose text no chunk carried yet
+        seen = [0] * n  # per choice: logprobs received with TEXT events
 
-        def chunk(delta: dict | None, finish: str | None = None) -> dict:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
+        def chunk(delta: dict | None, finish: str | None = None, i: int = 0) -> dict:
+            choices = [] if delta is None else [{"index": i, "delta": delta, "finish_reason": finish,
                                                  "logprobs": None}]
             body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.rt.model_id,
                     "choices": choices}
@@ -319,32 +349,35 @@ class Api:
                 body["usage"] = None
             return body
 
-        def attach(chunks: list[dict]) -> list[dict]:
-            """Put the held logprobs on the first of `chunks` (each token's once, in order)."""
-            if held and chunks:
-                chunks[0]["choices"][0]["logprobs"] = logprobs.chat(held, self.rt.piece)
-                held.clear()
+        def attach(chunks: list[dict], i: int) -> list[dict]:
+            """Put choice i's held logprobs on the first of `chunks` (each token's once, in order)."""
+            if held[i] and chunks:
+                chunks[0]["choices"][0]["logprobs"] = logprobs.chat(held[i], self.rt.piece)
+                held[i].clear()
             return chunks
 
         def on_text(ev: Event) -> list[dict]:
-            held.extend(ev.logprobs)
-            seen[0] += len(ev.logprobs)
-            return attach([chunk({keys[k]: piece}) for k, piece in parser.push(ev.text)])
+            i = ev.index
+            held[i].extend(ev.logprobs)
+            seen[i] += len(ev.logprobs)
+            return attach([chunk({keys[k]: piece}, i=i) for k, piece in parsers[i].push(ev.text)], i)
 
         def on_done(r: Result) -> list[dict]:
-            rest, calls = parser.finish()
-            held.extend((r.logprobs or [])[seen[0]:])
-            out = [chunk({keys[k]: piece}) for k, piece in rest]
+            i = r.index
+            rest, calls = parsers[i].finish()
+            held[i].extend((r.logprobs or [])[seen[i]:])
+            out = [chunk({keys[k]: piece}, i=i) for k, piece in rest]
             if calls:
-                out.append(chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
-            out.append(chunk({}, "tool_calls" if calls else r.finish_reason))
-            attach(out)
-            if with_usage:
-                out.append(dict(chunk(None), usage=_usage(r)))
-            return out
+                out.append(chunk({"tool_calls": [dict(c, index=j) for j, c in enumerate(calls)]}, i=i))
+            out.append(chunk({}, "tool_calls" if calls else r.finish_reason, i))
+            return attach(out, i)
+
+        def on_end(results: list[Result]) -> list[dict]:
+            return [dict(chunk(None), usage=_usage(results))] if with_usage else []
 
         return self._openai_sse(events, cancel, "/v1/chat/completions", "chat-stream", on_text, on_done,
-                                first=[chunk({"role": "assistant", "content": ""})])
+                                first=[chunk({"role": "assistant", "content": ""}, i=i) for i in range(n)], n=n,
+                                on_end=on_end)
 
     async def completions(self, request: Request):
         cfg = self.rt.config
@@ -354,14 +387,15 @@ class Api:
         events, cancel = self._submit(job)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         model = self.rt.model_id
-        lps = logprobs.CompletionLogprobs(self.rt.piece, len(req.prompt))
+        n = job.n
+        lps = [logprobs.CompletionLogprobs(self.rt.piece, len(req.prompt)) for _ in range(n)]  # per choice
         if req.options.stream:
             with_usage = req.options.include_usage
-            seen = [0]  # logprobs sent with text chunks
+            seen = [0] * n  # per choice: logprobs sent with text chunks
 
-            def body(text: str | None, finish: str | None = None, entries=None) -> dict:
-                choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish,
-                                                    "logprobs": None if entries is None else lps.block(entries)}]
+            def body(text: str | None, finish: str | None = None, entries=None, i: int = 0) -> dict:
+                choices = [] if text is None else [{"index": i, "text": text, "finish_reason": finish,
+                                                    "logprobs": None if entries is None else lps[i].block(entries)}]
                 out = {"id": cid, "object": "text_completion", "created": created, "model": model,
                        "choices": choices}
                 if with_usage:
@@ -369,26 +403,28 @@ class Api:
                 return out
 
             def on_text(ev: Event) -> list[dict]:
-                seen[0] += len(ev.logprobs)
-                return [body(ev.text, None, ev.logprobs if job.logprobs is not None else None)]
+                seen[ev.index] += len(ev.logprobs)
+                return [body(ev.text, None, ev.logprobs if job.logprobs is not None else None, ev.index)]
 
             def on_done(r: Result) -> list[dict]:
-                out = [body("", r.finish_reason, None if r.logprobs is None else r.logprobs[seen[0]:])]
-                if with_usage:
-                    out.append(dict(body(None), usage=_usage(r)))
-                return out
+                return [body("", r.finish_reason, None if r.logprobs is None else r.logprobs[seen[r.index]:],
+                             r.index)]
 
-            gen = self._openai_sse(events, cancel, "/v1/completions", "completion-stream",
-                                   on_text, on_done, first=[body(req.prompt)] if req.echo else [])
+            def on_end(results: list[Result]) -> list[dict]:
+                return [dict(body(None), usage=_usage(results))] if with_usage else []
+
+            gen = self._openai_sse(events, cancel, "/v1/completions", "completion-stream", on_text, on_done,
+                                   first=[body(req.prompt, i=i) for i in range(n)] if req.echo else [], n=n,
+                                   on_end=on_end)
             return StreamingResponse(gen, media_type="text/event-stream")
-        r = await self._collect(request, events, cancel)
-        self._log("completion", r)
-        text = (req.prompt + r.text) if req.echo else r.text
+        results = await self._collect(request, events, cancel, n)
+        self._log("completion", results)
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": r.finish_reason,
-                         "logprobs": None if r.logprobs is None else lps.block(r.logprobs)}],
-            "usage": _usage(r), "timings": _timings(r)})
+            "choices": [{"index": r.index, "text": (req.prompt + r.text) if req.echo else r.text,
+                         "finish_reason": r.finish_reason,
+                         "logprobs": None if r.logprobs is None else lps[r.index].block(r.logprobs)} for r in results],
+            "usage": _usage(results), "timings": _timings(results[0])})
 
     # ------------------------------------------------------------------ Anthropic Messages API
 
@@ -408,8 +444,8 @@ class Api:
         if req.options.stream:
             return StreamingResponse(self._messages_stream(events, cancel, mid, prompt, req),
                                      media_type="text/event-stream")
-        r = await self._collect(request, events, cancel)
-        self._log("messages", r)
+        r = (await self._collect(request, events, cancel))[0]
+        self._log("messages", [r])
         out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
         reason, sequence = self._stop_reason(r, bool(out.tool_calls), req.options.stop)
         return JSONResponse({

@@ -105,8 +105,9 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "user": ident,
         "safety_identifier": ident,
         "metadata": _nullable({"type": "object"}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": cfg.parallel,
+                        "description": "choices from one prefill; choice i is sampled with seed + i"}),
         # accepted with their default value only (server/schemas.py DEFAULT_ONLY)
-        "n": _nullable({"const": 1}),
         "best_of": _nullable({"const": 1}),
         "presence_penalty": _nullable({"const": 0}),
         "frequency_penalty": _nullable({"const": 0}),

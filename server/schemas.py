@@ -6,7 +6,7 @@ which server/errors.py turns into HTTP 400 with an OpenAI-style body.
 `FIELDS` is the one list of top-level request fields the server accepts; everything else is refused by name, so a
 client never believes a setting took effect when it did not. `DEFAULT_ONLY` lists accepted fields the server
 cannot honour beyond their default: they pass when they carry what OpenAI-compatible clients send by default
-(or null), and are refused otherwise (e.g. n=2, presence_penalty=0.5).
+(or null), and are refused otherwise (e.g. best_of=2, presence_penalty=0.5).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "stop": _BOTH,
     "stream": _BOTH,
     "stream_options": _BOTH,
+    "n": _BOTH,  # choices, 1..--parallel: one prefill, choice i sampled with seed + i (orchestrator/request.py)
     "logprobs": _BOTH,  # chat: true/false; completions: the number of most likely tokens (0..MAX_TOP_LOGPROBS)
     "top_logprobs": (CHAT,),
     # cache control and caller identity
@@ -63,7 +64,6 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "safety_identifier": _BOTH,
     "metadata": (CHAT,),
     # accepted only with their default value (DEFAULT_ONLY)
-    "n": _BOTH,
     "best_of": (COMPLETION,),
     "presence_penalty": _BOTH,
     "frequency_penalty": _BOTH,
@@ -76,7 +76,6 @@ FIELDS: dict[str, tuple[str, ...]] = {
 
 # field -> (accepts the value?, the values accepted, for the error message). null is always accepted.
 DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v == 1 and not isinstance(v, bool), "1 (one choice per request)"),
     "best_of": (lambda v: v == 1 and not isinstance(v, bool), "1"),
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (penalties are not implemented)"),
     "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (penalties are not implemented)"),
@@ -104,6 +103,7 @@ class GenerationOptions:
     seed: int | None = None  # as given; None = not reproducible
     cache_salt: str = ""  # "" = the shared cache; otherwise only requests with the same salt share snapshots
     logprobs: int | None = None  # None: no logprobs; k: each token's logprob with the k most likely tokens
+    n: int = 1  # choices (1..cfg.parallel)
 
 
 @dataclass
@@ -201,10 +201,14 @@ def _options(body: dict, cfg: Config) -> GenerationOptions:
         seed=int(seed),
     )
     cache_prompt = body.get("cache_prompt")
+    n = _num(body, "n", 1, 2 ** 31 - 1, 1, integer=True)
+    if n > cfg.parallel:
+        raise _bad(f"'n' is {n}, but this server generates at most {cfg.parallel} choices per request: each choice "
+                   f"is generated in a slot of its own (--parallel {cfg.parallel})", "n")
     return GenerationOptions(max_tokens=max_tokens, sampling=sampling, stop=stop, stream=bool(body.get("stream")),
                              include_usage=bool(stream_options.get("include_usage")),
                              cache_prompt=True if cache_prompt is None else cache_prompt, seed=body.get("seed"),
-                             cache_salt=body.get("cache_salt") or "")
+                             cache_salt=body.get("cache_salt") or "", n=n)
 
 
 def _content(content: Any, param: str, allow_none: bool) -> str | list | None:

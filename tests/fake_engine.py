@@ -1,6 +1,6 @@
 """A fake engine for unit tests of the scheduler and the reuse rules: no llama.cpp, no model, milliseconds.
 
-It has the Engine's interface (decode, decode_step, logits, sampler, is_eog, piece, tokenize, clear, pos_max,
+It has the Engine's interface (decode, decode_step, logits, logprob, sampler, is_eog, piece, tokenize, clear, pos_max,
 calibrate) and its byte-level state primitives (save_state, load_state, state_size, truncate), so the real state
 kinds (orchestrator/state.py), cache, reuse rules and scheduler run on it unchanged.
 
@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from orchestrator.engine import SamplingParams, chunk_sizes
+from orchestrator.engine import SamplingParams, chunk_sizes, token_logprob
 from orchestrator.errors import EngineError, ModelLoadError
 from orchestrator.state import HEADER, HybridState, KVState
 
@@ -142,6 +142,9 @@ class FakeEngine:
 
     def logits(self, idx: int = -1) -> np.ndarray:
         return self._logits[idx].copy()
+
+    def logprob(self, token: int, k: int = 0, idx: int = -1):
+        return token_logprob(self.logits(idx), token, k)
 
     def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
         if self.on_decode is not None:

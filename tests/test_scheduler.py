@@ -9,6 +9,7 @@ the real model in test_correctness.py, test_slots.py and test_models.py.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -19,9 +20,9 @@ from hypothesis import strategies as st
 from orchestrator import calibration
 from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.engine import SamplingParams
-from orchestrator.errors import EngineError, RequestCancelled, RequestTimeout
+from orchestrator.errors import EngineError, InvalidRequest, RequestCancelled, RequestTimeout
 from orchestrator.cache.radix import CHECKPOINT, KV, common_len
-from orchestrator.request import Event, EventKind, Job, Phase, Slot, Task
+from orchestrator.request import Collector, Event, EventKind, Job, Phase, Slot, Task
 from orchestrator.reuse import Reuse
 from orchestrator.scheduler import Scheduler
 from orchestrator.cache.tiers import RamTier
@@ -591,3 +592,148 @@ def test_random_traffic_equals_cold_runs_and_never_over_reports(make, parts, dat
         earlier += [j.prompt_tokens + r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else [])
                     for j, r in zip(batch, got)]
         cache.check()
+
+
+# ---------------------------------------------------------------- n > 1 choices from one prefill (issue 13, item 6)
+
+
+def hot(tokens, boundaries=(), max_tokens=8, seed=11, **kw) -> Job:
+    """A sampled (temperature 1) job: different seeds give different tokens on the fake engine."""
+    return Job(list(tokens), boundaries, max_tokens=max_tokens, want_logits=True,
+               sampling=SamplingParams(temperature=1.0, seed=seed), **kw)
+
+
+def assert_each_is_its_cold_run(s: Scheduler, j: Job, results) -> None:
+    assert [r.index for r in results] == list(range(j.n))
+    for i, r in enumerate(results):
+        cold = s.run(dataclasses.replace(j.choice(i), use_cache=False))
+        assert cold.cached_tokens == 0 and j.choice(i).sampling.seed == j.sampling.seed + i
+        assert r.completion_tokens == cold.completion_tokens, f"choice {i}"
+        assert np.array_equal(r.first_logits, cold.first_logits)
+        assert r.logprobs == cold.logprobs
+        assert r.prompt_tokens == len(j.prompt_tokens)
+    assert len({tuple(r.completion_tokens) for r in results}) > 1, "each choice samples with its own seed"
+
+
+@pytest.mark.parametrize("hybrid,batch_decode", [(True, False), (True, True), (False, False)])
+def test_n_choices_prefill_once_and_each_equals_the_cold_run_of_its_seed(make, hybrid, batch_decode):
+    eng, cache, s = make(n_slots=3, hybrid=hybrid, batch_decode=batch_decode)
+    tokens = SYSTEM + TAILS[0]
+    j = hot(tokens, [len(SYSTEM)], n=3, logprobs=2, max_tokens=12, use_cache=False)
+    before = eng.prefilled_tokens
+    rs = s.run_choices(j)
+    assert eng.prefilled_tokens - before == len(tokens)  # the prompt is computed once for the three choices
+    assert len({r.slot for r in rs}) == 3
+    assert all(len(r.logprobs) == len(r.completion_tokens) for r in rs)
+    assert_each_is_its_cold_run(s, j, rs)
+
+
+def test_n_choices_restore_once_and_only_choice_0_stores_after_generation(make):
+    eng, cache, s = make(n_slots=3)
+    tokens = SYSTEM + TAILS[1]
+    s.run(hot(tokens, [len(SYSTEM)], seed=99))
+    assert s.drain(30)
+    j = hot(tokens, [len(SYSTEM)], n=3, seed=5, max_tokens=10)
+    rs = s.run_choices(j)
+    assert s.drain(30)
+    assert all(r.cached_tokens == len(tokens) - MS and r.restore_source == rs[0].restore_source for r in rs)
+    ends = [tokens + r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else []) for r in rs]
+    assert cache.contains(ends[0], KV)
+    assert not any(cache.contains(e, KV) for e in ends[1:] if e != ends[0])
+    assert_each_is_its_cold_run(s, j, rs)
+
+
+def test_more_choices_than_slots_are_refused_at_submission(make):
+    eng, cache, s = make(n_slots=2)
+    for n in (3, 0):
+        with pytest.raises(InvalidRequest) as e:
+            s.submit(hot(SYSTEM, n=n), lambda ev: None)
+        assert e.value.param == "n" and "--parallel 2" in str(e.value)
+    assert s.queue_length == 0
+
+
+def test_an_n_choice_job_waits_for_n_slots_preempts_storing_ones_and_is_not_overtaken(make):
+    eng, cache, s = make(n_slots=2)
+    a, b, c = SYSTEM[:24], [30 + i % 7 for i in range(24)], [9 + i % 5 for i in range(24)]
+    started = []  # prompts in the order their prefill started
+    eng.on_decode = lambda seq, toks, pos: started.append(tuple(toks[:8])) if pos == 0 else None
+    jobs = [job(a, max_tokens=30), hot(b, n=2, seed=3, max_tokens=8), job(c, max_tokens=4)]
+    boxes = [Collector(j.n) for j in jobs]
+    eng.pause()
+    for j, box in zip(jobs, boxes):
+        s.submit(j, box)
+    eng.resume()
+    results = [box.wait() for box in boxes]
+    assert s.drain(30)
+    eng.on_decode = None
+    # b needed both slots: c, arriving after it, did not take the free one while a ran
+    assert started == [tuple(a[:8]), tuple(b[:8]), tuple(c[:8])]
+    assert s.reuse.after_stats.preempted >= 1  # a's after-generation work made room for b's second choice
+    assert_each_is_its_cold_run(s, jobs[1], results[1])
+
+
+def test_cancelling_an_n_choice_job_during_prefill_cancels_every_choice(make):
+    eng, cache, s = make(n_slots=3, checkpoint_interval=16)
+    tokens = [(5 * i) % 60 + 1 for i in range(100)]
+    cancel = threading.Event()
+    eng.on_decode = lambda seq, toks, pos: cancel.set() if pos >= 48 else None
+    box = Collector(3)
+    s.submit(hot(tokens, n=3), box, cancel)
+    with pytest.raises(RequestCancelled):
+        box.wait()
+    assert s.drain(30)
+    eng.on_decode = None
+    assert sorted(box.ends) == [0, 1, 2]
+    assert all(isinstance(ev.error, RequestCancelled) for ev in box.ends.values())
+    assert s.slots_busy == 0
+    same_as_cold(s, tokens)
+
+
+def test_cancelling_an_n_choice_job_during_decode_delivers_what_each_choice_generated(make):
+    eng, cache, s = make(n_slots=3)
+    cancel = threading.Event()
+    ends = {}
+
+    def sink(ev):
+        if ev.kind == EventKind.TEXT:
+            cancel.set()  # the client goes away after the first piece of text
+        else:
+            ends[ev.index] = ev
+
+    s.submit(hot(SYSTEM + TAILS[2], n=3, max_tokens=50), sink, cancel)
+    assert s.drain(30)
+    assert sorted(ends) == [0, 1, 2]
+    assert all(ev.kind == EventKind.DONE and len(ev.result.completion_tokens) < 50 for ev in ends.values())
+
+
+def test_a_failure_of_choice_0_before_the_copy_fails_the_waiting_choices(make):
+    eng, cache, s = make(n_slots=3)
+    tokens = SYSTEM + TAILS[3]
+
+    def boom(seq, toks, pos):
+        if pos >= 16:
+            raise EngineError("llama_decode failed")
+
+    eng.on_decode = boom
+    box = Collector(3)
+    s.submit(hot(tokens, n=3), box)
+    with pytest.raises(EngineError):
+        box.wait()
+    assert s.drain(30)
+    eng.on_decode = None
+    assert sorted(box.ends) == [0, 1, 2] and all(ev.kind == EventKind.ERROR for ev in box.ends.values())
+    assert s.slots_busy == 0
+    same_as_cold(s, tokens)
+
+
+def test_a_state_copy_llama_cpp_refuses_fails_that_choice_only(make):
+    eng, cache, s = make(n_slots=2)
+    j = hot(SYSTEM + TAILS[0], n=2, use_cache=False)
+    eng.fail_loads = True
+    box = Collector(2)
+    s.submit(j, box)
+    assert s.drain(30)
+    eng.fail_loads = False
+    assert box.ends[1].kind == EventKind.ERROR and isinstance(box.ends[1].error, EngineError)
+    cold = s.run(dataclasses.replace(j.choice(0), use_cache=False))
+    assert box.ends[0].result.completion_tokens == cold.completion_tokens
