@@ -190,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                          "4151288`, the commit before issue 18) as orchestrator-before")
     ap.add_argument("--tool-choice", default=None, choices=["auto", "required"],
                     help="W4: send tool_choice (default: none sent; 'required' needs grammar-constrained calls)")
+    ap.add_argument("--thinking", choices=["on", "off"], default="on",
+                    help="W4: thinking on (the template's default) or off (chat_template_kwargs enable_thinking "
+                         "false; orchestrator's tool-call grammar is lazy until </think> with thinking on, so "
+                         "--tool-choice required forces a call only with thinking off)")
     ap.add_argument("--loop-cold", choices=["last", "none"], default=None,
                     help="W4/CHAT: after the first run of each system, send each agent's last request again "
                          "with cache_prompt false and compare (default: last with --quick, else none)")
@@ -227,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             "W3": lambda: w3(rend.tokenize, args.scale, pt)}
     plan: dict[str, list[Req]] = {w: gens[w]() for w in workloads}
     loop_plans = {w: (w4 if w == "W4" else chat)(rend.tokenize, args.scale) for w in loops}
+    if "W4" in loop_plans and args.thinking == "off":
+        loop_plans["W4"].chat_template_kwargs = {"enable_thinking": False}
     before = [before_system(args.before)] if args.before else []
     loop_systems = {"W4": [s for s in systems if s.kind != "llama-cpp-python"] + before,
                     "CHAT": [s for s in systems if s.kind == "orchestrator"] + before}
@@ -355,8 +361,9 @@ def loop_description(lp, args) -> str:
                 f"answer as returned (content, reasoning_content, tool_calls) and then the output: as `tool` "
                 f"messages when the answer had tool calls, else as a user message (the random-weight model almost"
                 f" never writes a well-formed call{'' if args.tool_choice else '; tool_choice not sent'}"
-                f"{'; tool_choice ' + args.tool_choice if args.tool_choice else ''}). Thinking on (the template's "
-                f"default). Context {sc.w4_ctx_size:,} tokens a slot: orchestrator 4 slots, llama-server -np 3.")
+                f"{'; tool_choice ' + args.tool_choice if args.tool_choice else ''}). "
+                f"{'Thinking on (the template' + chr(39) + 's default)' if args.thinking == 'on' else 'Thinking off'}. "
+                f"Context {sc.w4_ctx_size:,} tokens a slot: orchestrator 4 slots, llama-server -np 3.")
     return (f"One conversation of {sc.chat_turns} user turns (~{sc.chat_user_tokens} tokens each), no tools, "
             f"thinking on; max_tokens per turn {sc.chat_gen[0]}-{sc.chat_gen[1]} (seeded); the next user turn "
             f"{sc.chat_delay_s} s after each answer.")

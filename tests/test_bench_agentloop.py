@@ -178,3 +178,18 @@ def test_w4_commands_give_every_slot_the_same_context():
     assert orch[1].endswith("bench/orchestrator_instrumented.py") and orch[2] == "serve"
     assert orch[orch.index("-c") + 1] == "12288"
     assert before_system(Path("/tmp/b")).root == "/tmp/b"
+
+
+def test_request_body_sends_tools_tool_choice_and_template_kwargs_only_where_asked():
+    plan = w4(tok, Scale.named("quick"))
+    msgs = agentloop.first_messages(plan, 0)
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    b = agentloop.request_body(plan, msgs, 77, None)
+    assert b["max_tokens"] == 77 and b["temperature"] == 0.0 and b["cache_prompt"] is True
+    assert b["tools"] is plan.tools and "tool_choice" not in b and "chat_template_kwargs" not in b
+    plan.chat_template_kwargs = {"enable_thinking": False}
+    b = agentloop.request_body(plan, msgs, 77, "required", cache_prompt=False)
+    assert b["tool_choice"] == "required" and b["chat_template_kwargs"] == {"enable_thinking": False}
+    assert b["cache_prompt"] is False
+    c = chat(tok, Scale.named("quick"))
+    assert "tools" not in agentloop.request_body(c, agentloop.first_messages(c, 0), 5, "required")
