@@ -332,9 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                                      True, cache_ram)
             save()
         for w, lp in loop_plans.items():
-            loop_runs += agentloop.run_loops(lp, loop_systems[w], args, log_dir, args.loop_reps,
-                                             args.tool_choice if w == "W4" else None, args.loop_cold,
-                                             BASE_PORT + 100, log, on_run=lambda _r: save())
+            agentloop.run_loops(lp, loop_systems[w], args, log_dir, args.loop_reps,
+                                args.tool_choice if w == "W4" else None, args.loop_cold, BASE_PORT + 100, log,
+                                on_run=lambda r: (loop_runs.append(r), save()))  # saved run by run
     finally:
         sampler.close()
         meta["load_end"] = os.getloadavg()[0]
