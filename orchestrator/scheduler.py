@@ -239,6 +239,8 @@ class Scheduler:
         was restored)."""
         slot, depth = self.reuse.choose(task, free, storing)
         if slot.task is not None:
+            if not depth:
+                self.reuse.preempt(slot.task)
             self._release(slot.task)
         task.slot, slot.task = slot, task
         slot.key = task.job.prompt_cache_key
@@ -340,9 +342,11 @@ class Scheduler:
         if t.clock.first_token is None:
             t.clock.first_token = time.perf_counter()
         eog = self.engine.is_eog(tok)
+        if t.logprobs is not None and not eog:
+            t.logprobs.append(self.engine.logprob(tok, t.job.logprobs, idx))
         delta, done = t.take(tok, eog, b"" if eog else self.engine.piece(tok), self.engine.n_ctx)
         if delta:
-            t.sink(Event(EventKind.TEXT, text=delta))
+            t.sink(t.text_event(delta))
         if done:
             self._finish(t)
 
@@ -353,7 +357,7 @@ class Scheduler:
         t.cut = t.cancel.is_set() or t.stream.stopped  # before the result: the caller may cancel after it
         tail = t.stream.finish()
         if tail:
-            t.sink(Event(EventKind.TEXT, text=tail))
+            t.sink(t.text_event(tail))
         result = t.result(time.perf_counter())
         self._job_s = 0.8 * self._job_s + 0.2 * result.total_s
         t.sampler.close()
