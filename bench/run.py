@@ -4,6 +4,8 @@
     python -m bench --quick            # a smoke run of every code path (a few minutes)
     python -m bench --full             # the issue's full W3 scale (8 agents x 6 turns, 200-1,500-token results)
     python -m bench --systems orchestrator,llama-server --workloads W1
+    python -m bench --workloads W4,CHAT --before /tmp/before   # closed loops (bench/agentloop.py), with
+                                                               # orchestrator as of another checkout too
 
 Each round of a workload runs against freshly started servers, all systems at once on their own ports, and
 every request goes to each system in turn (only one computes at a time, and the next waits until the previous
@@ -11,6 +13,10 @@ server's CPU is idle), so machine drift hits all systems alike. After a workload
 prompts are run once more on cold variants of each system (see bench/systems.py) for the correctness check
 and the prefill-speed fit behind "implied cached tokens". Writes bench/results/<date>/: requests.json (every
 request), results.md, ttft_<W>.png, cached_<W>.png; server logs under logs/ (not committed).
+
+W4 (the agent tool loop) and CHAT (a plain chat with thinking on) are closed loops: all agents at once against one
+system, each appending what that server answered (bench/agentloop.py); one fresh server per run, `--loop-reps`
+rounds alternating the systems. Their runs go to requests.json under "loops" and to results.md.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -34,8 +41,12 @@ sys.path.insert(0, str(ROOT))
 from bench import report  # noqa: E402
 from bench.client import request_body, send  # noqa: E402
 from bench.render import Renderer  # noqa: E402
-from bench.scenarios import Req, Scale, w1, w2, w3  # noqa: E402
-from bench.systems import LLAMA_SERVER, SYSTEMS, RssSampler, Running, cold_variant, launch  # noqa: E402
+from bench import agentloop  # noqa: E402
+from bench.scenarios import Req, Scale, chat, w1, w2, w3, w4  # noqa: E402
+from bench.systems import (LLAMA_SERVER, SYSTEMS, RssSampler, Running, before_system, cold_variant,  # noqa: E402
+                           launch)
+
+LOOPS = ("W4", "CHAT")
 
 BASE_PORT = 18400
 
@@ -173,6 +184,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="cold references: every distinct prompt (all), or on W3 only each agent's last turn "
                          "(last); default: all with --quick, else last")
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
+    ap.add_argument("--loop-reps", type=int, default=2, help="W4/CHAT: runs per system, alternating systems")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="W4/CHAT: also run orchestrator from this checkout (e.g. `git worktree add /tmp/before "
+                         "4151288`, the commit before issue 18) as orchestrator-before")
+    ap.add_argument("--tool-choice", default=None, choices=["auto", "required"],
+                    help="W4: send tool_choice (default: none sent; 'required' needs grammar-constrained calls)")
+    ap.add_argument("--thinking", choices=["on", "off"], default="on",
+                    help="W4: thinking on (the template's default) or off (chat_template_kwargs enable_thinking "
+                         "false; orchestrator's tool-call grammar is lazy until </think> with thinking on, so "
+                         "--tool-choice required forces a call only with thinking off)")
+    ap.add_argument("--loop-cold", choices=["last", "none"], default=None,
+                    help="W4/CHAT: after the first run of each system, send each agent's last request again "
+                         "with cache_prompt false and compare (default: last with --quick, else none)")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/<UTC date>/")
     args = ap.parse_args(argv)
     args.scale_name = args.scale_name or "default"
@@ -184,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     systems = [SYSTEMS[n] for n in names]
     workloads = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    loops = [w for w in workloads if w in LOOPS]
+    workloads = [w for w in workloads if w not in LOOPS]
+    args.loop_cold = args.loop_cold or ("last" if args.scale_name == "quick" else "none")
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     out = args.out or ROOT / "bench" / "results" / day
     out.mkdir(parents=True, exist_ok=True)
@@ -203,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     gens = {"W1": lambda: w1(rend.tokenize, args.scale, pt), "W2": lambda: w2(rend.tokenize, args.scale),
             "W3": lambda: w3(rend.tokenize, args.scale, pt)}
     plan: dict[str, list[Req]] = {w: gens[w]() for w in workloads}
+    loop_plans = {w: (w4 if w == "W4" else chat)(rend.tokenize, args.scale) for w in loops}
+    if "W4" in loop_plans and args.thinking == "off":
+        loop_plans["W4"].chat_template_kwargs = {"enable_thinking": False}
+    before = [before_system(args.before)] if args.before else []
+    loop_systems = {"W4": [s for s in systems if s.kind != "llama-cpp-python"] + before,
+                    "CHAT": [s for s in systems if s.kind == "orchestrator"] + before}
     texts: dict[str, str] = {}
     tokens: dict[str, list[int]] = {}
     oracle: dict[tuple[str, int], int] = {}
@@ -220,27 +253,54 @@ def main(argv: list[str] | None = None) -> int:
     colds = {w: (cold_selection(reqs, args.cold) if args.cold != "none" else []) for w, reqs in plan.items()}
     total = sum(len(r) for r in plan.values()) * len(systems) + sum(len(c) for c in colds.values()) * len(cold_groups)
     log(f"scale {args.scale_name}: {asdict(args.scale)}")
+    for w, lp in loop_plans.items():
+        log(f"{w}: {len(lp.agents)} agent(s) x {len(lp.agents[0].max_tokens)} turns at once, "
+            f"{args.loop_reps} runs each of {', '.join(s.name for s in loop_systems[w])}")
     for w, reqs in plan.items():
         log(f"{w}: {len(reqs)} requests, {sum(len(tokens[q.key]) for q in reqs):,} prompt tokens; "
             f"{len(colds[w])} cold references")
     prog = Progress(total)
+    meta_load = os.getloadavg()[0]
     sampler = RssSampler()
     records: list[dict] = []
     meta = {"command": "python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
             "date": day, "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "scale_name": args.scale_name, "scale": asdict(args.scale), "model": str(args.model),
+            "load_start": meta_load, "scale_name": args.scale_name, "scale": asdict(args.scale), "model": str(args.model),
             "threads": args.threads, "ctx_size": args.scale.ctx_size, "systems": names,
             "cold_groups": [c.name for c in cold_groups], "cold_mode": args.cold,
             "orchestrator_cache_ram_mib": {"W1": args.cache_ram, "W2": args.cache_ram, "W3": args.w3_cache_ram},
-            "commands": {}}
+            "commands": {}, "loops": {}}
+    loop_runs: list[dict] = []
+    for w, lp in loop_plans.items():
+        meta["loops"][w] = {
+            "systems": [s.name for s in loop_systems[w]], "reps": args.loop_reps, "tool_choice": args.tool_choice,
+            "cold": args.loop_cold, "before": str(args.before) if args.before else None,
+            "description": loop_description(lp, args)}
     from bench.systems import command  # noqa: E402 - only for recording the exact command lines
     for w in workloads:
         for s in systems + cold_groups:
             meta["commands"][f"{w} {s.name}" + (" (cold)" if s.cold else "")] = " ".join(
                 command(s, args.model, 0, args.threads, args.scale.ctx_size,
                         args.w3_cache_ram if w == "W3" else args.cache_ram, Path("$TMP"), w))
+    for w in loop_plans:
+        for s in loop_systems[w]:
+            meta["commands"][f"{w} {s.name}"] = (f"PYTHONPATH={s.root} " if s.root else "") + " ".join(
+                command(s, args.model, 0, args.threads, args.scale.w4_ctx_size, args.cache_ram, Path("$TMP"), w,
+                        instrument=s.kind == "orchestrator"))
 
     def save() -> None:
+        meta["wall_s"] = time.monotonic() - t_start
+        summaries = [agentloop.summarize_run(r) for r in loop_runs]
+        loops_md = agentloop.markdown(summaries, loop_runs, meta) if loop_runs else ""
+        if not records:  # closed loops only
+            (out / "requests.json").write_text(json.dumps({"meta": meta, "loops": {
+                "summaries": summaries, "runs": loop_runs}}, indent=1))
+            (out / "results.md").write_text(
+                f"# Closed-loop benchmark ({meta['date']})\n\nCommand: `{meta['command']}`  \n"
+                f"Scale: {meta['scale_name']}  \nModel: {meta['model']}; threads {meta['threads']}; context "
+                f"{args.scale.w4_ctx_size} tokens a slot; greedy, seed 1234; wall time {meta['wall_s']:.0f} s  \n"
+                f"Load average (1 min) at start {_f2(meta.get('load_start'))}, at end {_f2(meta.get('load_end'))}\n" + loops_md)
+            return
         fits = report.annotate(records)
         summary = report.summarize(records, names)
         w1rows = report.w1_speedups(records, names)
@@ -248,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         meta["cold_fits"] = {g: ({"a_s": f[0], "s_per_token": f[1], "tokens_per_s": 1 / f[1]} if f else None)
                              for g, f in fits.items()}
         (out / "requests.json").write_text(json.dumps({"meta": meta, "summary": summary, "w1": w1rows,
-                                                       "requests": records}, indent=1))
-        (out / "results.md").write_text(report.markdown(summary, w1rows, records, names, meta))
+                                                       "requests": records, "loops": {
+                                                           "summaries": summaries, "runs": loop_runs}}, indent=1))
+        (out / "results.md").write_text(report.markdown(summary, w1rows, records, names, meta) + loops_md)
         try:  # the data is on disk already: a failed plot must not lose the rest of the run
             report.plots(records, names, out)
         except Exception as e:  # noqa: BLE001 - any plotting failure
@@ -270,13 +331,42 @@ def main(argv: list[str] | None = None) -> int:
                 records += run_phase(colds[w], cold_groups, args, texts, tokens, oracle, sampler, prog, log_dir,
                                      True, cache_ram)
             save()
+        for w, lp in loop_plans.items():
+            agentloop.run_loops(lp, loop_systems[w], args, log_dir, args.loop_reps,
+                                args.tool_choice if w == "W4" else None, args.loop_cold, BASE_PORT + 100, log,
+                                on_run=lambda r: (loop_runs.append(r), save()))  # saved run by run
     finally:
         sampler.close()
-        if records:
+        meta["load_end"] = os.getloadavg()[0]
+        if records or loop_runs:
             save()
     log(f"done in {(time.monotonic() - t_start) / 60:.1f} min; results in {out}")
-    print((out / "results.md").read_text().split("## W1")[0])
+    print((out / "results.md").read_text().split("## W1")[0].split("### ")[0])
     return 0
+
+
+def _f2(v) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+def loop_description(lp, args) -> str:
+    """One paragraph saying what a closed-loop workload did (for results.md)."""
+    sc = args.scale
+    if lp.workload == "W4":
+        return (f"{len(lp.agents)} agents at once, each a task of {sc.w4_turns} turns: a shared tools block of "
+                f"{len(lp.tools)} schemas (~{sc.w4_tools_tokens:,} tokens), its own system text (~"
+                f"{sc.w4_system_tokens} tokens) and task; max_tokens per turn {sc.w4_gen[0]}-{sc.w4_gen[1]} "
+                f"(seeded per agent and turn, the same for every system); after each answer, {sc.w4_delay_s} s "
+                f"later, a tool output of {sc.w4_tool[0]:,}-{sc.w4_tool[1]:,} tokens. The agent appends the "
+                f"answer as returned (content, reasoning_content, tool_calls) and then the output: as `tool` "
+                f"messages when the answer had tool calls, else as a user message (the random-weight model almost"
+                f" never writes a well-formed call{'' if args.tool_choice else '; tool_choice not sent'}"
+                f"{'; tool_choice ' + args.tool_choice if args.tool_choice else ''}). "
+                f"{'Thinking on (the template' + chr(39) + 's default)' if args.thinking == 'on' else 'Thinking off'}. "
+                f"Context {sc.w4_ctx_size:,} tokens a slot: orchestrator 4 slots, llama-server -np 3.")
+    return (f"One conversation of {sc.chat_turns} user turns (~{sc.chat_user_tokens} tokens each), no tools, "
+            f"thinking on; max_tokens per turn {sc.chat_gen[0]}-{sc.chat_gen[1]} (seeded); the next user turn "
+            f"{sc.chat_delay_s} s after each answer.")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,15 @@ so every system sees exactly the same conversation.
     W3  agent fleet: `w3_agents` agents share a tools block of `w3_tools_tokens`, each with its own system text,
         `w3_turns` requests each (a tool result of `w3_tool_min`-`w3_tool_max` tokens per turn), interleaved
         round-robin.
+
+W4 and CHAT are closed loops (issue 12 item 3, issue 18 item 3), planned here as a `LoopPlan` and run by
+bench/agentloop.py: the conversation grows from what the server actually answered, so only the parts the client
+contributes (system texts, tasks, tool outputs, per-turn completion budgets) are fixed in advance.
+
+    W4    agent tool loop: `w4_agents` agents at once, each a task of `w4_turns` turns over a shared tools block of
+          `w4_tools_tokens` and its own system text; per turn a completion budget drawn from `w4_gen`, and a tool
+          output of `w4_tool` tokens that arrives `w4_delay_s` after the answer.
+    CHAT  a plain chat with thinking on: one conversation of `chat_turns` user turns, no tools, text answers.
 """
 
 from __future__ import annotations
@@ -48,6 +57,20 @@ class Scale:
     w3_tool_max: int = 600
     max_tokens: int = 8           # completion budget of W2/W3 requests
     ctx_size: int = 8192          # context size every server runs with, tokens
+    # W4, the agent tool loop (issue 12 item 3)
+    w4_agents: int = 3
+    w4_turns: int = 6
+    w4_tools_tokens: int = 2000
+    w4_system_tokens: int = 150
+    w4_gen: tuple[int, int] = (100, 400)      # completion budget per turn (max_tokens), drawn per agent and turn
+    w4_tool: tuple[int, int] = (200, 1500)    # tool output per turn, tokens
+    w4_delay_s: float = 0.2                   # the tool's run time: from the answer to the next request
+    w4_ctx_size: int = 12288                  # context per agent (slot), tokens
+    # CHAT, a plain chat with thinking on (issue 18 item 3)
+    chat_turns: int = 4
+    chat_user_tokens: int = 60
+    chat_gen: tuple[int, int] = (100, 400)
+    chat_delay_s: float = 1.0                 # the user's reading time between an answer and the next turn
 
     @staticmethod
     def named(name: str) -> "Scale":
@@ -58,7 +81,9 @@ class Scale:
             return Scale()
         if name == "quick":
             return Scale(w1_rounds=((420, 1), (420, 8)), w2_turns=3, w3_agents=2, w3_turns=2,
-                         w3_tools_tokens=800, w3_tool_min=100, w3_tool_max=200, max_tokens=8)
+                         w3_tools_tokens=800, w3_tool_min=100, w3_tool_max=200, max_tokens=8,
+                         w4_agents=2, w4_turns=3, w4_tools_tokens=400, w4_system_tokens=60, w4_gen=(16, 32),
+                         w4_tool=(40, 80), w4_ctx_size=4096, chat_turns=2, chat_user_tokens=30, chat_gen=(16, 32))
         if name == "full":
             return Scale(w1_rounds=((420, 1), (420, 32), (2000, 1), (2000, 32)), w2_tool_tokens=(200, 400),
                          w2_reasoning_tokens=120, w3_agents=8, w3_turns=6, w3_tool_min=200, w3_tool_max=1500,
@@ -209,4 +234,91 @@ def w3(tokenize: Tokenize, scale: Scale, prompt_tokens: Callable[[dict], int]) -
             out.append(Req("W3", "W3", f"agent {a + 1} turn {t + 1}",
                            {"messages": [dict(m) for m in msgs], "tools": tools}, scale.max_tokens,
                            {"agent": a + 1, "turn": t + 1}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- closed loops
+
+
+@dataclass
+class AgentTask:
+    """One conversation of a closed loop: its system text (None: no system message) and first user message, and
+    per turn the completion budget and the text the client sends after that turn's answer (a tool output on W4,
+    the next user message on CHAT; the last turn's is never sent)."""
+
+    agent: int
+    system: str | None
+    task: str
+    max_tokens: list[int]
+    replies: list[str]
+
+
+@dataclass
+class LoopPlan:
+    """A closed-loop workload: agents run at once, each turn waits `delay_s` after its answer before the next
+    request. follow: 'tool' (the reply is a tool output: `tool` messages answering the answer's tool calls, or a
+    user message when it called none) or 'user' (the reply is the next user turn)."""
+
+    workload: str
+    tools: list[dict] | None
+    agents: list[AgentTask]
+    delay_s: float
+    follow: str
+    chat_template_kwargs: dict | None = None
+
+
+def _draw(workload: str, agent: int, turn: int, what: str, lo: int, hi: int) -> int:
+    """A size in [lo, hi] seeded by (workload, agent, turn, what) alone: the same for every system and run."""
+    return random.Random(f"{workload}/{agent}/{turn}/{what}").randint(lo, hi)
+
+
+def w4(tokenize: Tokenize, scale: Scale) -> LoopPlan:
+    """W4: `w4_agents` agent tool loops at once over one shared tools block (see the module docstring)."""
+    tools = fleet_tools(tokenize, scale.w4_tools_tokens)
+    agents = []
+    for a in range(1, scale.w4_agents + 1):
+        rng = random.Random(f"W4/{a}/text")
+        system = f"Agent {a} of the tool loop. " + _words(rng, tokenize, scale.w4_system_tokens, f"Persona {a}: you")
+        task = f"Task {a}: " + _words(rng, tokenize, 60)
+        budgets = [_draw("W4", a, t, "gen", *scale.w4_gen) for t in range(scale.w4_turns)]
+        replies = [f"output of call {t + 1} of agent {a}: " + _words(
+            random.Random(f"W4/{a}/{t}/tool text"), tokenize, _draw("W4", a, t, "tool", *scale.w4_tool))
+            for t in range(scale.w4_turns - 1)]
+        agents.append(AgentTask(a, system, task, budgets, replies))
+    return LoopPlan("W4", tools, agents, scale.w4_delay_s, "tool")
+
+
+def chat(tokenize: Tokenize, scale: Scale) -> LoopPlan:
+    """CHAT: one plain conversation with thinking on (the template's default), text answers, no tools."""
+    rng = random.Random("CHAT/text")
+    users = [f"Question {t + 1}: " + _words(rng, tokenize, scale.chat_user_tokens) for t in range(scale.chat_turns)]
+    budgets = [_draw("CHAT", 1, t, "gen", *scale.chat_gen) for t in range(scale.chat_turns)]
+    return LoopPlan("CHAT", None, [AgentTask(1, "You are a helpful assistant. Think before you answer.", users[0],
+                                             budgets, users[1:])], scale.chat_delay_s, "user")
+
+
+def answer_message(content: str, reasoning: str, tool_calls: list[dict]) -> dict:
+    """The assistant message as the server returned it (OpenAI shape): content, reasoning_content when there was
+    any, tool_calls when there were any (arguments as the JSON string streamed)."""
+    msg: dict = {"role": "assistant", "content": content}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+def follow_up(answer: dict, reply: str, follow: str, call_id: str) -> list[dict]:
+    """What the client appends after an answer: the answer itself, then the reply. On a tool loop ('tool') the
+    reply is the tool's output: one `tool` message per returned tool call (the output on the first, an empty
+    result on the others), or a user message carrying the output when the answer called no tool (a random-weight
+    model almost never emits a well-formed call; a `tool` message without a call is not valid OpenAI input).
+    On 'user' the reply is the next user message."""
+    out = [answer]
+    calls = answer.get("tool_calls") or []
+    if follow == "tool" and calls:
+        out += [{"role": "tool", "tool_call_id": c.get("id") or f"{call_id}_{i}", "content": reply if i == 0 else ""}
+                for i, c in enumerate(calls)]
+    else:
+        out.append({"role": "user", "content": reply})
     return out

@@ -17,8 +17,13 @@ Systems (same model file, threads, context size, n_batch/n_ubatch 512, flash att
                     takes the least recently used slot and loads its best match from the prompt cache. That
                     helps the fleet (W3) but loses W1's B, D and "X again" (the slot just used is not yet in the
                     prompt cache when the next request picks a slot), so W1/W2 keep the default.
+  orchestrator-before  orchestrator as of another checkout (`python -m bench --before DIR`: a git worktree of
+                    the commit before issue 18), run from that directory with this venv; W4/CHAT only
   llama-cpp-python  `python -m llama_cpp.server` (through bench/llama_cpp_server_norepack.py), cache true,
                     cache_type ram (2 GiB)
+On W4 (the agent tool loop, 3 agents at once) llama-server runs with -np 3 (-c is then 3 x the per-slot
+context, so each slot gets what an orchestrator slot gets) and the tuned variant adds its cache flags to that;
+orchestrator keeps its default 4 slots; llama-cpp-python serves one request at a time and is not run there.
 Cold references run on "cold" variants: orchestrator with `cache_prompt: false`, llama-server with
 `cache_prompt: false` and --cache-ram 0 (a fresh process, so a fresh slot), llama-cpp-python with cache false.
 """
@@ -59,6 +64,7 @@ class System:
     cold: bool = False     # a cold-reference variant (no reuse)
     extra: tuple[str, ...] = ()
     workload_extra: tuple[tuple[str, tuple[str, ...]], ...] = ()   # more flags on one workload
+    root: str = ""         # orchestrator: the checkout to run (PYTHONPATH; default: this one)
 
     def flags(self, workload: str) -> tuple[str, ...]:
         """Extra command-line flags of this system on `workload`."""
@@ -72,18 +78,18 @@ class System:
 
 SYSTEMS = {
     "orchestrator": System("orchestrator", "orchestrator", "chat"),
-    "llama-server": System("llama-server", "llama-server", "chat"),
+    "llama-server": System("llama-server", "llama-server", "chat", workload_extra=(("W4", ("-np", "3")),)),
     "llama-server-tuned": System("llama-server-tuned", "llama-server", "chat",
                                  extra=("--cache-ram", "-1", "--ctx-checkpoints", "128",
                                         "--checkpoint-min-step", "64"),
-                                 workload_extra=(("W3", ("-sps", "0")),)),
+                                 workload_extra=(("W3", ("-sps", "0")), ("W4", ("-np", "3")))),
     "llama-cpp-python": System("llama-cpp-python", "llama-cpp-python", "prompt"),
 }
 
 
 def cold_variant(s: System) -> System:
     """The cold-reference configuration of a system (see the module docstring)."""
-    return System(s.cold_group, s.kind, s.api, cold=True)
+    return System(s.cold_group, s.kind, s.api, cold=True, root=s.root)
 
 
 @dataclass
@@ -158,12 +164,27 @@ class Running:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def before_system(root: Path) -> System:
+    """orchestrator run from another checkout (its PYTHONPATH), e.g. the commit before a change."""
+    return System("orchestrator-before", "orchestrator", "chat", root=str(root))
+
+
+def np_flag(flags: tuple[str, ...] | list[str]) -> int:
+    """The slot count an explicit -np/--parallel flag sets (0: none given)."""
+    flags = list(flags)
+    for i, f in enumerate(flags[:-1]):
+        if f in ("-np", "--parallel"):
+            return int(flags[i + 1])
+    return 0
+
+
 def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram_mib: int | None,
-            tmp: Path, workload: str = "") -> list[str]:
+            tmp: Path, workload: str = "", instrument: bool = False) -> list[str]:
     """The command line that starts system `s` on `port` for `workload` (cache_ram_mib: orchestrator's
-    --cache-ram)."""
+    --cache-ram; ctx: context per slot; instrument: orchestrator through bench/orchestrator_instrumented.py)."""
     if s.kind == "orchestrator":
-        cmd = [sys.executable, "-m", "orchestrator", "serve", "-m", str(model), "--port", str(port),
+        entry = [str(ROOT / "bench" / "orchestrator_instrumented.py")] if instrument else ["-m", "orchestrator"]
+        cmd = [sys.executable, *entry, "serve", "-m", str(model), "--port", str(port),
                "-c", str(ctx), "-t", str(threads), "-b", "512", "--cache-disk-dir", str(tmp / "snapshots"),
                "--log-level", "info"]
         if s.cold:
@@ -172,7 +193,9 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
             cmd += ["--cache-ram", str(cache_ram_mib)]
         return cmd + list(s.flags(workload))
     if s.kind == "llama-server":
-        cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx),
+        n_slots = 1 if s.cold else np_flag(s.flags(workload))  # an explicit -np splits -c among the slots
+        cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+               "-c", str(ctx * max(n_slots, 1)),
                "-t", str(threads), "-tb", str(threads), "-b", "512", "-ub", "512", "--no-repack", "-fa", "off",
                "--jinja", "--no-webui", "--seed", "1234"]
         if s.cold:
@@ -189,19 +212,23 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
 
 
 def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: Path,
-           cache_ram_mib: int | None = None, workload: str = "", ready_timeout_s: float = 300.0) -> Running:
-    """Start `s` and wait until it serves (GET /v1/models answers 200); raises RuntimeError on failure."""
+           cache_ram_mib: int | None = None, workload: str = "", ready_timeout_s: float = 300.0,
+           env_extra: dict[str, str] | None = None) -> Running:
+    """Start `s` and wait until it serves (GET /v1/models answers 200); raises RuntimeError on failure.
+    env_extra: more environment (BENCH_AFTERGEN_LOG runs orchestrator instrumented)."""
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:
             raise RuntimeError(f"port {port} is already in use: another server would answer for {s.name}")
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-{s.name}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{s.name}{'-cold' if s.cold else ''}-{port}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), ORCHESTRATOR_CACHE_DIR=os.environ.get(
-        "ORCHESTRATOR_CACHE_DIR", str(Path.home() / ".cache" / "orchestrator")))
+    env = dict(os.environ, PYTHONPATH=s.root or str(ROOT), ORCHESTRATOR_CACHE_DIR=os.environ.get(
+        "ORCHESTRATOR_CACHE_DIR", str(Path.home() / ".cache" / "orchestrator")), **(env_extra or {}))
     env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    instrument = bool((env_extra or {}).get("BENCH_AFTERGEN_LOG"))
     with open(log, "ab") as fh:
-        popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp, workload), stdout=fh,
+        popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp, workload, instrument),
+                                 stdout=fh,
                                  stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     r = Running(s, f"http://127.0.0.1:{port}", popen, log, tmp)
     deadline = time.monotonic() + ready_timeout_s
