@@ -14,8 +14,8 @@ import statistics
 import time
 from pathlib import Path
 
-from orchestrator.boundaries import BoundaryDetector
-from orchestrator.template import ChatTemplate
+from orchestrator.prompt.boundaries import BoundaryDetector
+from orchestrator.prompt.template import ChatTemplate
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.config import MiB, Config  # noqa: E402
 from orchestrator.engine import SamplingParams  # noqa: E402
-from orchestrator.radix import CHECKPOINT, KV  # noqa: E402
+from orchestrator.cache.radix import CHECKPOINT, KV  # noqa: E402
 from orchestrator.runtime import Runtime  # noqa: E402
 from orchestrator.request import Job  # noqa: E402
 

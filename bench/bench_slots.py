@@ -32,12 +32,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator import calibration  # noqa: E402
-from orchestrator.cache import SnapshotCache  # noqa: E402
+from orchestrator.cache.snapshots import SnapshotCache  # noqa: E402
 from orchestrator.engine import Engine  # noqa: E402
 from orchestrator.runtime import resolve_model  # noqa: E402
 from orchestrator.config import Config  # noqa: E402
 from orchestrator.request import Job, Scheduler  # noqa: E402
-from orchestrator.tiers import RamTier  # noqa: E402
+from orchestrator.cache.tiers import RamTier  # noqa: E402
 
 MiB = 1 << 20
 

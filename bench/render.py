@@ -16,7 +16,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from orchestrator.template import ChatTemplate
+from orchestrator.prompt.template import ChatTemplate
 from server.schemas import parse_chat
 
 

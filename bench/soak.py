@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                         "file-backed and Python objects, and the allocation sites that grew)")
     a = p.parse_args(argv)
     if a.model is None:
-        from orchestrator.synth import ensure_model
+        from orchestrator.models.synth import ensure_model
         a.model = ensure_model("tiny")
     out = a.out or ROOT / "bench" / "results" / datetime.now(timezone.utc).strftime("%Y-%m-%d") / "soak"
     out.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ TOOLS = [
         "name": "read_file",
         "description": "Read a UTF-8 text file from the repository. Returns at most max_lines lines.",
         "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": "Path relative to the repository root, e.g. 'orchestrator/cache.py'"},
+            "path": {"type": "string", "description": "Path relative to the repository root, e.g. 'orchestrator/cache/snapshots.py'"},
             "max_lines": {"type": "integer", "description": "Maximum number of lines to return", "default": 80}},
             "required": ["path"]}}},
     {"type": "function", "function": {
@@ -54,7 +54,7 @@ TOOLS = [
 PLAN = [
     ("What does this repository do? Look at the layout first.",
      [("list_directory", {"path": "."}), ("read_file", {"path": "README.md", "max_lines": 40})]),
-    ("How does the snapshot cache decide what to evict?", [("read_file", {"path": "orchestrator/cache.py"})]),
+    ("How does the snapshot cache decide what to evict?", [("read_file", {"path": "orchestrator/cache/snapshots.py"})]),
     ("And where are the snapshots taken during prefill?", [("read_file", {"path": "orchestrator/scheduler.py",
                                                                          "max_lines": 60})]),
 ]

@@ -43,7 +43,7 @@ def make_agent(base_url: str, model: str, max_tokens: int, thinking: bool = Fals
         """Read a UTF-8 text file from the repository. Returns at most max_lines lines.
 
         Args:
-            path: Path relative to the repository root, e.g. 'orchestrator/cache.py'
+            path: Path relative to the repository root, e.g. 'orchestrator/cache/snapshots.py'
             max_lines: Maximum number of lines to return
         """
         return run_tool("read_file", {"path": path, "max_lines": max_lines})

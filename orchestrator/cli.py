@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if a.command == "serve":
         return serve(_config(a), a.log_level)
-    from .synth import build_model, ensure_model
+    from .models.synth import build_model, ensure_model
 
     path = build_model(a.preset, a.out) if a.out else ensure_model(a.preset)
     print(path)

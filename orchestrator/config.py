@@ -52,7 +52,7 @@ class Config:
     max_messages: int = 4096  # most messages in one chat request (400 above)
     max_tokens_limit: int = 32768  # most completion tokens a request may ask for (400 above)
     # Tokenize control-token text in caller strings as control tokens (llama-server's behaviour; unsafe, see
-    # orchestrator/control.py). Off: only the chat template's own markup becomes control tokens.
+    # orchestrator/prompt/control.py). Off: only the chat template's own markup becomes control tokens.
     parse_special_in_content: bool = False
 
     @property

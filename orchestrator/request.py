@@ -20,7 +20,7 @@ import numpy as np
 
 from .engine import Sampler, SamplingParams
 from .errors import OrchestratorError
-from .stops import TextStream
+from .output.stops import TextStream
 
 
 class Phase(str, Enum):

@@ -39,10 +39,10 @@ import logging
 import time
 from typing import Iterable, Sequence
 
-from .cache import RestorePlan, SnapshotCache
+from .cache.snapshots import RestorePlan, SnapshotCache
 from .engine import Engine
 from .errors import EngineError
-from .radix import CHECKPOINT, KV, EntryKind, common_len
+from .cache.radix import CHECKPOINT, KV, EntryKind, common_len
 from .request import Job, Phase, Slot, Task
 
 log = logging.getLogger("orchestrator.reuse")

@@ -13,15 +13,15 @@ from pathlib import Path
 import llama_cpp
 
 from . import calibration
-from .cache import CacheStats, SnapshotCache
-from .disk import DiskTier
+from .cache.snapshots import CacheStats, SnapshotCache
+from .cache.disk import DiskTier
 from .errors import OrchestratorError
 from .config import MiB, Config
 from .engine import Engine
-from .prompt import PromptBuilder, load_template
+from .prompt.builder import PromptBuilder, load_template
 from .request import Job, Sink
 from .scheduler import Scheduler
-from .tiers import RamTier, Tier
+from .cache.tiers import RamTier, Tier
 
 log = logging.getLogger("orchestrator")
 
@@ -64,7 +64,7 @@ def resolve_model(cfg: Config) -> Path:
     """The model path: --model, else the synthetic qwen3.5-0.8b preset built once into the user cache."""
     if cfg.model is not None:
         return Path(cfg.model)
-    from .synth import ensure_model
+    from .models.synth import ensure_model
 
     log.warning("no --model given: serving the SYNTHETIC qwen3.5-0.8b model; its weights are RANDOM, so its "
                 "text is gibberish (compute cost and state sizes are real)")

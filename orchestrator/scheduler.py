@@ -36,7 +36,7 @@ import math
 import threading
 import time
 
-from .cache import SnapshotCache
+from .cache.snapshots import SnapshotCache
 from .engine import Engine
 from .errors import ContextOverflow, EngineError, OrchestratorError, QueueFull, RequestCancelled, RequestTimeout
 from .memory import HeapTrimmer

@@ -28,7 +28,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Collection, Iterable, Protocol, Sequence
 
-from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
+from .cache.radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
 
 HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and PARTIAL_ONLY states
 

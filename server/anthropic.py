@@ -31,7 +31,7 @@ from typing import Any
 
 from orchestrator.config import Config
 from orchestrator.errors import InvalidRequest
-from orchestrator.parsing import ParsedOutput
+from orchestrator.output.parsing import ParsedOutput
 from orchestrator.request import Result
 
 from .schemas import MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, conversation

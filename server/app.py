@@ -34,8 +34,8 @@ from starlette.routing import Route
 from orchestrator.config import Config
 from orchestrator.errors import (Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled, Unauthorized,
                                  UnsupportedMediaType)
-from orchestrator.parsing import make_stream_parser, parse_output
-from orchestrator.prompt import Prompt
+from orchestrator.output.parsing import make_stream_parser, parse_output
+from orchestrator.prompt.builder import Prompt
 from orchestrator.runtime import Runtime
 from orchestrator.request import Event, Job, Result
 

@@ -13,7 +13,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from orchestrator.cache import CacheStats
+from orchestrator.cache.snapshots import CacheStats
 from orchestrator.request import Result
 
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -32,7 +32,7 @@ def tiny_model() -> Path:
     env = os.environ.get("ORCHESTRATOR_TEST_MODEL")
     if env:
         return Path(env)
-    from orchestrator.synth import ensure_model
+    from orchestrator.models.synth import ensure_model
 
     return ensure_model("tiny")
 

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.boundaries import BoundaryDetector, detect, token_stable_prefix
+from orchestrator.prompt.boundaries import BoundaryDetector, detect, token_stable_prefix
 from orchestrator.errors import InvalidRequest
-from orchestrator.template import ChatTemplate
+from orchestrator.prompt.template import ChatTemplate
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SPECIALS = {  # the tokenizer specials each family's GGUF carries (bos_token, eos_token)

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from orchestrator.cache import SnapshotCache
-from orchestrator.policy import Candidate, EvictionPolicy
-from orchestrator.radix import CHECKPOINT, KV, RadixTree
-from orchestrator.tiers import RamTier
+from orchestrator.cache.snapshots import SnapshotCache
+from orchestrator.cache.policy import Candidate, EvictionPolicy
+from orchestrator.cache.radix import CHECKPOINT, KV, RadixTree
+from orchestrator.cache.tiers import RamTier
 
 
 def test_radix_path_and_kv_covering():
@@ -171,7 +171,7 @@ def test_deeper_kv_replaces_shallower_kv_on_the_same_path():
 
 
 def test_an_entry_larger_than_the_ram_budget_goes_straight_to_disk(tmp_path):
-    from orchestrator.disk import DiskTier
+    from orchestrator.cache.disk import DiskTier
 
     with DiskTier(tmp_path, 1 << 20, b"f" * 32) as disk:
         c = SnapshotCache([RamTier(100), disk])
@@ -190,7 +190,7 @@ def test_an_entry_larger_than_the_ram_budget_goes_straight_to_disk(tmp_path):
 def test_entries_the_disk_tier_evicts_leave_the_index(tmp_path):
     """The disk tier's LRU evicts to stay within its budget; the index must forget those entries. It used to keep
     them: the soak's radix nodes and metadata grew without bound, and plans named snapshots that were gone."""
-    from orchestrator.disk import DiskTier
+    from orchestrator.cache.disk import DiskTier
 
     with DiskTier(tmp_path, 4100, b"f" * 32) as disk:  # 7 files of 59 + 16 + 500 bytes
         c = SnapshotCache([RamTier(1000), disk])  # 2 entries of 500 bytes
@@ -236,7 +236,7 @@ class DictTier:
             raise OSError("the tier is down")
 
     def get(self, key):
-        from orchestrator.tiers import Stored
+        from orchestrator.cache.tiers import Stored
 
         self._check()
         if key not in self.data:
@@ -266,13 +266,13 @@ class DictTier:
         return self.data.pop(key, None) is not None
 
     def entries(self):
-        from orchestrator.tiers import EntryInfo
+        from orchestrator.cache.tiers import EntryInfo
 
         self._check()
         return iter([EntryInfo(k, v[0], v[1], len(v[2])) for k, v in self.data.items()])
 
     def stats(self):
-        from orchestrator.tiers import TierStats
+        from orchestrator.cache.tiers import TierStats
 
         self._check()
         return TierStats(self.name, len(self.data), self.bytes, self.budget_bytes)
@@ -282,8 +282,8 @@ class DictTier:
 
 
 def test_ram_and_disk_tiers_implement_the_tier_protocol(tmp_path):
-    from orchestrator.disk import DiskTier
-    from orchestrator.tiers import Tier
+    from orchestrator.cache.disk import DiskTier
+    from orchestrator.cache.tiers import Tier
 
     with DiskTier(tmp_path, 1000, b"f" * 32) as disk:
         assert isinstance(disk, Tier) and isinstance(RamTier(10), Tier) and isinstance(DictTier("x", 1), Tier)

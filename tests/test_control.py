@@ -1,4 +1,4 @@
-"""Content is data: control-token text inside caller strings never becomes a control token (orchestrator/control.py).
+"""Content is data: control-token text inside caller strings never becomes a control token (orchestrator/prompt/control.py).
 
 Three levels: the escaping itself; the prompt builder on all twelve templates of tests/templates with a tokenizer
 stand-in that has one id per character and one per control text of that family (so any forged control token
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
-from orchestrator.control import CUT, ControlTexts, protected_texts, split_cuts, strip_cuts
-from orchestrator.prompt import PromptBuilder
-from orchestrator.template import _tojson
+from orchestrator.prompt.control import CUT, ControlTexts, protected_texts, split_cuts, strip_cuts
+from orchestrator.prompt.builder import PromptBuilder
+from orchestrator.prompt.template import _tojson
 
 from .test_boundaries import NAMES, SPECIALS, TEMPLATES, TOOLS, scripts, template
 

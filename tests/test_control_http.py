@@ -1,6 +1,6 @@
 """Content is data, over HTTP: a forged system turn in a user message, forged tool-call and tool-response tags in a
 tool result, a control token in a tool schema, and Gemma 3's turn markers all reach the model as ordinary tokens,
-parse to no forged tool call, reuse the cache, and equal their cold runs (orchestrator/control.py)."""
+parse to no forged tool call, reuse the cache, and equal their cold runs (orchestrator/prompt/control.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.engine import SamplingParams
 from orchestrator.runtime import Runtime
 from orchestrator.request import Job
-from orchestrator.synth import ensure_model
+from orchestrator.models.synth import ensure_model
 
 from .conftest import assert_same_as_cold, make_config
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import diskcache
 import pytest
 
-import orchestrator.disk as disk
-from orchestrator.disk import DiskTier, EntryInfo
+import orchestrator.cache.disk as disk
+from orchestrator.cache.disk import DiskTier, EntryInfo
 from orchestrator.errors import OrchestratorError
 
 from .conftest import write_then_disk_full
@@ -54,7 +54,7 @@ def only_file(d: Path) -> Path:
 
 
 def warnings_of(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "orchestrator.disk" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "orchestrator.cache.disk" and r.levelno == logging.WARNING]
 
 
 def test_round_trip_kind_tokens_payload(tmp_path):
@@ -217,7 +217,7 @@ def test_other_fingerprint_entries_are_deleted_not_returned(tmp_path, caplog):
     with DiskTier(tmp_path, 10_000, FP) as t:
         t.put("a", [1], "kv", b"a")
         t.put("b", [2], "checkpoint", b"b")
-    with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
         with DiskTier(tmp_path, 10_000, OTHER_FP) as t:
             assert len(t) == 0 and list(t.entries()) == [] and t.get("a") is None
             assert t.bytes == 0 and val_files(tmp_path) == []
@@ -232,7 +232,7 @@ def test_entries_of_an_older_format_version_are_discarded_with_one_clear_line(tm
             t.put(f"rec-{i}", [i], "checkpoint", b"r")
     for p in val_files(tmp_path):
         _rewrite_header(p, version=1)  # as written by the previous release
-    with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
         with DiskTier(tmp_path, 10_000, FP) as t:
             assert len(t) == 0 and t.bytes == 0 and val_files(tmp_path) == []
             assert t.stats().rejected_invalid == 3
@@ -248,7 +248,7 @@ def _corrupt_and_expect_miss(tmp_path, caplog, corrupt, reason: str) -> None:
         t.put("bystander", [4], "checkpoint", b"ok")
         corrupt(victim)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
             assert t.get("victim") is None
         msgs = warnings_of(caplog)
         assert len(msgs) == 1 and "victim" in msgs[0] and reason in msgs[0], msgs
@@ -305,7 +305,7 @@ def test_invalid_entries_are_dropped_at_reopen(tmp_path, caplog):
         short = only_file(tmp_path)
         t.put("good", [2], "kv", b"y" * 50)
     os.truncate(short, 30)  # even the header is incomplete
-    with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
         with DiskTier(tmp_path, 100_000, FP) as t:
             assert [e.key for e in t.entries()] == ["good"]
             assert t.get("short") is None and t.get("good") == ("kv", (2,), b"y" * 50)
@@ -320,7 +320,7 @@ def test_truncated_blob_from_a_killed_writer_is_rejected(tmp_path, caplog):
     blob = next(p.read_bytes() for p in val_files(tmp_path) if p.read_bytes().endswith(b"t" * 100))
     with diskcache.Cache(str(tmp_path)) as dc:  # a writer died after committing half a value
         dc.set("torn", blob[: len(blob) // 2])
-    with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
         with DiskTier(tmp_path, 100_000, FP) as t:
             assert t.keys() == ["old"] and t.get("torn") is None
             assert t.get("old") == ("kv", (1,), b"o" * 100)
@@ -332,7 +332,7 @@ def test_process_killed_mid_write_leaves_a_consistent_cache(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
-        import orchestrator.disk as disk
+        import orchestrator.cache.disk as disk
         t = disk.DiskTier({str(tmp_path)!r}, 1 << 20, {FP!r})
         assert t.put("old", [1], "kv", b"o" * 1000)
         def dying_write(path, parts):
@@ -357,7 +357,7 @@ def test_full_disk_warns_once_returns_false_and_keeps_serving_reads(tmp_path, ca
         t.put("old", [1], "kv", b"o" * 100)
 
         monkeypatch.setattr(disk, "_write_parts", write_then_disk_full)
-        with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
             assert t.put("new", [2], "kv", b"n" * 100) is False
             assert t.disabled
             assert t.put("newer", [3], "kv", b"n" * 100) is False

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import orchestrator.disk as disk
-from orchestrator.radix import CHECKPOINT, KV
+import orchestrator.cache.disk as disk
+from orchestrator.cache.radix import CHECKPOINT, KV
 from orchestrator.runtime import Runtime, state_fingerprint
 from orchestrator.state import HybridState
 
@@ -94,7 +94,7 @@ def test_truncated_and_flipped_snapshot_files_are_misses_after_a_restart(start, 
         raw = bytearray(p.read_bytes())
         raw[-7] ^= 0x10
         p.write_bytes(bytes(raw))
-    with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
         rt = start(**kw)
         t = assert_same_as_cold(rt, ask("List the alerts of the night."))
     assert t.result.cached_tokens == 0  # every stored part was corrupt: nothing corrupt reached llama.cpp
@@ -116,11 +116,11 @@ def test_disk_filling_during_spills_keeps_serving_from_ram(start, tmp_path, monk
     assert rt.cache.stats().spills > 0
 
     monkeypatch.setattr(disk, "_write_parts", write_then_disk_full)
-    with caplog.at_level(logging.WARNING, logger="orchestrator.disk"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
         for q in ("Second question.", "Third question, longer: " + "details " * 40, "Fourth."):
             assert_same_as_cold(rt, ask(q))
     rt.scheduler.drain()
-    warnings = [r.getMessage() for r in caplog.records if r.name == "orchestrator.disk"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "orchestrator.cache.disk"]
     assert len(warnings) == 1 and "disk full" in warnings[0]
     assert rt.cache.tier("disk").disabled and rt.cache.stats().ram_bytes <= 4 << 20
     assert_disk_consistent(rt, d)  # the half-written file was removed
@@ -132,7 +132,7 @@ def test_disk_filling_during_spills_keeps_serving_from_ram(start, tmp_path, monk
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import orchestrator.disk as disk
+import orchestrator.cache.disk as disk
 from orchestrator.runtime import Runtime
 from tests.conftest import make_config, run_chat
 

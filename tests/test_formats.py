@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from orchestrator.formats import detect_format
-from orchestrator.parsing import make_stream_parser, parse_output
+from orchestrator.output.formats import detect_format
+from orchestrator.output.parsing import make_stream_parser, parse_output
 
 from .test_boundaries import TEMPLATES, template
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from orchestrator.cache import SnapshotCache, disk_key, salt_id
-from orchestrator.disk import DiskTier
-from orchestrator.radix import CHECKPOINT, KV
+from orchestrator.cache.snapshots import SnapshotCache, disk_key, salt_id
+from orchestrator.cache.disk import DiskTier
+from orchestrator.cache.radix import CHECKPOINT, KV
 from orchestrator.runtime import Runtime
-from orchestrator.tiers import RamTier
+from orchestrator.cache.tiers import RamTier
 
 from .conftest import assert_same_as_cold, make_config
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from orchestrator.engine import SamplingParams
-from orchestrator.radix import KV
+from orchestrator.cache.radix import KV
 from orchestrator.runtime import Runtime
 from orchestrator.request import Job
 from orchestrator.state import KVState
-from orchestrator.synth import ensure_model
+from orchestrator.models.synth import ensure_model
 
 from .conftest import make_config
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from orchestrator.parsing import StreamParser, parse_output
-from orchestrator.stops import TextStream
+from orchestrator.output.parsing import StreamParser, parse_output
+from orchestrator.output.stops import TextStream
 
 CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"metric\": true}\n</parameter>\n</function>\n</tool_call>")

@@ -17,10 +17,10 @@ import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.cache import SnapshotCache
-from orchestrator.disk import DiskTier
-from orchestrator.radix import CHECKPOINT, KV, common_len
-from orchestrator.tiers import RamTier
+from orchestrator.cache.snapshots import SnapshotCache
+from orchestrator.cache.disk import DiskTier
+from orchestrator.cache.radix import CHECKPOINT, KV, common_len
+from orchestrator.cache.tiers import RamTier
 
 from .conftest import run_chat
 

@@ -17,14 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator import calibration
-from orchestrator.cache import SnapshotCache
+from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.engine import SamplingParams
 from orchestrator.errors import EngineError, RequestCancelled, RequestTimeout
-from orchestrator.radix import CHECKPOINT, KV, common_len
+from orchestrator.cache.radix import CHECKPOINT, KV, common_len
 from orchestrator.request import Event, EventKind, Job, Phase, Slot, Task
 from orchestrator.reuse import Reuse
 from orchestrator.scheduler import Scheduler
-from orchestrator.tiers import RamTier
+from orchestrator.cache.tiers import RamTier
 
 from .fake_engine import FakeEngine
 

@@ -18,10 +18,10 @@ import pytest
 from orchestrator.calibration import check_batch_invariance
 from orchestrator.engine import SamplingParams
 from orchestrator.errors import QueueFull, RequestCancelled, RequestTimeout
-from orchestrator.radix import CHECKPOINT, KV
+from orchestrator.cache.radix import CHECKPOINT, KV
 from orchestrator.runtime import Runtime
 from orchestrator.request import Event, Job
-from orchestrator.synth import ensure_model
+from orchestrator.models.synth import ensure_model
 
 from .conftest import LiveServer
 

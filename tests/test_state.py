@@ -1,7 +1,7 @@
 """State kinds (orchestrator/state.py) without a model: which kind a model gets, how deep stored entries restore,
 and what a new KV entry supersedes."""
 
-from orchestrator.radix import CHECKPOINT, KV, RadixTree
+from orchestrator.cache.radix import CHECKPOINT, KV, RadixTree
 from orchestrator.state import HybridState, KVState, state_kind
 
 

@@ -1,4 +1,4 @@
-"""Tests of orchestrator.synth: the tiny synthetic Qwen3.5 GGUF builds, loads in llama.cpp, and tokenizes like Qwen3.5.
+"""Tests of orchestrator.models.synth: the tiny synthetic Qwen3.5 GGUF builds, loads in llama.cpp, and tokenizes like Qwen3.5.
 
 The tiny model is built once per session through ``ensure_model("tiny")`` into the cache named by
 ``ORCHESTRATOR_CACHE_DIR`` (if set) or the user cache directory (about 5 s the first time, then reused).

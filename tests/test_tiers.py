@@ -7,7 +7,7 @@ import random
 import shutil
 
 
-from orchestrator.radix import CHECKPOINT, KV
+from orchestrator.cache.radix import CHECKPOINT, KV
 
 from .conftest import assert_same_as_cold, run_chat
 

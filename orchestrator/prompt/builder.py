@@ -17,10 +17,10 @@ from typing import Any, Callable, Sequence
 
 from .boundaries import Boundaries, BoundaryDetector, detect
 from .control import ControlTexts, protected_texts, split_cuts, strip_cuts
-from .engine import Engine
-from .errors import InvalidRequest
-from .formats import OutputFormat, detect_format
-from .parsing import parse_output
+from ..engine import Engine
+from ..errors import InvalidRequest
+from ..output.formats import OutputFormat, detect_format
+from ..output.parsing import parse_output
 from .template import ChatTemplate, templates_dir
 
 
@@ -45,7 +45,7 @@ class Prompt:
         return self.boundaries.positions(len(self.tokens)) if self.boundaries else []
 
 
-log = logging.getLogger("orchestrator.prompt")
+log = logging.getLogger("orchestrator.prompt.builder")
 
 FALLBACK_TEMPLATES = {"gemma3": "gemma3.jinja"}  # GGUF architecture -> templates/ file; default qwen3.5.jinja
 

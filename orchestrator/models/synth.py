@@ -96,7 +96,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from .errors import OrchestratorError
+from ..errors import OrchestratorError
 
 #: Bump when the generator's output changes (weights, metadata, tokenizer); it is part of cached file names.
 GENERATOR_VERSION = 1
@@ -501,7 +501,7 @@ def _load_vocabulary(p: _Progress) -> Vocabulary:
 
 def chat_template_path() -> Path:
     """The real Qwen3.5 chat template shipped with the project: ``templates/qwen3.5.jinja``."""
-    from .template import templates_dir
+    from ..prompt.template import templates_dir
 
     return templates_dir() / "qwen3.5.jinja"
 
@@ -563,7 +563,7 @@ def _write_f16_gguf(preset: Preset, vocab: Vocabulary, template: str, path: Path
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(general_name(preset))
     w.add_description("Synthetic model with RANDOM weights: Qwen3.5 architecture, tokenizer and chat template, "
-                      "gibberish output. Written by orchestrator.synth for testing and benchmarking.")
+                      "gibberish output. Written by orchestrator.models.synth for testing and benchmarking.")
     w.add_file_type(_LLAMA_FTYPE_MOSTLY_F16)
     w.add_context_length(preset.context_length)
     w.add_embedding_length(preset.hidden_size)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .control import strip_cuts
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 from .template import ChatTemplate
 
 PLACEHOLDER = "\ue000orchestrator-boundary\ue001"

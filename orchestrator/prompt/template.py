@@ -19,14 +19,14 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .control import CUT
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 
 
 def templates_dir() -> Path:
     """The project's templates/ folder: beside the package in a source checkout (editable install), else where
     pyproject's data-files put it (<prefix>/share/orchestrator/templates)."""
-    source = Path(__file__).resolve().parent.parent / "templates"
+    source = Path(__file__).resolve().parents[2] / "templates"
     return source if source.is_dir() else Path(sys.prefix) / "share" / "orchestrator" / "templates"
 
 

@@ -10,7 +10,7 @@ tokens[:p]); on a KV-only model any prefix of a KV entry restores.
     plan = cache.plan(tokens, max_tokens, live_tokens)   # deepest restorable position, and from what
     parts = cache.load(plan)                            # bytes of both parts (copies; entries stay)
 
-Tiers (`orchestrator.tiers`): every entry is stored first in tiers[0], the hot tier (RAM), whose resident
+Tiers (`orchestrator.cache.tiers`): every entry is stored first in tiers[0], the hot tier (RAM), whose resident
 bytes never exceed its budget, checked before an insert. When an entry must leave it, the `EvictionPolicy`
 picks it and it spills: it is written to every lower tier that takes it (the disk tier; a shared tier would
 be the next) and read from the fastest of them that holds it; a later hit is promoted back to the hot tier.
@@ -36,10 +36,10 @@ from typing import Sequence
 
 from .policy import Candidate, EvictionPolicy
 from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
-from .state import HybridState, StateKind
+from ..state import HybridState, StateKind
 from .tiers import Tier, TierStats
 
-log = logging.getLogger("orchestrator.cache")
+log = logging.getLogger("orchestrator.cache.snapshots")
 
 HOT = 0  # index of the hot tier in `SnapshotCache.tiers`
 _EMPTY = RadixTree()  # the tree of a salt with no entries (never modified)

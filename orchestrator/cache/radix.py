@@ -1,6 +1,6 @@
 """Token-level radix tree that indexes snapshot entries by the token prefix they hold.
 
-The tree knows tokens and entry ids only; bytes live in the tiers (`orchestrator.cache`).
+The tree knows tokens and entry ids only; bytes live in the tiers (`orchestrator.cache.snapshots`).
 
     root ──[248045, 8678, 198 ... 29]──▶ A depth 1834 {checkpoint}        (end of the tools block)
                                      ├──[ ... 248046, 198]──▶ B depth 1901 {checkpoint}   (end of system)

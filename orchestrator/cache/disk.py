@@ -55,13 +55,13 @@ import diskcache
 import numpy as np
 from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
 
-from .errors import OrchestratorError
+from ..errors import OrchestratorError
 from .radix import EntryKind
 from .tiers import EntryInfo, Stored, TierStats
 
 __all__ = ["DiskTier", "EntryInfo", "FORMAT_VERSION", "KINDS"]
 
-log = logging.getLogger("orchestrator.disk")
+log = logging.getLogger("orchestrator.cache.disk")
 
 MAGIC = b"ORCSNAP\0"
 FORMAT_VERSION = 2
@@ -81,7 +81,7 @@ _DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 
 class DiskTier:
     """Snapshots on disk under `directory`, at most `budget_bytes` of files, least recently used out first.
-    A `Tier` (orchestrator.tiers) named "disk"; `nbytes` and `bytes` count whole files (header + tokens + payload).
+    A `Tier` (orchestrator.cache.tiers) named "disk"; `nbytes` and `bytes` count whole files (header + tokens + payload).
 
     * `put(key, tokens, kind, payload)` stores a snapshot. The budget is checked before writing: LRU entries are
       evicted until the new one fits; one larger than the whole budget is not stored (False). A failing disk logs
