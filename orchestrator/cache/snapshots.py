@@ -27,13 +27,13 @@ their salt across restarts. The RAM budget and the eviction order are shared by 
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .keys import disk_key, salt_id, salt_of_key
 from .policy import Candidate, EvictionPolicy
 from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
 from ..state import HybridState, StateKind
@@ -91,24 +91,6 @@ class CacheStats:
     dropped: int = 0  # entries lost (no disk tier, disk full or evicted by its budget, or corrupt on disk)
     rejected_too_large: int = 0
     tiers: list = field(default_factory=list)  # TierStats of each tier, hot first
-
-
-def salt_id(salt: str) -> str:
-    """The id of a cache salt: "" for no salt, else 32 hex digits of its BLAKE2b hash (never the salt itself)."""
-    if not salt:
-        return ""
-    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"orc-salt").hexdigest()
-
-
-def disk_key(kind: str, tokens: Sequence[int], sid: str = "") -> str:
-    """Disk key of an entry: "<kind>-<n>-<hash of tokens>" unsalted, "s<salt id>-<kind>-<n>-<hash of salt id and
-    tokens>" under salt id `sid`."""
-    h = hashlib.blake2b(sid.encode() + b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=16).hexdigest()
-    return f"s{sid}-{kind}-{len(tokens)}-{h}" if sid else f"{kind}-{len(tokens)}-{h}"
-
-
-def _salt_of_key(key: str) -> str:
-    return key[1:33] if key.startswith("s") else ""
 
 
 class SnapshotCache:
@@ -409,7 +391,7 @@ class SnapshotCache:
         """Index what lower tier `level` holds (at start: a restarted server keeps its cache)."""
         tier, n = self.tiers[level], 0
         for info in self._lower(level, "entries", default=[]):
-            sid = _salt_of_key(info.key)
+            sid = salt_of_key(info.key)
             try:
                 kind = EntryKind(info.kind)
             except ValueError:
