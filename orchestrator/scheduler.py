@@ -41,7 +41,7 @@ from .engine import Engine
 from .errors import ContextOverflow, EngineError, OrchestratorError, QueueFull, RequestCancelled, RequestTimeout
 from .memory import HeapTrimmer
 from .request import Event, EventKind, Job, Phase, Result, Sink, Slot, Task
-from .reuse import Reuse
+from .reuse import PrefillRate, Reuse
 
 __all__ = ["Event", "Job", "Result", "Scheduler", "Slot"]  # Job, Result, Event: re-exported from request.py
 
@@ -62,6 +62,9 @@ class Scheduler:
         batch_decode: put the decode steps of all generating slots into one llama_decode call. Only set it when
             that is bit-identical to decoding alone (calibration.check_batch_invariance), or cached and
             concurrent outputs may differ from cold ones.
+        prefill_tps: prompt tokens per second measured at start (calibration.prefill_rate), refined by every
+            prefill chunk since; with a shared tier, fetch-or-recompute is decided from it (None: unknown until
+            the first chunk).
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A job that fails gets an ERROR event, its
@@ -70,13 +73,13 @@ class Scheduler:
 
     def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128,
-                 batch_decode: bool = False) -> None:
+                 batch_decode: bool = False, prefill_tps: float | None = None) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
         self.cache = cache
         self.slots = [Slot(seq) for seq in range(n_slots)]
-        self.reuse = Reuse(engine, cache, self.slots, checkpoint_interval)
+        self.reuse = Reuse(engine, cache, self.slots, checkpoint_interval, PrefillRate(prefill_tps))
         self.min_segment = self.reuse.min_segment
         self.checkpoint_interval = checkpoint_interval
         self.queue_size = queue_size
@@ -298,7 +301,9 @@ class Scheduler:
             end = target if target - t.pos <= self.engine.n_batch else target - self.min_segment
         final = end == n
         # live is extended only after a chunk is decoded; a failed decode clears the sequence.
+        started = time.perf_counter()
         self.engine.decode(t.slot.seq, t.work[t.pos:end], t.pos, want_logits=final and t.phase == Phase.PREFILL)
+        self.reuse.prefill.observe(end - t.pos, time.perf_counter() - started)
         self.reuse.prefilled(t, end)
         if not final:
             return

@@ -48,6 +48,8 @@ from .anthropic import MessagesRequest, parse_messages
 from .schemas import GenerationOptions, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
+REPLICA_HEADER = "x-orchestrator-replica"  # on every response: which replica served it (--replica-name)
+TIER_HEADER = "x-orchestrator-cache-tier"  # on non-streamed results: live, ram, disk, remote or none
 
 
 def _is_json(content_type: str) -> bool:
@@ -110,6 +112,12 @@ def _usage(r: Result) -> dict:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.completion_tokens),
             "total_tokens": r.prompt_tokens + len(r.completion_tokens),
             "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+
+def _tier_header(r: Result) -> dict:
+    """The header naming where a non-streamed result's prefix came from: live, ram, disk, remote or none (a stream's
+    headers leave before that is known: its last chunk's usage and timings say it)."""
+    return {TIER_HEADER: r.restore_source}
 
 
 def _timings(r: Result) -> dict:
@@ -283,7 +291,7 @@ class Api:
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": self.rt.model_id,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": _usage(r), "timings": _timings(r)})
+            "usage": _usage(r), "timings": _timings(r)}, headers=_tier_header(r))
 
     def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
                      prompt: Prompt, req) -> AsyncIterator[str]:
@@ -353,7 +361,7 @@ class Api:
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": r.finish_reason, "logprobs": None}],
-            "usage": _usage(r), "timings": _timings(r)})
+            "usage": _usage(r), "timings": _timings(r)}, headers=_tier_header(r))
 
     # ------------------------------------------------------------------ Anthropic Messages API
 
@@ -379,7 +387,7 @@ class Api:
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
             "content": anthropic.content_blocks(out), "stop_reason": reason, "stop_sequence": sequence,
-            "usage": anthropic.usage(r), "timings": _timings(r)})
+            "usage": anthropic.usage(r), "timings": _timings(r)}, headers=_tier_header(r))
 
     def _stop_reason(self, r: Result, has_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
         """Anthropic's (stop_reason, stop_sequence); which stop string ended the text is read from the text of
@@ -534,16 +542,20 @@ def _guard(api: Api, path: str, handler, cfg: Config, public: bool, flavor: str)
     """Check the API key (unless `public` or none is configured), then run the route, turning any exception into
     an error response in the route's flavor (OpenAI's or Anthropic's shape) here, so the connection stays usable
     (an exception that reaches Starlette's outermost middleware is re-raised and closes the keep-alive
-    connection); every such refusal or failure is counted and logged."""
+    connection); every such refusal or failure is counted and logged. Every response names the replica
+    (REPLICA_HEADER)."""
+    replica = cfg.replica
+
     async def guarded(request: Request):
         try:
             if cfg.api_key is not None and not public:
                 _authorize(request, cfg.api_key)
-            return await handler(request)
+            response = await handler(request)
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx in one place: server/errors.py
             response = error_response(e, flavor)
             api.record_failure(path, e)
-            return response
+        response.headers[REPLICA_HEADER] = replica
+        return response
 
     return guarded
 

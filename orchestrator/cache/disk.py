@@ -82,6 +82,7 @@ class DiskTier:
     """
 
     name = "disk"
+    shared = False
 
     def __init__(self, directory: Path | str, budget_bytes: int, fingerprint: bytes) -> None:
         if budget_bytes < 0:

@@ -25,3 +25,14 @@ def disk_key(kind: str, tokens: Sequence[int], sid: str = "") -> str:
 def salt_of_key(key: str) -> str:
     """The salt id an entry key was made under ("" for an unsalted key)."""
     return key[1:33] if key.startswith("s") else ""
+
+
+def parse_key(key: str) -> tuple[str, str, int] | None:
+    """(salt id, kind, n_tokens) of an entry key (`disk_key`'s format), or None if `key` is not one."""
+    parts = key.split("-")
+    sid = ""
+    if parts and parts[0].startswith("s") and len(parts) == 4:
+        sid, parts = parts[0][1:], parts[1:]
+    if len(parts) != 3 or not parts[1].isdigit() or len(sid) not in (0, 32):
+        return None
+    return sid, parts[0], int(parts[1])
