@@ -36,7 +36,8 @@ from orchestrator.cache.snapshots import SnapshotCache  # noqa: E402
 from orchestrator.engine import Engine  # noqa: E402
 from orchestrator.runtime import resolve_model  # noqa: E402
 from orchestrator.config import Config  # noqa: E402
-from orchestrator.request import Job, Scheduler  # noqa: E402
+from orchestrator.request import Job  # noqa: E402
+from orchestrator.scheduler import Scheduler  # noqa: E402
 from orchestrator.cache.tiers import RamTier  # noqa: E402
 
 MiB = 1 << 20

@@ -5,7 +5,9 @@ was restored and stored.
 
     QUEUED ──admit: restore──▶ PREFILL ──prompt done──▶ DECODE ──result delivered──▶ STORE ──▶ DONE
        │                          │                        │                            (after-generation
-       └── cancelled / timed out ─┴────────────────────────┴──▶ DONE                     state, if any)
+       └── cancelled / timed out ─┴────────────────────────┴──▶ DONE                     state, if any;
+                                                                                      taken over or
+                                                                                      preempted at a chunk)
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Phase(str, Enum):
     PREFILL = "prefill"  # the prompt's uncached tokens are computed, in chunks
     DECODE = "decode"  # one token a step
     STORE = "store"  # result delivered; the after-generation state is re-prefilled and stored (SGLang's
-    #                  cache_finished_req). The slot stays busy, the caller no longer waits.
+    #                  cache_finished_req), one chunk at a time while no other request prefills or decodes; a
+    #                  new request takes it over (it extends the work) or preempts it (no free slot).
     DONE = "done"  # released
 
 
@@ -48,7 +51,10 @@ class Job:
     (0 < b < n_prompt). max_tokens: completion budget. stop: stop strings. want_logits: keep the first-step
     logits (float32, shape (n_vocab,)) in the result, for correctness checks. prompt_cache_key: OpenAI's
     routing hint; requests with the same key prefer the slot that last served it. timeout_s: seconds from
-    submission to completion (None: the scheduler's default; 0: none).
+    submission to completion (None: the scheduler's default; 0: none). restorable_after: given the generated
+    token ids (with the end-of-generation token that ended them, if one did), whether the request most likely
+    to follow starts with the prompt and exactly those ids (`PromptBuilder.restorable_after`); None: assume it
+    does. When it says no, the state after generation is not computed (issue 18).
     """
 
     prompt_tokens: list[int]
@@ -61,6 +67,9 @@ class Job:
     prompt_cache_key: str = ""
     timeout_s: float | None = None
     cache_salt: str = ""  # snapshots are shared only among jobs with the same salt ("" = the shared cache)
+    restorable_after: Callable[[Sequence[int]], bool] | None = None
+    prepare_s: dict[str, float] = field(default_factory=dict)  # seconds spent before submission, by phase
+    #                                                            (render, tokenize, boundaries: Prompt's)
 
 
 @dataclass
@@ -81,6 +90,8 @@ class Result:
     snapshot_s: float = 0.0  # part of prefill_s (and ttft_s) spent saving snapshots
     first_logits: np.ndarray | None = None
     slot: int = 0
+    phases: dict[str, float] = field(default_factory=dict)  # the breakdown of total_s (and of the prompt's
+    #   preparation before it), seconds by phase: `Task.result` lists them in order
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,8 @@ class Task:
         self.finish = "length"
         self.pending: int | None = None  # the token to decode next
         self.delivered = False  # DONE or ERROR was sent
+        self.cut = False  # the generated tokens are not the whole answer (cancelled or a stop string), read at
+        #                   the result: the caller may set `cancel` once it has the result
 
     def expired(self, now: float) -> bool:
         """Cancelled by the caller or past its deadline."""
@@ -166,15 +179,22 @@ class Task:
         return self.out + ([self.eog] if self.eog is not None else [])
 
     def result(self, now: float) -> Result:
+        """The result at `now` (after the last token). `phases`: the job's preparation phases, then queue (wait
+        for a slot), restore, prefill (snapshot saves excluded), snapshot (saving snapshots during prefill),
+        sample (prefill's end to the first token: logits, sampler set-up, first sample), decode (the rest)."""
         c = self.clock
         total = now - c.submitted
+        first = c.first_token if c.first_token is not None else now
+        phases = {**self.job.prepare_s, "queue": c.admitted - c.submitted, "restore": c.restored - c.admitted,
+                  "prefill": c.prefilled - c.restored - self.snapshot_s, "snapshot": self.snapshot_s,
+                  "sample": first - c.prefilled, "decode": now - first}
         return Result(
             completion_tokens=self.out, text=self.stream.text, finish_reason=self.finish, prompt_tokens=self.n,
             cached_tokens=self.cached, restore_source=self.source, restore_s=c.restored - c.admitted,
             prefill_s=c.prefilled - c.restored,
             ttft_s=c.first_token - c.submitted if c.first_token is not None else total, total_s=total,
             snapshots_saved=self.saved, snapshot_s=self.snapshot_s, first_logits=self.first_logits,
-            slot=self.slot.seq)
+            slot=self.slot.seq, phases=phases)
 
 
 @dataclass

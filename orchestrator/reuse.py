@@ -5,10 +5,12 @@ what (store), and the state kept after generation. vLLM keeps these behind its K
 The scheduler calls, per request:
 
     reuse.must_wait(task, earlier)   # admission order: wait for a snapshot an earlier request is about to store
-    reuse.pick_slot(task, free)      # which free sequence serves it
+    reuse.choose(task, free, storing) # which sequence serves it: a free one, or one storing (taken over or
+                                     #   preempted); pick_slot chooses among free ones
     reuse.admit(task, slot)          # restore the deepest reusable prefix; plan the snapshot positions
     reuse.prefilled(task, end)       # after each prefill chunk: the live KV, and a checkpoint at a position
     reuse.after_generation(task)     # after the result: rewind and choose what to re-prefill and store, or not
+    reuse.take_over(task, slot, n)   # or go on from the n tokens a STORE task left in the slot, no restore
     reuse.store_finished(task)       # at the end of that re-prefill: store its KV and checkpoint
 
 Why every stored state is exact (cached runs equal cold runs bit for bit): with the engine's settings (flash
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from .cache.snapshots import RestorePlan, SnapshotCache
@@ -70,6 +73,25 @@ class PrefillRate:
         return n_tokens / self.tokens_per_s if self.tokens_per_s else 0.0
 
 
+@dataclass
+class AfterGenerationStats:
+    """What happened to after-generation work since start (issue 18). Counts of finished requests that stored
+    nothing after generation because the state after the answer cannot be restored by the likely next request
+    (`unrestorable`), that re-prefilled to the answer's end (`answer`) or to the prompt's end (`prompt_end`);
+    STORE tasks dropped for a waiting request (`preempted`) or taken over by the request that extends them
+    (`taken_over`, `taken_over_tokens`: the positions the taking request did not compute again); `tokens` and
+    `seconds` of STORE prefill chunks (the compute spent, in tokens and wall seconds of the worker)."""
+
+    unrestorable: int = 0
+    answer: int = 0
+    prompt_end: int = 0
+    preempted: int = 0
+    taken_over: int = 0
+    taken_over_tokens: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
 class Reuse:
     """Match, restore and store for the sequences `slots` of `engine`, over `cache`.
 
@@ -84,6 +106,7 @@ class Reuse:
         self.state = engine.state
         self.min_segment = engine.min_segment  # fewest tokens per exact prefill ubatch (calibration.py)
         self.checkpoint_interval = checkpoint_interval
+        self.after_stats = AfterGenerationStats()
 
     # ------------------------------------------------------------------ the rule
 
@@ -144,6 +167,29 @@ class Reuse:
 
         return max(free, key=score)
 
+    def choose(self, task: Task, free: Sequence[Slot], storing: Sequence[Slot]) -> tuple[Slot, int]:
+        """The slot for `task` and the depth it takes over there (0: restore as usual, `admit`). `storing`:
+        slots re-prefilling an after-generation state (STORE), which are never busy for a new request. The STORE
+        slot whose computed tokens the task extends, when that is at least as deep as any restore (issue 18: a
+        tool result continues the work instead of waiting for it or computing it again); else the best free
+        slot; else a STORE slot, to be preempted (`preempt`)."""
+        depth, slot = max(((self.take_over_depth(task, s.task), s) for s in storing), key=lambda d: d[0],
+                          default=(0, None))
+        if depth and depth >= max(p.n_tokens for p in self.plans(task.tokens, task.job.cache_salt)):
+            return slot, depth
+        if free:
+            return self.pick_slot(task, free), 0
+        return self.pick_slot(task, storing), 0
+
+    def preempt(self, task: Task) -> None:
+        """Stop `task`'s after-generation re-prefill at the chunk boundary it reached, keeping what it computed:
+        the KV of task.work[:task.pos] (exact: prefill chunks of at least min_segment from a checkpoint) is
+        stored unless it is already, so the prompt's checkpoints stay restorable after a new request replaces
+        the slot's sequence. A save, not a prefill: milliseconds (the KV of 2,000 tokens of the 0.8b is 24 MiB)."""
+        self.after_stats.preempted += 1
+        if task.slot.live and task.pos >= self.min_segment:
+            task.saved += self._store(task, task.work[: task.pos], (KV,), boundary=False)
+
     def must_wait(self, task: Task, earlier: Iterable[Task]) -> bool:
         """Sequential semantics: whether `task` should wait for a snapshot deeper than anything stored now that
         an earlier request (in a slot or queued) of the same salt is about to store, instead of prefilling the
@@ -161,8 +207,9 @@ class Reuse:
             shared = min(common_len(other.tokens, task.tokens), upto)
             if shared <= avail:
                 continue
-            if shared == other.n:
+            if shared == other.n and other.phase != Phase.STORE:
                 return True  # it extends the other's whole prompt: wait for its after-generation state too
+                # (a STORE task is not waited for: it is taken over or preempted, Scheduler._admit)
             if other.phase in (Phase.QUEUED, Phase.PREFILL):
                 ahead = other.positions if other.phase == Phase.PREFILL else self.snapshot_positions(other.job)
                 if any(avail < p <= shared for p in ahead):
@@ -257,22 +304,25 @@ class Reuse:
 
         The state after the generated tokens (and the end-of-turn token): what the conversation's next request
         extends. Instead the state where the prompt ends, when the generated text is not what the next request
-        will send (cancelled, or cut by a stop string), when it would not fit the context, when it is stored
-        already, or when too few tokens were generated for an exact prefill from the rewind point. Nothing when
-        that is stored already, or when the sequence cannot be rewound.
+        will send (cancelled, or cut by a stop string), when the likely next request would not restore it (the
+        job's `restorable_after` says no: on Qwen3.5 with thinking on, a text answer's reasoning is dropped by
+        the next user turn), when it would not fit the context, when it is stored already, or when too few
+        tokens were generated for an exact prefill from the rewind point. Nothing when that is stored already,
+        or when the sequence cannot be rewound.
         """
         if not task.store:
             return False
         salt = task.job.cache_salt
-        full = task.tokens + task.generated()
+        generated = task.generated()
+        full = task.tokens + generated
         try:
-            if (task.cancel.is_set() or task.stream.stopped or len(full) > self.engine.n_ctx
-                    or self.cache.contains(full, KV, salt=salt)):
-                work = task.tokens
-                if self.cache.contains(work, KV, salt=salt):
-                    return False
-            else:
-                work = full
+            unusable = task.cut or len(full) > self.engine.n_ctx or self.cache.contains(full, KV, salt=salt)
+            if not unusable and not self._restorable(task.job, generated):
+                unusable = True
+                self.after_stats.unrestorable += 1
+            work = task.tokens if unusable else full
+            if work is task.tokens and self.cache.contains(work, KV, salt=salt):
+                return False
             start = self._rewind(task)
             if not start:
                 return False
@@ -282,8 +332,46 @@ class Reuse:
             log.warning("after-generation snapshot failed", exc_info=True)
             self.reset(task.slot)
             return False
+        if work is task.tokens:
+            self.after_stats.prompt_end += 1
+        else:
+            self.after_stats.answer += 1
         task.work, task.pos, task.positions = work, start, []
         return True
+
+    def _restorable(self, job: Job, generated: list[int]) -> bool:
+        """The job's `restorable_after` answer (True without one, or when it fails: the state is then stored as
+        before, a cost and never a wrong answer)."""
+        if job.restorable_after is None:
+            return True
+        try:
+            return bool(job.restorable_after(generated))
+        except Exception:  # noqa: BLE001 - a failing probe must not lose the slot's state
+            log.warning("restorable_after failed; the after-generation state is stored", exc_info=True)
+            return True
+
+    def take_over_depth(self, task: Task, other: Task) -> int:
+        """How deep `task` could start in `other`'s slot, where `other` is re-prefilling its after-generation
+        state (STORE) and holds other.work[:other.pos] computed by exact prefill chunks: other.pos when the task
+        (same salt, using the cache) starts with those tokens and still has at least min_segment tokens to
+        prefill after them; else 0."""
+        p = other.pos
+        if (not task.job.use_cache or other.phase != Phase.STORE or other.job.cache_salt != task.job.cache_salt
+                or p <= 0 or p > self.max_hit(task.n) or common_len(task.tokens, other.work) < p):
+            return 0
+        return p
+
+    def take_over(self, task: Task, slot: Slot, depth: int) -> None:
+        """Admit `task` on `slot` from the state its sequence holds (take_over_depth tokens of the STORE task
+        that was there), without a restore: reported as `depth` cached tokens from the live sequence."""
+        slot.salt = task.job.cache_salt
+        slot.live = task.tokens[:depth]
+        task.cached = task.pos = depth
+        task.source = "live"
+        task.store = self.stores(task.job)
+        task.positions = self.snapshot_positions(task.job, depth)
+        self.after_stats.taken_over += 1
+        self.after_stats.taken_over_tokens += depth
 
     def _rewind(self, task: Task) -> int:
         """Drop the decoded tokens: back to a state the re-prefill can go on from exactly, and return its

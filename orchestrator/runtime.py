@@ -21,6 +21,7 @@ from .config import MiB, Config
 from .engine import Engine
 from .prompt.builder import PromptBuilder, load_template
 from .request import Job, Sink
+from .reuse import AfterGenerationStats
 from .scheduler import Scheduler
 from .cache.tiers import RamTier, Tier
 
@@ -165,9 +166,14 @@ class Runtime:
         """The snapshot cache's counters and what each tier holds (for /metrics)."""
         return self.cache.stats()
 
+    def after_generation_stats(self) -> AfterGenerationStats:
+        """What after-generation work was done, skipped, preempted and taken over (a copy, for /metrics)."""
+        return dataclasses.replace(self.scheduler.reuse.after_stats)
+
     def cache_report(self) -> dict:
         """/v1/cache/stats: the cache's counters and the settings that shape what it stores."""
         return {**dataclasses.asdict(self.cache.stats()), "checkpoint_interval": self.scheduler.checkpoint_interval,
+                "after_generation": dataclasses.asdict(self.scheduler.reuse.after_stats),
                 **self.engine.state.describe()}
 
     def flush_cache(self) -> int:

@@ -15,7 +15,10 @@ Then the worker loops over steps; each step is
     conversations' tokens instead of stalling them for its whole duration.
 
 After the result is delivered, the slot re-prefills and stores the state after generation (phase STORE,
-`Reuse.after_generation`), in chunks like any prefill; the slot stays busy until then.
+`Reuse.after_generation`), in chunks like any prefill, but only while no request is decoding or prefilling.
+A request that arrives meanwhile takes the STORE slot over when it extends what was computed so far, or
+preempts it at the chunk boundary when no slot is free: after-generation work never makes a request wait
+longer than one chunk.
 
 Cancellation and limits: a cancelled request (client gone) leaves its slot at the next step; one cancelled while
 decoding gets what it generated; a request past its deadline (`timeout_s`) fails with RequestTimeout; a full
@@ -215,42 +218,56 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
-        """Start waiting requests, oldest first, on free slots; a request that would reuse a snapshot an
-        earlier request is about to store waits (`Reuse.must_wait`)."""
-        free = [s for s in self.slots if s.task is None]
-        if not free:
-            return
+        """Start waiting requests, oldest first; a request that would reuse a snapshot an earlier request is
+        about to store waits (`Reuse.must_wait`). A slot re-prefilling an after-generation state (STORE) is
+        not busy for them: a request that extends what it computed so far takes it over and goes on from there
+        (`Reuse.take_over`), and when no slot is free a STORE task is dropped at this chunk boundary to make
+        room (its sequence keeps the exact prefix it reached, a live source like any other)."""
         with self._cond:
             queued = list(self._waiting)
         for task in queued:
-            if not free:
+            free = [s for s in self.slots if s.task is None]
+            storing = [s for s in self.slots if s.task is not None and s.task.phase == Phase.STORE]
+            if not free and not storing:
                 return
             if self.reuse.must_wait(task, self._active() + queued):
                 continue
-            slot = self.reuse.pick_slot(task, free)
             with self._cond:
                 self._waiting.remove(task)
-            free.remove(slot)
-            self._guard(task, self._start, task, slot)
+            self._guard(task, self._place, task, free, storing)
 
-    def _start(self, task: Task, slot: Slot) -> None:
-        """Bind the task to the slot and restore its deepest reusable prefix (one step: what is reported as
-        cached is what was restored)."""
+    def _place(self, task: Task, free: list[Slot], storing: list[Slot]) -> None:
+        """Bind the task to the slot `Reuse.choose` picks (a STORE task there is taken over or dropped at this
+        chunk boundary) and restore its deepest reusable prefix (one step: what is reported as cached is what
+        was restored)."""
+        slot, depth = self.reuse.choose(task, free, storing)
+        if slot.task is not None:
+            if not depth:
+                self.reuse.preempt(slot.task)
+            self._release(slot.task)
         task.slot, slot.task = slot, task
         slot.key = task.job.prompt_cache_key
         task.clock.admitted = time.perf_counter()
-        self.reuse.admit(task, slot)
+        if depth:
+            self.reuse.take_over(task, slot, depth)
+        else:
+            self.reuse.admit(task, slot)
         task.clock.restored = time.perf_counter()
         task.phase = Phase.PREFILL
 
     # ------------------------------------------------------------------ steps
 
     def _step(self) -> bool:
-        """One decode step and one prefill chunk; False when there was nothing to compute."""
-        decoding = [t for t in self._active() if t.phase == Phase.DECODE and t.pending is not None]
+        """One decode step and one prefill chunk; False when there was nothing to compute. After-generation
+        re-prefills (STORE) get a chunk only when no request is decoding or prefilling: they are the caller's
+        past, not anyone's wait (a request arriving meanwhile waits at most for that one chunk)."""
+        active = self._active()
+        decoding = [t for t in active if t.phase == Phase.DECODE and t.pending is not None]
         if decoding:
             self._decode(decoding)
-        filling = [t for t in self._active() if t.phase in (Phase.PREFILL, Phase.STORE)]
+        filling = [t for t in active if t.phase == Phase.PREFILL]
+        if not filling and not decoding:
+            filling = [t for t in active if t.phase == Phase.STORE]
         if filling:
             filling.sort(key=lambda t: (t.slot.seq - self._turn) % len(self.slots))
             task = filling[0]
@@ -301,9 +318,13 @@ class Scheduler:
             end = target if target - t.pos <= self.engine.n_batch else target - self.min_segment
         final = end == n
         # live is extended only after a chunk is decoded; a failed decode clears the sequence.
-        started = time.perf_counter()
+        started, pos = time.perf_counter(), t.pos
         self.engine.decode(t.slot.seq, t.work[t.pos:end], t.pos, want_logits=final and t.phase == Phase.PREFILL)
-        self.reuse.prefill.observe(end - t.pos, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.reuse.prefill.observe(end - pos, seconds)
+        if t.phase == Phase.STORE:
+            self.reuse.after_stats.tokens += end - pos
+            self.reuse.after_stats.seconds += seconds
         self.reuse.prefilled(t, end)
         if not final:
             return
@@ -336,6 +357,7 @@ class Scheduler:
 
     def _finish(self, t: Task) -> None:
         """Deliver the result, then store the state after generation (or at the end of the prompt)."""
+        t.cut = t.cancel.is_set() or t.stream.stopped  # before the result: the caller may cancel after it
         tail = t.stream.finish()
         if tail:
             t.sink(Event(EventKind.TEXT, text=tail))

@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -132,11 +132,14 @@ class Api:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
-        self.metrics = Metrics(runtime.cache_stats)
+        self.metrics = Metrics(runtime.cache_stats, runtime.after_generation_stats)
         self._late_system_ok: bool | None = None  # does the template render a system message mid-conversation?
 
-    def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "") -> Job:
-        """The job for a prompt (a prompt that does not fit the context is refused by `Runtime.submit`)."""
+    def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "",
+             restorable_after: Callable[[Sequence[int]], bool] | None = None) -> Job:
+        """The job for a prompt (a prompt that does not fit the context is refused by `Runtime.submit`).
+        restorable_after: for a chat prompt, whether the state after a given answer is worth storing
+        (`PromptBuilder.restorable_after`)."""
         n_ctx = self.rt.n_ctx
         n = len(prompt.tokens)
         cfg = self.rt.config
@@ -147,7 +150,9 @@ class Api:
         return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
                    max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
                    use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key,
-                   cache_salt=opts.cache_salt)
+                   cache_salt=opts.cache_salt, restorable_after=restorable_after,
+                   prepare_s={"render": prompt.render_s, "tokenize": prompt.tokenize_s,
+                              "boundaries": prompt.boundaries_s})
 
     def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
         loop = asyncio.get_running_loop()
@@ -161,9 +166,9 @@ class Api:
 
     def _log(self, kind: str, r: Result) -> None:
         self.metrics.observe(r)
-        log.info("%s prompt=%d cached=%d tier=%s restore_ms=%.1f prefill_ms=%.1f completion=%d total_ms=%.1f",
-                 kind, r.prompt_tokens, r.cached_tokens, r.restore_source, r.restore_s * 1e3, r.prefill_s * 1e3,
-                 len(r.completion_tokens), r.total_s * 1e3)
+        log.info("%s prompt=%d cached=%d tier=%s completion=%d total_ms=%.1f ttft_ms=%.1f %s", kind, r.prompt_tokens,
+                 r.cached_tokens, r.restore_source, len(r.completion_tokens), r.total_s * 1e3, r.ttft_s * 1e3,
+                 " ".join(f"{name}_ms={s * 1e3:.1f}" for name, s in r.phases.items()))
 
     def record_failure(self, route: str, exc: Exception) -> None:
         """Count and log a refused or failed request (status 499: the client disconnected)."""
@@ -273,7 +278,8 @@ class Api:
         cfg = self.rt.config
         req = parse_chat(await _json_body(request, cfg.max_body_bytes), cfg)
         prompt = await self._chat_prompt(req)
-        job = self._job(prompt, req.options, req.prompt_cache_key)
+        job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
+            req.messages, req.tools, req.template_kwargs, prompt, req.parse_tools))
         events, cancel = self._submit(job)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
@@ -374,7 +380,8 @@ class Api:
 
     async def messages(self, request: Request):
         req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
-        job = self._job(prompt, req.options)
+        job = self._job(prompt, req.options, restorable_after=self.rt.prompts.restorable_after(
+            req.messages, req.tools, req.template_kwargs, prompt, req.parse_tools))
         events, cancel = self._submit(job)
         mid = f"msg_{uuid.uuid4().hex}"
         if req.options.stream:

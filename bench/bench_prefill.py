@@ -1,0 +1,113 @@
+"""Cold prefill speed by chunk size and ubatch: what `--prefill-chunk` and `--batch-size` cost (issue 12, item 2).
+
+    python bench/bench_prefill.py                        # synthetic qwen3.5-0.8b, 2 threads, 2,000 tokens
+    python bench/bench_prefill.py --model my.gguf --tokens 4000 --reps 7
+
+One process, one prompt of --tokens tokens, prefilled cold (sequence cleared) in every configuration, the
+configurations interleaved in a new random order each repetition (the machine is shared and noisy):
+
+  * n_batch (= n_ubatch: one llama_decode call is one ubatch) x prefill chunk (tokens per call), as the
+    scheduler feeds a lone request;
+  * `split`: the same prompt stopped every --split tokens, as snapshot positions stop a conversation of
+    messages of that length (a 20-message conversation of ~100-token messages).
+
+Checks on the way that every configuration gives bit-identical last-position logits (any split into ubatches
+of at least min_segment tokens is exact: engine.py "Numerics"), and prints median seconds and tokens/s per
+configuration, relative to the fastest. Writes bench/results/<date>/prefill.json. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orchestrator import calibration  # noqa: E402
+from orchestrator.config import Config  # noqa: E402
+from orchestrator.engine import Engine  # noqa: E402
+from orchestrator.runtime import model_file_digest, resolve_model  # noqa: E402
+
+
+def prefill(engine: Engine, tokens: list[int], chunk: int, stops: list[int]) -> tuple[float, np.ndarray]:
+    """Seconds to prefill `tokens` cold in calls of at most `chunk` tokens, also stopping at `stops`; and the
+    last position's logits."""
+    engine.clear(0)
+    bounds = sorted({*stops, len(tokens)})
+    start = time.perf_counter()
+    pos = 0
+    for stop in bounds:
+        while pos < stop:
+            end = min(pos + chunk, stop)
+            engine.decode(0, tokens[pos:end], pos, want_logits=end == len(tokens))
+            pos = end
+    return time.perf_counter() - start, engine.logits()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--split", type=int, default=100, help="tokens between stops of the 'split' rows")
+    ap.add_argument("--batches", default="512,1024", help="n_batch values (n_ubatch = n_batch)")
+    ap.add_argument("--chunks", default="128,256,512,1024", help="prefill chunk sizes (capped at n_batch)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+
+    cfg = Config(model=a.model, threads=a.threads)
+    path = resolve_model(cfg)
+    digest = model_file_digest(path)
+    engines = {}
+    for nb in (int(x) for x in a.batches.split(",")):
+        e = Engine(path, n_ctx=max(4096, a.tokens + 64), n_batch=nb, n_threads=a.threads)
+        calibration.calibrate(e, calibration.CalibrationFile(cfg.calibration_file, digest, nb, False), "off")
+        engines[nb] = e
+    any_engine = next(iter(engines.values()))
+    words = " ".join(f"w{i % 997} item{i}" for i in range(a.tokens))
+    tokens = any_engine.tokenize(words)[: a.tokens]
+    configs = [(nb, c, False) for nb in engines for c in (int(x) for x in a.chunks.split(",")) if c <= nb]
+    configs += [(nb, nb, True) for nb in engines]
+    times: dict[str, list[float]] = {}
+    reference = None
+    rng = random.Random(0)
+    for rep in range(a.reps + 1):  # the first round warms caches and is not counted
+        order = configs[:]
+        rng.shuffle(order)
+        for nb, chunk, split in order:
+            stops = list(range(a.split, len(tokens), a.split)) if split else []
+            s, logits = prefill(engines[nb], tokens, chunk, stops)
+            if reference is None:
+                reference = logits
+            if not np.array_equal(logits, reference):
+                print(f"NOT bit-identical: n_batch {nb}, chunk {chunk}, split {split}: max |d| "
+                      f"{np.abs(logits - reference).max()}", file=sys.stderr)
+                return 1
+            if rep:
+                times.setdefault(f"n_batch={nb} chunk={chunk}" + (f" split={a.split}" if split else ""), []).append(s)
+        print(f"round {rep}/{a.reps} done", file=sys.stderr)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = min(med.values())
+    print(f"{len(tokens)} tokens, {a.threads} threads, {a.reps} reps, interleaved; all logits bit-identical")
+    print(f"{'configuration':40} {'median s':>9} {'tok/s':>7} {'vs best':>8}  {'min..max s'}")
+    for k, m in sorted(med.items(), key=lambda kv: kv[1]):
+        print(f"{k:40} {m:9.2f} {len(tokens) / m:7.1f} {m / best:8.3f}  {min(times[k]):.2f}..{max(times[k]):.2f}")
+    out = a.out or Path(__file__).resolve().parent / "results" / str(date.today()) / "prefill.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(path), "tokens": len(tokens), "threads": a.threads, "reps": a.reps,
+                               "seconds": times, "median_s": med}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
