@@ -256,23 +256,39 @@ def ask(client: httpx.Client, url: str, messages: list[dict], tools: list[dict],
             "text": (message.get("reasoning_content") or "") + "|" + (message.get("content") or "")}
 
 
+class Fleet:
+    """`agents` conversations sharing a tools block of about `tools_tokens` tokens. `turn(t)` sends every agent's
+    request of turn t, one at a time, in an order rotated by t (so a round-robin router moves agents between
+    replicas), then plays the model's part of the turn."""
+
+    def __init__(self, agents: int = 4, tools_tokens: int = 600, max_tokens: int = 4) -> None:
+        self.tools = tools_block(tools_tokens)
+        self.agents = [Agent(i) for i in range(agents)]
+        self.max_tokens = max_tokens
+
+    def turn(self, client: httpx.Client, url: str, t: int, verbose: bool = False) -> list[dict]:
+        """Every agent's request of turn `t` through `url`; one record each (ask()'s, plus agent, turn and the
+        messages sent)."""
+        k = t % len(self.agents)
+        records = []
+        for agent in self.agents[k:] + self.agents[:k]:
+            rec = dict(ask(client, url, agent.messages, self.tools, self.max_tokens), agent=agent.index, turn=t,
+                       messages=list(agent.messages))
+            records.append(rec)
+            if verbose:
+                print(f"  agent {agent.index} turn {t}: {rec['replica']:>9}, prompt {rec['prompt_tokens']:5d}, "
+                      f"cached {rec['cached_tokens']:5d} from {rec['tier']}")
+        for agent in self.agents:
+            agent.advance(t)
+        return records
+
+
 def run_fleet(url: str, agents: int = 4, turns: int = 3, tools_tokens: int = 600, max_tokens: int = 4,
               verbose: bool = False) -> list[dict]:
-    """`agents` conversations of `turns` requests each through `url`, turn by turn (all agents' turn 1, then
-    turn 2, ...), one request at a time. Returns one record per request (ask()'s, plus agent and turn)."""
-    tools = tools_block(tools_tokens)
-    fleet = [Agent(i) for i in range(agents)]
-    records = []
+    """A `Fleet` of `agents` through `url` for `turns` turns; one record per request."""
+    fleet = Fleet(agents, tools_tokens, max_tokens)
     with httpx.Client(timeout=600) as client:
-        for turn in range(turns):
-            for agent in fleet:
-                rec = dict(ask(client, url, agent.messages, tools, max_tokens), agent=agent.index, turn=turn)
-                records.append(rec)
-                if verbose:
-                    print(f"  agent {agent.index} turn {turn}: {rec['replica']:>9}, prompt {rec['prompt_tokens']:5d}"
-                          f", cached {rec['cached_tokens']:5d} from {rec['tier']}")
-                agent.advance(turn)
-    return records
+        return [rec for t in range(turns) for rec in fleet.turn(client, url, t, verbose)]
 
 
 def prefilled(records: list[dict]) -> int:
