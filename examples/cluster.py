@@ -240,7 +240,7 @@ class Agent:
 
 def ask(client: httpx.Client, url: str, messages: list[dict], tools: list[dict], max_tokens: int,
         use_cache: bool = True, salt: str = "") -> dict:
-    """One chat request (greedy); returns {prompt_tokens, cached_tokens, replica, tier, text}. Raises
+    """One chat request (greedy); returns {prompt_tokens, cached_tokens, replica, tier, ttft_ms, text}. Raises
     httpx.HTTPStatusError when it fails."""
     body = {"model": MODEL_ID, "messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": 0,
             "cache_prompt": use_cache}
@@ -253,6 +253,7 @@ def ask(client: httpx.Client, url: str, messages: list[dict], tools: list[dict],
     return {"prompt_tokens": out["usage"]["prompt_tokens"],
             "cached_tokens": out["usage"]["prompt_tokens_details"]["cached_tokens"],
             "replica": r.headers.get(REPLICA_HEADER, "?"), "tier": r.headers.get(TIER_HEADER, "?"),
+            "ttft_ms": out.get("timings", {}).get("ttft_ms", 0.0),
             "text": (message.get("reasoning_content") or "") + "|" + (message.get("content") or "")}
 
 
