@@ -81,7 +81,7 @@ DIRECTORY_FIELDS = 256  # a directory with more fields is emptied to its newest 
 MAX_VALUE_BYTES = 512 * 2**20  # the largest Redis string
 BACKOFF_S = (0.25, 8.0)  # first and longest wait between reconnection attempts, seconds
 PROBE_BYTES = 4 * 2**20  # scratch value measuring the bandwidth at connect
-_AVERAGE = 0.3  # weight of a new bandwidth measurement in the moving average
+_AVERAGE = 0.5  # weight of a new bandwidth measurement in the moving average
 
 
 def redacted(url: str) -> str:
@@ -306,14 +306,13 @@ class RemoteTier:
 
     def get(self, key: str) -> Stored | None:
         """The entry under `key`, every check of blob.py made, or None (absent, Redis down or failing, invalid:
-        then it is deleted). Measures the transfer."""
+        then it is deleted). Measures the fetch (transfer and checks) for `transfer_s`."""
         t0 = time.perf_counter()
         data = self._link.call("get", lambda r: r.get(self._entry(key)))
         if data is None:
             self._misses += 1
             self._unlist(key)  # listed but gone (Redis evicted it): forget the stale listings
             return None
-        self._link.observe(len(data), time.perf_counter() - t0)
         try:
             stored = blob.read(io.BytesIO(data), self._fingerprint)
         except blob.Invalid as e:
@@ -322,6 +321,7 @@ class RemoteTier:
             self.delete(key)
             self._misses += 1
             return None
+        self._link.observe(len(data), time.perf_counter() - t0)  # what a fetch costs: transfer and checks
         self._hits += 1
         return stored
 
