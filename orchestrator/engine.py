@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -49,13 +50,34 @@ _LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: loggin
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings of one request. temperature <= 0 means greedy (llama_sampler_init_greedy)."""
+    """Sampling settings of one request. temperature <= 0 means greedy (llama_sampler_init_greedy).
+
+    grammar: GBNF text (root rule `root`) that every sampled token must fit, "" for none (llama.cpp's grammar
+    sampler, first in the chain). grammar_triggers: texts that start the grammar (a lazy grammar: tokens before
+    a trigger are not constrained, and the grammar must match from the trigger's text on); empty: the grammar
+    constrains from the first token.
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    grammar: str = ""
+    grammar_triggers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of a sampled token and of the most likely tokens at that step: natural logs of the
+    softmax of the raw logits (before the grammar, temperature or truncation samplers changed them).
+
+    token: the sampled id; logprob: its log-probability (<= 0); top: (id, logprob) of the k most likely tokens,
+    most likely first (k = the request's top_logprobs; ties in id order)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,12 +99,26 @@ class ModelInfo:
 
 
 class Sampler:
-    """A llama.cpp sampler chain (top-k → top-p → min-p → temperature → dist, or greedy) over the logits of one
-    context. Free with close()."""
+    """A llama.cpp sampler chain (grammar → top-k → top-p → min-p → temperature → dist, or grammar → greedy) over
+    the logits of one context. Free with close().
 
-    def __init__(self, params: SamplingParams, ctx) -> None:
+    With a grammar, only tokens that fit it keep their logits (the others get -inf before the other samplers,
+    llama.cpp's "grammar first"), and an end-of-generation token only where the grammar may end. Raises
+    InvalidRequest when llama.cpp cannot parse the grammar (`vocab` is needed for it and its triggers).
+    """
+
+    def __init__(self, params: SamplingParams, ctx, vocab=None) -> None:
         self._ctx = ctx
+        self._chain = None
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        self._chain = chain  # freed by close() from here on, also when the grammar is refused
+        if params.grammar:
+            grammar = grammar_sampler(vocab, params.grammar, params.grammar_triggers)
+            if not grammar:
+                self.close()
+                raise InvalidRequest("llama.cpp could not parse the grammar built for this request (the server log "
+                                     "says where)")
+            llama_cpp.llama_sampler_chain_add(chain, grammar)
         if params.temperature <= 0:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
         else:
@@ -94,17 +130,67 @@ class Sampler:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
-        self._chain = chain
 
     def sample(self, idx: int = -1) -> int:
         """Sample from the logits of batch index `idx` of the last llama_decode (-1: its last token with logits
         on), with llama_sampler_sample (which also accepts the token into the chain)."""
         return int(llama_cpp.llama_sampler_sample(self._chain, self._ctx, idx))
 
+    def accept(self, token: int) -> None:
+        """Accept a token that was not sampled (a forced one) into the chain: the grammar advances over it."""
+        llama_cpp.llama_sampler_accept(self._chain, token)
+
     def close(self) -> None:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+
+
+def grammar_sampler(vocab, grammar: str, triggers: Sequence[str] = ()):
+    """llama.cpp's grammar sampler for GBNF `grammar` (root rule `root`), lazy when `triggers` are given: a
+    trigger text that is one token of the vocabulary triggers on that token, any other on its text (an escaped
+    regular expression). A NULL pointer (falsy) when llama.cpp cannot parse the grammar."""
+    text = grammar.encode("utf-8")
+    if not triggers:
+        return llama_cpp.llama_sampler_init_grammar(vocab, text, b"root")
+    tokens, patterns = [], []
+    for trigger in triggers:
+        ids = _tokenize(vocab, trigger)
+        if len(ids) == 1:
+            tokens.append(ids[0])
+        else:
+            patterns.append(re.escape(trigger).encode("utf-8"))
+    c_patterns = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
+    c_tokens = (llama_cpp.llama_token * max(1, len(tokens)))(*tokens)
+    return llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab, text, b"root", c_patterns, len(patterns),
+                                                              c_tokens, len(tokens))
+
+
+def _tokenize(vocab, text: str) -> list[int]:
+    """Token ids of `text` with special-token texts parsed (no BOS)."""
+    data = text.encode("utf-8")
+    buf = (llama_cpp.llama_token * (len(data) + 16))()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(buf), False, True)
+    if n < 0:
+        raise EngineError(f"llama_tokenize failed ({n}) on {len(data)} bytes")
+    return list(buf[:n])
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int = 0) -> TokenLogprob:
+    """`token`'s log-probability under `logits` (raw, shape (n_vocab,)) and the k most likely tokens', from the
+    log-softmax computed in float64. Raises ValueError for a token outside the vocabulary."""
+    if not 0 <= token < len(logits):
+        raise ValueError(f"token {token} is outside the vocabulary of {len(logits)}")
+    x = logits.astype(np.float64)
+    m = x.max()
+    logprobs = x - (m + np.log(np.exp(x - m).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        k = min(k, len(x))
+        best = np.argpartition(-logprobs, k - 1)[:k]
+        best = best[np.lexsort((best, -logprobs[best]))]  # most likely first, ties by id
+        top = tuple((int(i), float(logprobs[i])) for i in best)
+    return TokenLogprob(int(token), float(logprobs[token]), top)
 
 
 class Engine:
@@ -322,8 +408,23 @@ class Engine:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
 
     def sampler(self, params: SamplingParams) -> Sampler:
-        """A sampler chain over this context's logits (close it when done)."""
-        return Sampler(params, self.ctx)
+        """A sampler chain over this context's logits (close it when done). Raises InvalidRequest when llama.cpp
+        cannot parse `params.grammar`."""
+        return Sampler(params, self.ctx, self.vocab)
+
+    def check_grammar(self, grammar: str, triggers: Sequence[str] = ()) -> bool:
+        """Whether llama.cpp parses `grammar` (with `triggers`, see `grammar_sampler`). Reads the vocabulary
+        only: safe to call while the worker decodes."""
+        sampler = grammar_sampler(self.vocab, grammar, triggers)
+        if not sampler:
+            return False
+        llama_cpp.llama_sampler_free(sampler)
+        return True
+
+    def logprob(self, token: int, k: int = 0, idx: int = -1) -> TokenLogprob:
+        """`token_logprob` over the raw logits at batch index `idx` of the last llama_decode (those the sampler
+        saw: sampling does not change them)."""
+        return token_logprob(self.logits(idx), token, k)
 
     def logits(self, idx: int = -1) -> np.ndarray:
         """Copy of the logits at batch index `idx` of the last llama_decode (-1: its last token with logits on):

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .engine import Sampler, SamplingParams
+from .engine import Sampler, SamplingParams, TokenLogprob
 from .errors import OrchestratorError
 from .output.stops import TextStream
 
@@ -49,7 +49,8 @@ class Job:
 
     prompt_tokens: the prompt (n_prompt tokens). boundaries: token offsets where snapshots are taken
     (0 < b < n_prompt). max_tokens: completion budget. stop: stop strings. want_logits: keep the first-step
-    logits (float32, shape (n_vocab,)) in the result, for correctness checks. prompt_cache_key: OpenAI's
+    logits (float32, shape (n_vocab,)) in the result, for correctness checks. logprobs: None, or k to record a
+    TokenLogprob (with the k most likely tokens) per completion token. prompt_cache_key: OpenAI's
     routing hint; requests with the same key prefer the slot that last served it. timeout_s: seconds from
     submission to completion (None: the scheduler's default; 0: none). restorable_after: given the generated
     token ids (with the end-of-generation token that ended them, if one did), whether the request most likely
@@ -67,6 +68,7 @@ class Job:
     prompt_cache_key: str = ""
     timeout_s: float | None = None
     cache_salt: str = ""  # snapshots are shared only among jobs with the same salt ("" = the shared cache)
+    logprobs: int | None = None  # None: none; k >= 0: each completion token's logprob and the k most likely
     restorable_after: Callable[[Sequence[int]], bool] | None = None
     prepare_s: dict[str, float] = field(default_factory=dict)  # seconds spent before submission, by phase
     #                                                            (render, tokenize, boundaries: Prompt's)
@@ -90,16 +92,20 @@ class Result:
     snapshot_s: float = 0.0  # part of prefill_s (and ttft_s) spent saving snapshots
     first_logits: np.ndarray | None = None
     slot: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per completion token when the job asked for them
     phases: dict[str, float] = field(default_factory=dict)  # the breakdown of total_s (and of the prompt's
     #   preparation before it), seconds by phase: `Task.result` lists them in order
 
 
 @dataclass(frozen=True)
 class Event:
-    """Streamed to the caller: TEXT (a delta), DONE (`result` set) or ERROR (`error` set)."""
+    """Streamed to the caller: TEXT (a delta), DONE (`result` set) or ERROR (`error` set). A TEXT event of a job
+    that asked for logprobs carries those of the tokens sampled since the previous TEXT event (a token whose text
+    is held back, e.g. as a possible stop string, reports with the next delta; the rest are in the result)."""
 
     kind: EventKind
     text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
     result: Result | None = None
     error: OrchestratorError | None = None
 
@@ -148,6 +154,8 @@ class Task:
         self.eog: int | None = None  # the end-of-generation token that ended it, if one did
         self.finish = "length"
         self.pending: int | None = None  # the token to decode next
+        self.logprobs: list[TokenLogprob] | None = [] if job.logprobs is not None else None
+        self._reported = 0  # logprobs already sent with TEXT events
         self.delivered = False  # DONE or ERROR was sent
         self.cut = False  # the generated tokens are not the whole answer (cancelled or a stop string), read at
         #                   the result: the caller may set `cancel` once it has the result
@@ -174,6 +182,13 @@ class Task:
         self.pending = token
         return delta, False
 
+    def text_event(self, delta: str) -> Event:
+        """A TEXT event for `delta`, with the logprobs not reported yet."""
+        if not self.logprobs:
+            return Event(EventKind.TEXT, text=delta)
+        new, self._reported = tuple(self.logprobs[self._reported:]), len(self.logprobs)
+        return Event(EventKind.TEXT, text=delta, logprobs=new)
+
     def generated(self) -> list[int]:
         """The completion tokens, with the end-of-generation token that ended them (it is in the sequence)."""
         return self.out + ([self.eog] if self.eog is not None else [])
@@ -194,7 +209,7 @@ class Task:
             prefill_s=c.prefilled - c.restored,
             ttft_s=c.first_token - c.submitted if c.first_token is not None else total, total_s=total,
             snapshots_saved=self.saved, snapshot_s=self.snapshot_s, first_logits=self.first_logits,
-            slot=self.slot.seq, phases=phases)
+            slot=self.slot.seq, logprobs=self.logprobs, phases=phases)
 
 
 @dataclass

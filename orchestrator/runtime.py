@@ -16,9 +16,11 @@ from . import calibration
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
-from .errors import OrchestratorError
+from .errors import InvalidRequest, OrchestratorError
 from .config import MiB, Config
 from .engine import Engine
+from .output import grammar
+from .output.grammar import Constraint, Structure
 from .prompt.builder import PromptBuilder, load_template
 from .request import Job, Sink
 from .reuse import AfterGenerationStats
@@ -150,6 +152,21 @@ class Runtime:
     def submit(self, job: Job, sink: Sink) -> threading.Event:
         """Queue a job (Scheduler.submit: raises ContextOverflow, QueueFull); returns its cancel flag."""
         return self.scheduler.submit(job, sink)
+
+    def constraint(self, structure: Structure, tools: list[dict] | None, opens_reasoning: bool) -> Constraint | None:
+        """The grammar that enforces a chat request's structured output on this model's replies (`grammar.build`
+        for its template family), checked by llama.cpp; None when nothing is constrained. Raises InvalidRequest
+        naming the field when it cannot be built or llama.cpp refuses it."""
+        found = grammar.build(structure, tools, self.prompts.output_format, opens_reasoning)
+        if found is not None and not self.engine.check_grammar(found.gbnf, found.triggers):
+            param = "response_format" if structure.response is not None else "tool_choice"
+            raise InvalidRequest(f"llama.cpp could not parse the grammar built from '{param}' (the server log says "
+                                 f"where); simplify the schema", param=param)
+        return found
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (special tokens as their text)."""
+        return self.engine.piece(token)
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of token ids (llama_token_to_piece per token, joined, then UTF-8 decoded with replacement)."""

@@ -347,9 +347,11 @@ class Scheduler:
         if t.clock.first_token is None:
             t.clock.first_token = time.perf_counter()
         eog = self.engine.is_eog(tok)
+        if t.logprobs is not None and not eog:
+            t.logprobs.append(self.engine.logprob(tok, t.job.logprobs, idx))
         delta, done = t.take(tok, eog, b"" if eog else self.engine.piece(tok), self.engine.n_ctx)
         if delta:
-            t.sink(Event(EventKind.TEXT, text=delta))
+            t.sink(t.text_event(delta))
         if done:
             self._finish(t)
 
@@ -360,7 +362,7 @@ class Scheduler:
         t.cut = t.cancel.is_set() or t.stream.stopped  # before the result: the caller may cancel after it
         tail = t.stream.finish()
         if tail:
-            t.sink(Event(EventKind.TEXT, text=tail))
+            t.sink(t.text_event(tail))
         result = t.result(time.perf_counter())
         self._job_s = 0.8 * self._job_s + 0.2 * result.total_s
         t.sampler.close()

@@ -34,6 +34,7 @@ from starlette.routing import Route
 from orchestrator.config import Config
 from orchestrator.errors import (Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled, Unauthorized,
                                  UnsupportedMediaType)
+from orchestrator.output.grammar import Constraint
 from orchestrator.output.parsing import make_stream_parser, parse_output
 from orchestrator.prompt.builder import Prompt
 from orchestrator.runtime import Runtime
@@ -45,6 +46,7 @@ from .metrics import Metrics
 from .openapi import openapi_schema
 from . import anthropic
 from .anthropic import MessagesRequest, parse_messages
+from . import logprobs
 from .schemas import GenerationOptions, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
@@ -136,10 +138,11 @@ class Api:
         self._late_system_ok: bool | None = None  # does the template render a system message mid-conversation?
 
     def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "",
-             restorable_after: Callable[[Sequence[int]], bool] | None = None) -> Job:
+             restorable_after: Callable[[Sequence[int]], bool] | None = None,
+             constraint: Constraint | None = None) -> Job:
         """The job for a prompt (a prompt that does not fit the context is refused by `Runtime.submit`).
         restorable_after: for a chat prompt, whether the state after a given answer is worth storing
-        (`PromptBuilder.restorable_after`)."""
+        (`PromptBuilder.restorable_after`). constraint: the grammar to sample under, if any."""
         n_ctx = self.rt.n_ctx
         n = len(prompt.tokens)
         cfg = self.rt.config
@@ -147,12 +150,14 @@ class Api:
         sampling = opts.sampling
         if opts.seed is None:  # OpenAI: without a seed, sampling is not reproducible
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
+        if constraint is not None:
+            sampling = dataclasses.replace(sampling, grammar=constraint.gbnf, grammar_triggers=constraint.triggers)
         return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
                    max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
                    use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key,
                    cache_salt=opts.cache_salt, restorable_after=restorable_after,
                    prepare_s={"render": prompt.render_s, "tokenize": prompt.tokenize_s,
-                              "boundaries": prompt.boundaries_s})
+                              "boundaries": prompt.boundaries_s}, logprobs=opts.logprobs)
 
     def _submit(self, job: Job) -> tuple[asyncio.Queue, threading.Event]:
         loop = asyncio.get_running_loop()
@@ -197,16 +202,16 @@ class Api:
             cancel.set()  # a no-op once done; stops the job if this handler is cancelled
 
     async def _stream(self, events: asyncio.Queue, cancel: threading.Event, route: str, kind: str,
-                      on_text: Callable[[str], list[str]], on_done: Callable[[Result], list[str]],
+                      on_text: Callable[[Event], list[str]], on_done: Callable[[Result], list[str]],
                       on_error: Callable[[Exception], list[str]]) -> AsyncIterator[str]:
-        """The lines of a server-sent event stream: on_text per text delta, then on_done or (if the job fails)
+        """The lines of a server-sent event stream: on_text per TEXT event, then on_done or (if the job fails)
         on_error. Leaving early (client gone) cancels the job at its next token and counts a disconnect."""
         finished = False
         try:
             while True:
                 ev = await events.get()
                 if ev.kind == "text":
-                    for line in on_text(ev.text):
+                    for line in on_text(ev):
                         yield line
                 elif ev.kind == "error":
                     self.record_failure(route, ev.error)
@@ -225,7 +230,7 @@ class Api:
                 self.record_failure(route, RequestCancelled())
 
     def _openai_sse(self, events: asyncio.Queue, cancel: threading.Event, route: str, kind: str,
-                    on_text: Callable[[str], list[dict]], on_done: Callable[[Result], list[dict]],
+                    on_text: Callable[[Event], list[dict]], on_done: Callable[[Result], list[dict]],
                     first: list[dict] = ()) -> AsyncIterator[str]:
         """OpenAI's server-sent events: `data: {payload}` per payload (`first` ones at once), an error body if
         the job fails, then `data: [DONE]`."""
@@ -235,7 +240,7 @@ class Api:
         async def gen() -> AsyncIterator[str]:
             for line in lines(first):
                 yield line
-            inner = self._stream(events, cancel, route, kind, lambda t: lines(on_text(t)),
+            inner = self._stream(events, cancel, route, kind, lambda ev: lines(on_text(ev)),
                                  lambda r: lines(on_done(r)), lambda e: lines([error_payload(e)[0]]))
             try:
                 async for line in inner:
@@ -278,8 +283,9 @@ class Api:
         cfg = self.rt.config
         req = parse_chat(await _json_body(request, cfg.max_body_bytes), cfg)
         prompt = await self._chat_prompt(req)
+        constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
         job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
-            req.messages, req.tools, req.template_kwargs, prompt, req.parse_tools))
+            req.messages, req.tools, req.template_kwargs, prompt, req.parse_tools), constraint)
         events, cancel = self._submit(job)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
@@ -287,7 +293,8 @@ class Api:
                                      media_type="text/event-stream")
         r = await self._collect(request, events, cancel)
         self._log("chat", r)
-        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
+        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format,
+                           req.tools)
         message = {"role": "assistant", "content": out.content}
         if out.reasoning is not None:
             message["reasoning_content"] = out.reasoning
@@ -296,16 +303,20 @@ class Api:
         finish = "tool_calls" if out.tool_calls else r.finish_reason
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": self.rt.model_id,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                         "logprobs": None if r.logprobs is None else logprobs.chat(r.logprobs, self.rt.piece)}],
             "usage": _usage(r), "timings": _timings(r)}, headers=_tier_header(r))
 
     def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
                      prompt: Prompt, req) -> AsyncIterator[str]:
         """OpenAI's chunks; with stream_options.include_usage every chunk carries "usage": null and one last
         chunk with no choices carries the usage, as OpenAI sends them."""
-        parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
+        parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format,
+                                    req.tools)
         keys = {"reasoning": "reasoning_content", "content": "content"}
         with_usage = req.options.include_usage
+        held: list = []  # logprobs of tokens whose text no chunk carried yet (held back by the parser)
+        seen = [0]  # logprobs received with TEXT events
 
         def chunk(delta: dict | None, finish: str | None = None) -> dict:
             choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
@@ -316,15 +327,26 @@ class Api:
                 body["usage"] = None
             return body
 
-        def on_text(text: str) -> list[dict]:
-            return [chunk({keys[k]: piece}) for k, piece in parser.push(text)]
+        def attach(chunks: list[dict]) -> list[dict]:
+            """Put the held logprobs on the first of `chunks` (each token's once, in order)."""
+            if held and chunks:
+                chunks[0]["choices"][0]["logprobs"] = logprobs.chat(held, self.rt.piece)
+                held.clear()
+            return chunks
+
+        def on_text(ev: Event) -> list[dict]:
+            held.extend(ev.logprobs)
+            seen[0] += len(ev.logprobs)
+            return attach([chunk({keys[k]: piece}) for k, piece in parser.push(ev.text)])
 
         def on_done(r: Result) -> list[dict]:
             rest, calls = parser.finish()
+            held.extend((r.logprobs or [])[seen[0]:])
             out = [chunk({keys[k]: piece}) for k, piece in rest]
             if calls:
                 out.append(chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
             out.append(chunk({}, "tool_calls" if calls else r.finish_reason))
+            attach(out)
             if with_usage:
                 out.append(dict(chunk(None), usage=_usage(r)))
             return out
@@ -340,33 +362,40 @@ class Api:
         events, cancel = self._submit(job)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         model = self.rt.model_id
+        lps = logprobs.CompletionLogprobs(self.rt.piece, len(req.prompt))
         if req.options.stream:
             with_usage = req.options.include_usage
+            seen = [0]  # logprobs sent with text chunks
 
-            def body(text: str | None, finish: str | None = None) -> dict:
+            def body(text: str | None, finish: str | None = None, entries=None) -> dict:
                 choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish,
-                                                    "logprobs": None}]
+                                                    "logprobs": None if entries is None else lps.block(entries)}]
                 out = {"id": cid, "object": "text_completion", "created": created, "model": model,
                        "choices": choices}
                 if with_usage:
                     out["usage"] = None
                 return out
 
+            def on_text(ev: Event) -> list[dict]:
+                seen[0] += len(ev.logprobs)
+                return [body(ev.text, None, ev.logprobs if job.logprobs is not None else None)]
+
             def on_done(r: Result) -> list[dict]:
-                out = [body("", r.finish_reason)]
+                out = [body("", r.finish_reason, None if r.logprobs is None else r.logprobs[seen[0]:])]
                 if with_usage:
                     out.append(dict(body(None), usage=_usage(r)))
                 return out
 
             gen = self._openai_sse(events, cancel, "/v1/completions", "completion-stream",
-                                   lambda t: [body(t)], on_done, first=[body(req.prompt)] if req.echo else [])
+                                   on_text, on_done, first=[body(req.prompt)] if req.echo else [])
             return StreamingResponse(gen, media_type="text/event-stream")
         r = await self._collect(request, events, cancel)
         self._log("completion", r)
         text = (req.prompt + r.text) if req.echo else r.text
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": r.finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "text": text, "finish_reason": r.finish_reason,
+                         "logprobs": None if r.logprobs is None else lps.block(r.logprobs)}],
             "usage": _usage(r), "timings": _timings(r)}, headers=_tier_header(r))
 
     # ------------------------------------------------------------------ Anthropic Messages API
@@ -469,7 +498,7 @@ class Api:
                 "usage": {"input_tokens": len(prompt.tokens), "output_tokens": 0,
                           "cache_creation_input_tokens": None, "cache_read_input_tokens": None}}})
             inner = self._stream(events, cancel, "/v1/messages", "messages-stream",
-                                 lambda t: pieces(parser.push(t)), on_done, on_error)
+                                 lambda ev: pieces(parser.push(ev.text)), on_done, on_error)
             try:
                 async for line in inner:
                     yield line

@@ -14,7 +14,7 @@ from orchestrator.config import Config
 
 from .anthropic import COUNT_TOKENS, MESSAGES
 from .anthropic import FIELDS as ANTHROPIC_FIELDS
-from .schemas import CHAT, COMPLETION, FIELDS, MAX_ID_CHARS
+from .schemas import CHAT, COMPLETION, FIELDS, MAX_ID_CHARS, MAX_TOP_LOGPROBS
 
 _NULL = {"type": "null"}
 
@@ -67,7 +67,19 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
             {"type": "object", "required": ["type", "function"], "properties": {
                 "type": {"const": "function"},
                 "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
-        "parallel_tool_calls": boolean,
+        "parallel_tool_calls": _nullable({"type": "boolean", "description": "false: at most one tool call (enforced "
+                                                                          "by a grammar)"}),
+        "response_format": _nullable({"type": "object", "required": ["type"], "description": "json_object and "
+                                      "json_schema are enforced by a grammar (llama.cpp's sampler)", "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 64}, "description": {"type": "string"},
+                "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}),
+        "logprobs": _nullable({"anyOf": [{"type": "boolean"}, {"type": "integer", "minimum": 0,
+                                                                "maximum": MAX_TOP_LOGPROBS}],
+                               "description": "chat: true/false; completions: how many most likely tokens"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                                   "description": "needs logprobs: true"}),
         "chat_template_kwargs": _nullable({"type": "object", "description": "extra variables for the chat template, "
                                                                              "e.g. {\"enable_thinking\": false}"}),
         "prompt": {"anyOf": [{"type": "string", "minLength": 1},
@@ -96,13 +108,9 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         # accepted with their default value only (server/schemas.py DEFAULT_ONLY)
         "n": _nullable({"const": 1}),
         "best_of": _nullable({"const": 1}),
-        "logprobs": _nullable({"enum": [False, 0]}),
-        "top_logprobs": _nullable({"const": 0}),
         "presence_penalty": _nullable({"const": 0}),
         "frequency_penalty": _nullable({"const": 0}),
         "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
-        "response_format": _nullable({"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}},
-                                      "additionalProperties": False}),
         "suffix": _nullable({"const": ""}),
         "store": _nullable({"const": False}),
         "service_tier": _nullable({"enum": ["auto", "default"]}),

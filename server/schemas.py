@@ -6,11 +6,12 @@ which server/errors.py turns into HTTP 400 with an OpenAI-style body.
 `FIELDS` is the one list of top-level request fields the server accepts; everything else is refused by name, so a
 client never believes a setting took effect when it did not. `DEFAULT_ONLY` lists accepted fields the server
 cannot honour beyond their default: they pass when they carry what OpenAI-compatible clients send by default
-(or null), and are refused otherwise (e.g. n=2, logprobs=true, a json_schema response_format).
+(or null), and are refused otherwise (e.g. n=2, presence_penalty=0.5).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,10 +19,12 @@ from typing import Any, Callable
 from orchestrator.config import Config
 from orchestrator.engine import SamplingParams
 from orchestrator.errors import InvalidRequest
+from orchestrator.output.grammar import Structure
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 MAX_ID_CHARS = 1024  # longest cache_salt / user / prompt_cache_key / safety_identifier accepted
+MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's limit for top_logprobs)
 
 CHAT, COMPLETION = "chat", "completion"
 _BOTH = (CHAT, COMPLETION)
@@ -34,7 +37,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "messages": (CHAT,),
     "tools": (CHAT,),
     "tool_choice": (CHAT,),  # "auto" | "none" | "required" | {"type": "function", ...}; see _tool_choice
-    "parallel_tool_calls": (CHAT,),
+    "parallel_tool_calls": (CHAT,),  # false: at most one tool call (a grammar enforces it)
+    "response_format": (CHAT,),  # text | json_object | json_schema (a grammar enforces it); see _response_format
     "chat_template_kwargs": (CHAT,),
     "prompt": (COMPLETION,),
     "echo": (COMPLETION,),
@@ -49,6 +53,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "stop": _BOTH,
     "stream": _BOTH,
     "stream_options": _BOTH,
+    "logprobs": _BOTH,  # chat: true/false; completions: the number of most likely tokens (0..MAX_TOP_LOGPROBS)
+    "top_logprobs": (CHAT,),
     # cache control and caller identity
     "cache_prompt": _BOTH,  # false: a cold run that neither reads nor writes the cache
     "cache_salt": _BOTH,  # tenant isolation: requests share snapshots only with the same salt
@@ -59,12 +65,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
     # accepted only with their default value (DEFAULT_ONLY)
     "n": _BOTH,
     "best_of": (COMPLETION,),
-    "logprobs": _BOTH,
-    "top_logprobs": (CHAT,),
     "presence_penalty": _BOTH,
     "frequency_penalty": _BOTH,
     "logit_bias": _BOTH,
-    "response_format": (CHAT,),
     "suffix": (COMPLETION,),
     "store": (CHAT,),
     "service_tier": (CHAT,),
@@ -75,13 +78,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
 DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v == 1 and not isinstance(v, bool), "1 (one choice per request)"),
     "best_of": (lambda v: v == 1 and not isinstance(v, bool), "1"),
-    "logprobs": (lambda v: v is False or (v == 0 and not isinstance(v, bool)), "false (log probabilities are not "
-                                                                              "returned)"),
-    "top_logprobs": (lambda v: v == 0 and not isinstance(v, bool), "0"),
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (penalties are not implemented)"),
     "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (penalties are not implemented)"),
     "logit_bias": (lambda v: v == {}, "an empty object"),
-    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"} (no JSON mode or json_schema)'),
     "suffix": (lambda v: v == "", 'an empty string'),
     "store": (lambda v: v is False, "false (nothing is stored for later retrieval)"),
     "service_tier": (lambda v: v in ("auto", "default"), '"auto" or "default"'),
@@ -104,6 +103,7 @@ class GenerationOptions:
     cache_prompt: bool
     seed: int | None = None  # as given; None = not reproducible
     cache_salt: str = ""  # "" = the shared cache; otherwise only requests with the same salt share snapshots
+    logprobs: int | None = None  # None: no logprobs; k: each token's logprob with the k most likely tokens
 
 
 @dataclass
@@ -116,6 +116,7 @@ class ChatRequest:
     prompt_cache_key: str = ""  # OpenAI's; the scheduler may route requests with the same key together
     cache_breakpoints: tuple[tuple[int, int], ...] = ()  # (message index, content characters before it)
     late_system: int | None = None  # index in the request of a system message after the leading ones
+    structure: Structure = field(default_factory=Structure)  # response_format, tool_choice, parallel_tool_calls
 
 
 @dataclass
@@ -424,14 +425,15 @@ def _tools(raw: Any) -> list[dict] | None:
     return raw or None
 
 
-def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
-    """The tool choice: 'auto', 'none' or 'required' (a named function, which must be in `tools`, counts as
-    'required'). Not enforced by constrained decoding: 'none' drops the tools from the prompt; the others leave
-    the choice to the model. Raises InvalidRequest for another shape or an unknown function."""
+def _tool_choice(raw: Any, tools: list[dict] | None) -> tuple[str, str | None]:
+    """(the tool choice: 'auto', 'none' or 'required', the function a named choice forces or None); a named
+    function must be in `tools`. 'none' drops the tools from the prompt; 'required' and a named function are
+    enforced by a grammar (orchestrator/output/grammar.py). Raises InvalidRequest for another shape or an
+    unknown function."""
     if raw is None:
-        return "auto"
+        return "auto", None
     if raw in ("auto", "none", "required"):
-        return raw
+        return raw, None
     fn = raw.get("function") if isinstance(raw, dict) else None
     if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(fn, dict) \
             or not isinstance(fn.get("name"), str):
@@ -440,7 +442,57 @@ def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
     if not any(t["function"]["name"] == fn["name"] for t in tools or ()):
         raise _bad(f"'tool_choice' names the function {json.dumps(fn['name'])[:60]}, which is not in 'tools'",
                    "tool_choice.function.name")
-    return "required"
+    return "required", fn["name"]
+
+
+def _response_format(raw: Any) -> dict | None:
+    """The JSON schema the reply must be valid against: None for {"type": "text"} (or null),
+    {"type": "object"} for {"type": "json_object"}, the schema of {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}} (strict or not, the grammar enforces it). Raises
+    InvalidRequest naming the field."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise _bad("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                   "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                   "response_format")
+    spec = raw.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("'response_format.json_schema' must be an object with \"name\" and \"schema\"",
+                   "response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64:
+        raise _bad("'response_format.json_schema.name' must be a string of 1 to 64 characters",
+                   "response_format.json_schema.name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _bad("'response_format.json_schema.strict' must be true or false", "response_format.json_schema.strict")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise _bad("'response_format.json_schema.schema' must be a JSON schema object",
+                   "response_format.json_schema.schema")
+    return schema
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """None, or the number of most likely tokens to return with each token's logprob (chat: `logprobs` true,
+    `top_logprobs` 0..MAX_TOP_LOGPROBS; above 0 it needs `logprobs` true, as in OpenAI's API)."""
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise _bad("'logprobs' must be true or false", "logprobs")
+    top = _num(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
+    if top and not on:  # 0 asks for nothing: accepted without logprobs, as clients send it by default
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """None, or the number of most likely tokens per position (completions: `logprobs` 0..MAX_TOP_LOGPROBS)."""
+    return _num(body, "logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
 
 
 def parse_chat(body: Any, cfg: Config | None = None) -> ChatRequest:
@@ -460,17 +512,21 @@ def parse_chat(body: Any, cfg: Config | None = None) -> ChatRequest:
         raise _bad(f"'chat_template_kwargs' cannot set {', '.join(reserved)}: the server sets them",
                    "chat_template_kwargs")
     tools = _tools(body.get("tools"))
-    if _tool_choice(body.get("tool_choice"), tools) == "none":
+    choice, forced_name = _tool_choice(body.get("tool_choice"), tools)
+    if choice == "none":
         tools = None
     key = body.get("prompt_cache_key")
     if key is not None and not isinstance(key, str):
         raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    structure = Structure(response=_response_format(body.get("response_format")), tool_choice=choice,
+                          tool_name=forced_name, parallel_tool_calls=body.get("parallel_tool_calls") is not False)
     messages, breakpoints, late_system = conversation(body.get("messages"), cfg.max_messages)
+    options = dataclasses.replace(_options(body, cfg), logprobs=_chat_logprobs(body))
     return ChatRequest(messages=messages, tools=tools, template_kwargs=dict(kwargs),
-                       options=_options(body, cfg), parse_tools=tools is not None, prompt_cache_key=key or "",
-                       cache_breakpoints=breakpoints, late_system=late_system)
+                       options=options, parse_tools=tools is not None, prompt_cache_key=key or "",
+                       cache_breakpoints=breakpoints, late_system=late_system, structure=structure)
 
 
 def parse_completion(body: Any, cfg: Config | None = None) -> CompletionRequest:
@@ -490,4 +546,9 @@ def parse_completion(body: Any, cfg: Config | None = None) -> CompletionRequest:
     echo = False if echo is None else echo
     if not isinstance(echo, bool):
         raise _bad("'echo' must be true or false", "echo")
-    return CompletionRequest(prompt=prompt, options=_options(body, cfg), echo=echo)
+    logprobs = _completion_logprobs(body)
+    if echo and logprobs is not None:
+        raise _bad("'logprobs' cannot be combined with 'echo': the prompt's tokens are restored from the cache or "
+                   "prefilled without their log-probabilities", "logprobs")
+    options = dataclasses.replace(_options(body, cfg), logprobs=logprobs)
+    return CompletionRequest(prompt=prompt, options=options, echo=echo)

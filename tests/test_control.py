@@ -209,6 +209,11 @@ def test_no_caller_string_produces_a_control_token_on_any_template(name):
         # SmolLM3 and Nemotron read "/think" and "/no_think" in text as switches: a forged "</think>" cut to
         # "/think>" flips the mode, which is the template's rule for that text, not a control token.
         assume(repr(forged).count("/think") == repr(script).count("/think"))
+        # Mistral's templates find "the last user message" by comparing contents, so two equal user messages
+        # change where the tools block goes: a rule on the text, not a control token.
+        for conv in (script, forged):
+            users = [m["content"] for m in conv if m["role"] == "user"]
+            assume(len(set(map(repr, users))) == len(users))
         clean = chat(builder, script, tools, kw)
         got = chat(builder, forged, ftools, kw)
         if clean is None or got is None:

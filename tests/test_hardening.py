@@ -78,13 +78,16 @@ REFUSED = [  # (extra fields, the field the error must name)
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"n": 2}, "n"),
     ({"n": True}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),  # chat takes true/false
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+     "response_format.json_schema.schema"),
     ({"store": True}, "store"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
@@ -130,7 +133,8 @@ def test_completions_refuse_chat_fields_and_non_default_values(authed):
                  "chat_template_kwargs")
     assert_error(authed.post("/v1/completions", json={**body, "best_of": 3}), 400, "best_of")
     assert_error(authed.post("/v1/completions", json={**body, "suffix": "end"}), 400, "suffix")
-    assert_error(authed.post("/v1/completions", json={**body, "logprobs": 5}), 400, "logprobs")
+    assert_error(authed.post("/v1/completions", json={**body, "logprobs": 21}), 400, "logprobs")
+    assert_error(authed.post("/v1/completions", json={**body, "logprobs": 1, "echo": True}), 400, "logprobs")
 
 
 def test_every_default_only_field_is_an_accepted_field():

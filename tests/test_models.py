@@ -146,3 +146,39 @@ def test_gemma3_chat_over_http_real_text_cached_equals_cold(gemma_rt):
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"] // 2
     finally:
         srv.stop()
+
+
+def test_gemma3_structured_output_with_logprobs_validates_and_equals_cold(gemma_rt):
+    """A real trained model under a json_schema grammar (Gemma 3's template family is hermes-style): the answer
+    validates against the schema and equals its cold run, text and every logprob."""
+    import json
+
+    import httpx
+    import jsonschema
+
+    from .conftest import LiveServer
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["capital", "country"],
+              "properties": {"capital": {"type": "string", "maxLength": 20},
+                             "country": {"enum": ["France", "Italy", "Spain"]}}}
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    srv = LiveServer(gemma_rt)
+    try:
+        def ask(cache=True):
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=300, json={
+                "model": "gemma", "messages": msgs, "max_tokens": 40, "temperature": 0, "cache_prompt": cache,
+                "logprobs": True, "top_logprobs": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        warm = ask()
+        gemma_rt.scheduler.drain()
+        again, cold = ask(), ask(cache=False)
+        assert warm["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(warm["message"]["content"]), schema)
+        assert again["message"]["content"] == cold["message"]["content"] == warm["message"]["content"]
+        assert again["logprobs"] == cold["logprobs"]
+        assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in warm["logprobs"]["content"])
+    finally:
+        srv.stop()

@@ -82,10 +82,33 @@ _QWEN_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*<
 _QWEN_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
-def parse_qwen_xml(text: str) -> list[dict]:
-    """Qwen3.5 / Qwen3-Coder: a parameter value that parses as JSON keeps its type, otherwise it is a string."""
-    return [tool_call(m.group(1).strip(), {k.strip(): _json_value(v) for k, v in _QWEN_PARAM.findall(m.group(2))})
-            for m in _QWEN_CALL.finditer(text)]
+def plain_string(schema: Any) -> bool:
+    """Whether a parameter schema is a plain string (type "string" without enum, const, pattern or format): the
+    qwen-xml format writes such a value as raw text."""
+    return (isinstance(schema, dict) and schema.get("type") == "string"
+            and not any(k in schema for k in ("enum", "const", "pattern", "format")))
+
+
+def _plain_params(tools: list[dict] | None, name: str) -> set[str]:
+    for t in tools or ():
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name:
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            return {k for k, v in props.items() if plain_string(v)} if isinstance(props, dict) else set()
+    return set()
+
+
+def parse_qwen_xml(text: str, tools: list[dict] | None = None) -> list[dict]:
+    """Qwen3.5 / Qwen3-Coder: a parameter value that parses as JSON keeps its type, otherwise it is a string;
+    with the request's `tools`, a value of a plain-string parameter (`plain_string`) stays its raw text even
+    where it parses as JSON ("42" stays "42")."""
+    calls = []
+    for m in _QWEN_CALL.finditer(text):
+        name = m.group(1).strip()
+        raw = _plain_params(tools, name)
+        calls.append(tool_call(name, {k.strip(): v if k.strip() in raw else _json_value(v)
+                                      for k, v in _QWEN_PARAM.findall(m.group(2))}))
+    return calls
 
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -196,8 +219,13 @@ class OutputFormat:
     name: str
     think: tuple[str, str] | None
     call_starts: tuple[str, ...]
-    parse_calls: Callable[[str], list[dict]]
+    parse_calls: Callable[..., list[dict]]
     reasoning_field: str = "reasoning_content"  # the message field the template reads earlier reasoning from
+    typed_args: bool = False  # parse_calls(text, tools): the tools' schemas type the argument values
+
+    def calls(self, text: str, tools: list[dict] | None = None) -> list[dict]:
+        """parse_calls on `text`, with the request's tools where the format needs them (`typed_args`)."""
+        return self.parse_calls(text, tools) if self.typed_args else self.parse_calls(text)
 
     def template_messages(self, messages: list[dict]) -> list[dict]:
         """`messages` as the family's template expects them: gpt-oss's reads an assistant turn's reasoning from
@@ -217,7 +245,8 @@ class OutputFormat:
 
 
 def _format(name, call_starts, parse, source: str) -> OutputFormat:
-    return OutputFormat(name, THINK if "<think>" in source or "</think>" in source else None, call_starts, parse)
+    return OutputFormat(name, THINK if "<think>" in source or "</think>" in source else None, call_starts, parse,
+                        typed_args=parse is parse_qwen_xml)
 
 
 HARMONY = OutputFormat("harmony", None, (), lambda text: [], "thinking")  # parsed by orchestrator/harmony.py
@@ -243,4 +272,4 @@ def detect_format(template_source: str) -> OutputFormat:
     return _format("hermes", ("<tool_call>",), parse_hermes, template_source)
 
 
-QWEN35 = OutputFormat("qwen-xml", THINK, ("<tool_call>",), parse_qwen_xml)
+QWEN35 = OutputFormat("qwen-xml", THINK, ("<tool_call>",), parse_qwen_xml, typed_args=True)

@@ -37,13 +37,15 @@ def _first_start(text: str, fmt: OutputFormat) -> int:
     return min(found) if found else -1
 
 
-def parse_tool_calls(text: str, fmt: OutputFormat = QWEN35) -> tuple[str, list[dict]]:
-    """Split `text` into the content before the first tool call and the parsed calls.
+def parse_tool_calls(text: str, fmt: OutputFormat = QWEN35, tools: list[dict] | None = None
+                     ) -> tuple[str, list[dict]]:
+    """Split `text` into the content before the first tool call and the parsed calls (`tools`: the request's,
+    whose schemas type the arguments in formats that write raw values: `OutputFormat.typed_args`).
 
     Text that starts a tool call but does not complete one stays in the content (nothing is invented).
     """
     i = _first_start(text, fmt)
-    calls = fmt.parse_calls(text[i:]) if i >= 0 else []
+    calls = fmt.calls(text[i:], tools) if i >= 0 else []
     if not calls:
         return text, []
     return text[:i].rstrip("\n"), calls
@@ -66,14 +68,15 @@ def split_reasoning(text: str, opens_reasoning: bool, think: tuple[str, str] | N
     return None, text.strip("\n")
 
 
-def parse_output(text: str, opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35
-                 ) -> ParsedOutput:
-    """Parse a whole completion in format `fmt`. Reasoning and content lose leading and trailing newlines (the
-    templates put them around both), so the streamed pieces of `StreamParser` add up to the same strings."""
+def parse_output(text: str, opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35,
+                 tools: list[dict] | None = None) -> ParsedOutput:
+    """Parse a whole completion in format `fmt` (`tools`: the request's, see parse_tool_calls). Reasoning and
+    content lose leading and trailing newlines (the templates put them around both), so the streamed pieces of
+    `StreamParser` add up to the same strings."""
     if fmt is HARMONY:
         return ParsedOutput(*parse_harmony(text, parse_tools))
     reasoning, rest = split_reasoning(text, opens_reasoning, fmt.think)
-    content, calls = parse_tool_calls(rest, fmt) if parse_tools else (rest, [])
+    content, calls = parse_tool_calls(rest, fmt, tools) if parse_tools else (rest, [])
     return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls)
 
 
@@ -84,8 +87,10 @@ class StreamParser:
     `fmt`. For harmony, use `make_stream_parser`.
     """
 
-    def __init__(self, opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35) -> None:
+    def __init__(self, opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35,
+                 tools: list[dict] | None = None) -> None:
         self.fmt = fmt
+        self.tools = tools
         self.think_open, self.think_close = fmt.think or ("", "")
         opens_reasoning = opens_reasoning and fmt.think is not None
         self.in_reasoning = opens_reasoning
@@ -155,7 +160,7 @@ class StreamParser:
         """Flush held text; returns the last pieces and the tool calls."""
         out: list[tuple[str, str]] = []
         if self.in_tools:
-            _, calls = parse_tool_calls(self.tool_text + self.buf, self.fmt)
+            _, calls = parse_tool_calls(self.tool_text + self.buf, self.fmt, self.tools)
             if not calls:
                 self._end_section(out, self.tool_text + self.buf)
             return out, calls
@@ -164,8 +169,9 @@ class StreamParser:
         return out, []
 
 
-def make_stream_parser(opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35):
+def make_stream_parser(opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35,
+                       tools: list[dict] | None = None):
     """A streaming parser for `fmt`: push(delta) -> [(kind, text)], finish() -> ([(kind, text)], tool_calls)."""
     if fmt is HARMONY:
         return HarmonyStreamParser(parse_tools)
-    return StreamParser(opens_reasoning, parse_tools, fmt)
+    return StreamParser(opens_reasoning, parse_tools, fmt, tools)

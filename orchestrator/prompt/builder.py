@@ -137,7 +137,7 @@ class PromptBuilder:
                 eog = list(generated[-1:]) if generated and self.engine.is_eog(generated[-1]) else []
                 body = list(generated[: len(generated) - len(eog)])
                 text = b"".join(self.engine.piece(t) for t in body).decode("utf-8", "replace")
-                out = parse_output(text, prompt.opens_reasoning, parse_tools, self.output_format)
+                out = parse_output(text, prompt.opens_reasoning, parse_tools, self.output_format, tools)
                 answer: dict[str, Any] = {"role": "assistant", "content": out.content}
                 if out.reasoning is not None:
                     answer["reasoning_content"] = out.reasoning
