@@ -121,7 +121,7 @@ class _Link:
         self.errors = 0
         self.rtt_s: float | None = None  # measured round trip, seconds
         self.bandwidth: float | None = None  # measured transfer rate, bytes per second
-        self._down_since = time.monotonic()
+        self._down_since = time.monotonic()  # start of the current outage (or of the first connection attempt)
         self._warned_refused: set[str] = set()
 
     def call(self, what: str, fn: Callable[[redis.Redis], object], default=None):
@@ -166,7 +166,9 @@ class _Link:
             return False
         with self._lock:
             self.up = True
-        log.info("remote snapshot tier %s up: round trip %.2f ms, %.0f MiB/s", self.label, self.rtt_s * 1e3,
+            outage = time.monotonic() - self._down_since if self.errors else None
+        log.info("remote snapshot tier %s up%s: round trip %.2f ms, %.0f MiB/s", self.label,
+                 f" again after {outage:.1f} s" if outage is not None else "", self.rtt_s * 1e3,
                  self.bandwidth / 2**20)
         return True
 
