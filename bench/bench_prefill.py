@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -37,11 +38,13 @@ from orchestrator.engine import Engine  # noqa: E402
 from orchestrator.runtime import model_file_digest, resolve_model  # noqa: E402
 
 
-def prefill(engine: Engine, tokens: list[int], chunk: int, stops: list[int]) -> tuple[float, np.ndarray]:
-    """Seconds to prefill `tokens` cold in calls of at most `chunk` tokens, also stopping at `stops`; and the
-    last position's logits."""
+def prefill(engine: Engine, tokens: list[int], chunk: int, stops: list[int]) -> tuple[float, float, np.ndarray]:
+    """Wall seconds and CPU seconds (all threads of this process) to prefill `tokens` cold in calls of at most
+    `chunk` tokens, also stopping at `stops`; and the last position's logits. On a loaded machine CPU seconds
+    move much less than wall seconds (they count the work, not the wait for a core)."""
     engine.clear(0)
     bounds = sorted({*stops, len(tokens)})
+    cpu = time.process_time()
     start = time.perf_counter()
     pos = 0
     for stop in bounds:
@@ -49,7 +52,7 @@ def prefill(engine: Engine, tokens: list[int], chunk: int, stops: list[int]) -> 
             end = min(pos + chunk, stop)
             engine.decode(0, tokens[pos:end], pos, want_logits=end == len(tokens))
             pos = end
-    return time.perf_counter() - start, engine.logits()
+    return time.perf_counter() - start, time.process_time() - cpu, engine.logits()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [(nb, c, False) for nb in engines for c in (int(x) for x in a.chunks.split(",")) if c <= nb]
     configs += [(nb, nb, True) for nb in engines]
     times: dict[str, list[float]] = {}
+    cpu_times: dict[str, list[float]] = {}
     reference = None
     rng = random.Random(0)
     for rep in range(a.reps + 1):  # the first round warms caches and is not counted
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         rng.shuffle(order)
         for nb, chunk, split in order:
             stops = list(range(a.split, len(tokens), a.split)) if split else []
-            s, logits = prefill(engines[nb], tokens, chunk, stops)
+            s, c, logits = prefill(engines[nb], tokens, chunk, stops)
             if reference is None:
                 reference = logits
             if not np.array_equal(logits, reference):
@@ -93,18 +97,24 @@ def main(argv: list[str] | None = None) -> int:
                       f"{np.abs(logits - reference).max()}", file=sys.stderr)
                 return 1
             if rep:
-                times.setdefault(f"n_batch={nb} chunk={chunk}" + (f" split={a.split}" if split else ""), []).append(s)
+                name = f"n_batch={nb} chunk={chunk}" + (f" split={a.split}" if split else "")
+                times.setdefault(name, []).append(s)
+                cpu_times.setdefault(name, []).append(c)
         print(f"round {rep}/{a.reps} done", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in times.items()}
-    best = min(med.values())
-    print(f"{len(tokens)} tokens, {a.threads} threads, {a.reps} reps, interleaved; all logits bit-identical")
-    print(f"{'configuration':40} {'median s':>9} {'tok/s':>7} {'vs best':>8}  {'min..max s'}")
-    for k, m in sorted(med.items(), key=lambda kv: kv[1]):
-        print(f"{k:40} {m:9.2f} {len(tokens) / m:7.1f} {m / best:8.3f}  {min(times[k]):.2f}..{max(times[k]):.2f}")
+    cmed = {k: statistics.median(v) for k, v in cpu_times.items()}
+    best, cbest = min(med.values()), min(cmed.values())
+    print(f"{len(tokens)} tokens, {a.threads} threads, {a.reps} reps, interleaved; all logits bit-identical; "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"{'configuration':36} {'wall s':>7} {'tok/s':>6} {'vs best':>7} {'min..max':>12} {'cpu s':>7} {'vs best':>7}")
+    for k, m in sorted(cmed.items(), key=lambda kv: kv[1]):
+        print(f"{k:36} {med[k]:7.2f} {len(tokens) / med[k]:6.1f} {med[k] / best:7.3f} "
+              f"{min(times[k]):5.1f}..{max(times[k]):<5.1f} {m:7.2f} {m / cbest:7.3f}")
     out = a.out or Path(__file__).resolve().parent / "results" / str(date.today()) / "prefill.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": str(path), "tokens": len(tokens), "threads": a.threads, "reps": a.reps,
-                               "seconds": times, "median_s": med}, indent=2))
+                               "seconds": times, "cpu_seconds": cpu_times, "median_s": med, "median_cpu_s": cmed,
+                               "load_average": os.getloadavg()}, indent=2))
     print(f"wrote {out}")
     return 0
 

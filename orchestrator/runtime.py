@@ -138,7 +138,8 @@ class Runtime:
         return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template, cfg.parse_special_in_content),
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval, n_slots=cfg.parallel,
                                        queue_size=cfg.queue_size, timeout_s=cfg.timeout,
-                                       prefill_chunk=cfg.prefill_chunk, batch_decode=batch_decode,
+                                       prefill_chunk=cfg.prefill_chunk,
+                                       prefill_chunk_alone=cfg.prefill_chunk_alone, batch_decode=batch_decode,
                                        prefill_tps=prefill_tps),
                    model_id=cfg.model_alias or path.stem)
 

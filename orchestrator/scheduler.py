@@ -12,7 +12,7 @@ Then the worker loops over steps; each step is
     the model is batch-invariant (calibration.check_batch_invariance), else one call per slot;
   * one prefill chunk for one prefilling slot, in turn: at most `prefill_chunk` tokens, never crossing a
     snapshot position and never shorter than min_segment. A long prefill thus advances between other
-    conversations' tokens instead of stalling them for its whole duration.
+    conversations' tokens instead of stalling them; alone, it takes `prefill_chunk_alone` (n_batch) a step.
 
 After the result is delivered, the slot re-prefills and stores the state after generation (phase STORE,
 `Reuse.after_generation`), in chunks like any prefill, but only while no request is decoding or prefilling.
@@ -46,8 +46,6 @@ from .memory import HeapTrimmer
 from .request import Event, EventKind, Job, Phase, Result, Sink, Slot, Task
 from .reuse import PrefillRate, Reuse
 
-__all__ = ["Event", "Job", "Result", "Scheduler", "Slot"]  # Job, Result, Event: re-exported from request.py
-
 log = logging.getLogger("orchestrator.scheduler")
 
 
@@ -61,7 +59,8 @@ class Scheduler:
         n_slots: concurrent requests (sequences 0..n_slots-1).
         queue_size: most requests waiting for a slot; more are refused with QueueFull.
         timeout_s: default per-request limit in seconds from submission (0 = none).
-        prefill_chunk: most prompt tokens prefilled in one step (a request arriving meanwhile waits for it).
+        prefill_chunk: most prompt tokens in one step while others wait or compute (an arrival waits for it).
+        prefill_chunk_alone: the same for a request alone (0: n_batch): larger ubatches prefill faster.
         batch_decode: put the decode steps of all generating slots into one llama_decode call. Only set it when
             that is bit-identical to decoding alone (calibration.check_batch_invariance), or cached and
             concurrent outputs may differ from cold ones.
@@ -75,7 +74,7 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
-                 queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128,
+                 queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
                  batch_decode: bool = False, prefill_tps: float | None = None) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
@@ -88,6 +87,7 @@ class Scheduler:
         self.queue_size = queue_size
         self.timeout_s = timeout_s
         self.prefill_chunk = min(max(prefill_chunk, 2 * self.min_segment), engine.n_batch)
+        self.prefill_chunk_alone = min(max(prefill_chunk_alone or engine.n_batch, self.prefill_chunk), engine.n_batch)
         self.batch_decode = batch_decode
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = threading.Condition()
@@ -272,10 +272,10 @@ class Scheduler:
             filling.sort(key=lambda t: (t.slot.seq - self._turn) % len(self.slots))
             task = filling[0]
             self._turn = (task.slot.seq + 1) % len(self.slots)
-            # Always at most prefill_chunk, also when alone: a request arriving mid-chunk waits for that chunk
-            # (measured: 512-token chunks delayed short requests by ~3 s on the 0.8b, 128 by < 1 s, at the same
-            # prefill speed; bench/bench_slots.py).
-            self._guard(task, self._prefill_chunk, task, self.prefill_chunk)
+            # Small chunks while others compute or wait (512-token chunks delayed short requests by ~3 s on the
+            # 0.8b, 128 by < 1 s; bench/bench_slots.py); alone, fewer passes over the weights (bench_prefill.py).
+            alone = task.phase == Phase.PREFILL and len(filling) == 1 and not decoding and not self._waiting
+            self._guard(task, self._prefill_chunk, task, self.prefill_chunk_alone if alone else self.prefill_chunk)
         return bool(decoding or filling)
 
     def _guard(self, task: Task, fn, *args) -> None:

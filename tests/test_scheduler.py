@@ -43,6 +43,7 @@ def make():
         eng.calibrate(MS, hw_invariant)
         cache = SnapshotCache([RamTier(ram)], state=eng.state)
         kw.setdefault("prefill_chunk", 16)
+        kw.setdefault("prefill_chunk_alone", kw["prefill_chunk"])
         s = Scheduler(eng, cache, n_slots=n_slots, batch_decode=batch_decode, **kw)
         made.append(s)
         return eng, cache, s
@@ -406,6 +407,22 @@ def test_after_generation_is_skipped_where_the_next_request_would_not_restore_it
     s.drain()
     full = len(SYSTEM + TAILS[1]) + len(r2.completion_tokens) + (r2.finish_reason == "stop")
     assert (str(KV), full) in kinds_at(cache) and s.reuse.after_stats.answer == 1
+
+
+def test_a_request_alone_prefills_in_larger_chunks_and_shares_the_cores_in_small_ones(make):
+    eng, cache, s = make(n_slots=2, prefill_chunk=8, prefill_chunk_alone=64)
+    sizes = []
+    eng.on_decode = lambda seq, toks, pos: sizes.append((seq, len(toks)))
+    long_ = [11 + (i % 40) for i in range(300)]
+    r = s.run(job(long_, max_tokens=2))
+    assert max(n for _, n in sizes) == 64  # alone: n_batch-sized chunks
+    s.drain()
+    sizes.clear()
+    submit_all(s, eng, [job([7] + long_, max_tokens=40, use_cache=False), job([8] + long_, max_tokens=2,
+                                                                               use_cache=False)])
+    assert max(n for _, n in sizes[:4]) == 8  # two requests prefilling together: small chunks, in turn
+    cold = s.run(job(long_, max_tokens=2, use_cache=False))
+    assert r.completion_tokens == cold.completion_tokens and np.array_equal(r.first_logits, cold.first_logits)
 
 
 def _phases(s: Scheduler) -> dict[int, Phase]:
