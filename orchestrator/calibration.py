@@ -4,6 +4,8 @@
                      tokens inside a larger ubatch (the rule of reuse.py rests on it)
     batch_invariant  whether one decode step batched over sequences equals decoding each alone
     state_sizes      recurrent bytes per sequence and KV bytes per token (logged: memory per slot)
+    prefill_rate     prompt tokens per second of one prefill (the remote tier's fetch-or-recompute decision
+                     starts from it; reuse.PrefillRate refines it from every prefill since)
 
 Each probe uses and clears the sequences it needs; they run before the scheduler starts. min_segment is kept in a
 small JSON file (`CalibrationFile`) so that a restart does not measure again.
@@ -15,6 +17,7 @@ import hashlib
 import json
 import logging
 import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -111,6 +114,21 @@ def state_sizes(engine: Engine) -> tuple[int, int]:
         engine.decode(0, [tok] * 2, 2, want_logits=False)
         four = engine.state_size(0)
         return recurrent, (four - two) // 2
+    finally:
+        engine.clear(0)
+
+
+def prefill_rate(engine: Engine, n_tokens: int = 256) -> float:
+    """Prompt tokens per second of one prefill of `n_tokens` (at most n_batch) on this model and CPU, after a short
+    warm-up. Uses and clears sequence 0."""
+    n = max(2, min(n_tokens, engine.n_batch))
+    tok = max(engine.bos_id, 0)
+    try:
+        engine.decode(0, [tok] * 8, 0, want_logits=False)  # warm-up: first-call allocations
+        engine.clear(0)
+        start = time.perf_counter()
+        engine.decode(0, [tok] * n, 0, want_logits=False)
+        return n / max(time.perf_counter() - start, 1e-9)
     finally:
         engine.clear(0)
 

@@ -48,6 +48,22 @@ def _at_least(lo: int):
     return check
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _redis_url(text: str) -> str:
+    from .cache.remote import check_url
+
+    try:
+        return check_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
@@ -101,6 +117,21 @@ def _serve_parser(sub) -> None:
                    help="disk tier for snapshots evicted from RAM; kept across restarts (default: %(default)s)")
     p.add_argument("--cache-disk", type=_non_negative, default=d.cache_disk_mib, metavar="MiB",
                    help=f"disk tier budget in MiB (default {d.cache_disk_mib}); 0 disables the disk tier")
+    p.add_argument("--cache-remote", type=_redis_url, default=os.environ.get("ORCHESTRATOR_CACHE_REMOTE") or None,
+                   metavar="URL",
+                   help="shared snapshot tier below RAM and disk, in Redis: redis://[user:password@]host:port/db "
+                        "(rediss:// for TLS); replicas pointing at the same Redis restore each other's snapshots. "
+                        "Redis then holds user data (prompt-derived state): bind it to loopback or use TLS and a "
+                        "password (default: $ORCHESTRATOR_CACHE_REMOTE, else none; prefer the environment "
+                        "variable for a URL with a password: arguments show in `ps`)")
+    p.add_argument("--cache-remote-queue", type=_non_negative, default=d.cache_remote_queue_mib, metavar="MiB",
+                   help=f"remote tier write-behind queue in MiB; entries beyond it are dropped and counted "
+                        f"(default {d.cache_remote_queue_mib})")
+    p.add_argument("--cache-remote-timeout", type=_positive_float, default=d.cache_remote_timeout, metavar="SECONDS",
+                   help=f"longest Redis socket operation before the remote tier counts as down and is skipped "
+                        f"while it reconnects in the background (default {d.cache_remote_timeout:g})")
+    p.add_argument("--replica-name", default=None, metavar="NAME",
+                   help="this server's name in the x-orchestrator-replica response header (default: hostname:port)")
     p.add_argument("--checkpoint-interval", type=_non_negative, default=d.checkpoint_interval, metavar="N",
                    help=f"recurrent checkpoint every N tokens inside long messages (default "
                         f"{d.checkpoint_interval}; 0 = only at template boundaries)")
@@ -136,7 +167,9 @@ def _config(a: argparse.Namespace) -> Config:
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, prefill_chunk_alone=a.prefill_chunk_alone, decode_batching=a.decode_batching,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
                  api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
-                 max_tokens_limit=a.max_tokens_limit, parse_special_in_content=a.parse_special_in_content)
+                 max_tokens_limit=a.max_tokens_limit, parse_special_in_content=a.parse_special_in_content,
+                 cache_remote=a.cache_remote, cache_remote_queue_mib=a.cache_remote_queue,
+                 cache_remote_timeout=a.cache_remote_timeout, replica_name=a.replica_name)
     if a.cache_ram is not None:
         cfg.cache_ram_mib = a.cache_ram
     cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,12 @@ class Config:
     checkpoint_interval: int = 512  # tokens between recurrent checkpoints inside long messages (0 = off)
     cache_disk_dir: Path | None = None  # disk tier directory; None = no disk tier
     cache_disk_mib: int = 4096  # disk tier budget, MiB
+    # The remote tier shared with other replicas: redis://[user:password@]host:port/db, rediss:// for TLS, or
+    # unix:///path.sock; None = none. It holds user data (orchestrator/cache/remote.py, docs/scale-out.md).
+    cache_remote: str | None = None
+    cache_remote_queue_mib: int = 256  # remote tier write-behind queue, MiB (entries beyond it are dropped, counted)
+    cache_remote_timeout: float = 2.0  # seconds one Redis socket operation may take before the tier counts as down
+    replica_name: str | None = None  # named in every response's x-orchestrator-replica; None: "<hostname>:<port>"
     cache_enabled: bool = True  # False: every request is prefilled cold (the correctness oracle)
     model_alias: str | None = None  # id reported by /v1/models; default: the model file's stem
     chat_template: Path | None = None  # override the template stored in the GGUF
@@ -55,6 +62,11 @@ class Config:
     # Tokenize control-token text in caller strings as control tokens (llama-server's behaviour; unsafe, see
     # orchestrator/prompt/control.py). Off: only the chat template's own markup becomes control tokens.
     parse_special_in_content: bool = False
+
+    @property
+    def replica(self) -> str:
+        """This server's name among replicas (x-orchestrator-replica): --replica-name, else hostname:port."""
+        return self.replica_name or f"{socket.gethostname()}:{self.port}"
 
     @property
     def cache_ram_bytes(self) -> int:

@@ -110,7 +110,7 @@ class Result:
     finish_reason: str  # "stop" (end-of-generation token or stop string) or "length"
     prompt_tokens: int
     cached_tokens: int
-    restore_source: str  # "live", "ram", "disk" or "none"
+    restore_source: str  # "live", "ram", "disk", "remote" or "none"
     restore_s: float
     prefill_s: float
     ttft_s: float

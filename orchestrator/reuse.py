@@ -52,6 +52,28 @@ from .request import Job, Phase, Slot, Task
 log = logging.getLogger("orchestrator.reuse")
 
 
+class PrefillRate:
+    """Measured prompt tokens per second: a moving average over prefill chunks, seeded by a measurement at start
+    (calibration.prefill_rate) where there is one. Touched by the scheduler's worker thread only."""
+
+    WEIGHT = 0.2  # of a new chunk in the average
+
+    def __init__(self, tokens_per_s: float | None = None) -> None:
+        self.tokens_per_s = tokens_per_s
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """One prefill of `n_tokens` that took `seconds`."""
+        if n_tokens <= 0 or seconds <= 0:
+            return
+        rate = n_tokens / seconds
+        self.tokens_per_s = rate if self.tokens_per_s is None else \
+            (1 - self.WEIGHT) * self.tokens_per_s + self.WEIGHT * rate
+
+    def seconds(self, n_tokens: int) -> float:
+        """Measured seconds to prefill `n_tokens` now (0.0 before any measurement: then nothing is fetched)."""
+        return n_tokens / self.tokens_per_s if self.tokens_per_s else 0.0
+
+
 @dataclass
 class AfterGenerationStats:
     """What happened to after-generation work since start (issue 18). Counts of finished requests that stored
@@ -75,10 +97,13 @@ class Reuse:
     """Match, restore and store for the sequences `slots` of `engine`, over `cache`.
 
     checkpoint_interval: tokens between interval checkpoints inside long stretches between boundaries (0: off).
+    prefill: the measured prefill speed, against which a fetch from a shared tier is weighed.
     """
 
-    def __init__(self, engine: Engine, cache: SnapshotCache, slots: Sequence[Slot], checkpoint_interval: int = 0):
+    def __init__(self, engine: Engine, cache: SnapshotCache, slots: Sequence[Slot], checkpoint_interval: int = 0,
+                 prefill: PrefillRate | None = None):
         self.engine, self.cache, self.slots = engine, cache, slots
+        self.prefill = prefill or PrefillRate()
         self.state = engine.state
         self.min_segment = engine.min_segment  # fewest tokens per exact prefill ubatch (calibration.py)
         self.checkpoint_interval = checkpoint_interval
@@ -216,6 +241,8 @@ class Reuse:
         if use_cache:
             for _attempt in range(3):  # a part that vanished (evicted, corrupt on disk) is dropped: plan again
                 plans = self.plans(tokens, salt)
+                if self.cache.has_shared:
+                    plans = self._with_shared(tokens, salt, plans)
                 src = max(self.slots, key=lambda s: (plans[s.seq].n_tokens, s is slot))
                 plan = plans[src.seq]
                 if plan.n_tokens == 0:
@@ -254,6 +281,28 @@ class Reuse:
         slot.live, slot.salt = list(first.slot.live), first.slot.salt
         other.forked(first)
 
+    def _with_shared(self, tokens: list[int], salt: str, plans: list[RestorePlan]) -> list[RestorePlan]:
+        """The plans again, with what the shared tier holds for prefixes deeper than the local plans
+        (`SnapshotCache.discover`), when reading the parts it adds takes less time than prefilling the tokens
+        it saves: transfer time from the tier's measured round trip and bandwidth, prefill time from the
+        measured prefill speed. Otherwise the local plans (and the found entries are forgotten).
+
+        Only the deepest plan is weighed: going shallower saves fewer tokens but reads about as many bytes
+        (a checkpoint is fixed-size; the KV entry that covers a position is the same deeper entry)."""
+        local = max(p.n_tokens for p in plans)
+        if not self.cache.discover(tokens, self.max_hit(len(tokens)), local, salt=salt):
+            return plans
+        wider = self.plans(tokens, salt)
+        best = max(wider, key=lambda p: p.n_tokens)
+        fetch_s = self.cache.transfer_s(best)
+        recompute_s = self.prefill.seconds(best.n_tokens - local)
+        if best.n_tokens > local and fetch_s < recompute_s:
+            return wider
+        log.debug("not fetching %d tokens from the shared tier: %.3f s to read, %.3f s to recompute",
+                  best.n_tokens - local, fetch_s, recompute_s)
+        self.cache.release_adopted()
+        return plans
+
     def reset(self, slot: Slot) -> None:
         """Clear the slot's sequence: it offers nothing to reuse."""
         self.engine.clear(slot.seq)
@@ -265,6 +314,8 @@ class Reuse:
         """The slot's sequence now holds task.work[:end], computed by prefill in the last `seconds`: its KV is a
         reusable source (unless the whole work is a too-short ubatch), and at a snapshot position a checkpoint is
         stored. A STORE task's chunks count in `after_stats`."""
+        if seconds:
+            self.prefill.observe(end - task.pos, seconds)
         if task.phase == Phase.STORE:
             self.after_stats.tokens += end - task.pos
             self.after_stats.seconds += seconds

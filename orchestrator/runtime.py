@@ -15,6 +15,7 @@ import llama_cpp
 from . import calibration
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
+from .cache.remote import RemoteTier, redacted
 from .errors import InvalidRequest, OrchestratorError
 from .config import MiB, Config
 from .engine import Engine
@@ -29,11 +30,14 @@ from .cache.tiers import RamTier, Tier
 log = logging.getLogger("orchestrator")
 
 
-def model_file_digest(model_path: Path) -> bytes:
+def model_file_digest(model_path: Path, with_mtime: bool = True) -> bytes:
     """32 bytes identifying the model file as it is now: its size, modification time in ns, and hashes of its first
     and last MiB (where GGUF metadata and the last tensors live) and of 64 KiB at each of 64 evenly spaced
     offsets: about 6 MiB read. The modification time makes a model file replaced in place (same path, size and
-    ends) a different file; touching or copying it without -p counts as a change too."""
+    ends) a different file; touching or copying it without -p counts as a change too.
+
+    with_mtime=False: the content only, so that copies of one file on several hosts match (the remote tier's
+    fingerprint: replicas share snapshots when their model files are byte-identical)."""
     h = hashlib.blake2b(digest_size=32)
     st = model_path.stat()
     size = st.st_size
@@ -44,7 +48,7 @@ def model_file_digest(model_path: Path) -> bytes:
             h.update(f.read(64 * 1024))
         f.seek(max(0, size - MiB))
         h.update(f.read(MiB))
-    h.update(repr((size, st.st_mtime_ns)).encode())
+    h.update(repr((size, st.st_mtime_ns) if with_mtime else (size,)).encode())
     return h.digest()
 
 
@@ -117,6 +121,15 @@ class Runtime:
                 tiers.append(disk)
             except OrchestratorError as e:
                 log.warning("snapshot disk tier unavailable, caching in RAM only: %s", e.message)
+        prefill_tps = None
+        if cfg.cache_enabled and cfg.cache_remote:
+            remote = RemoteTier(cfg.cache_remote, state_fingerprint(path, engine, model_file_digest(path, False)),
+                                cfg.cache_remote_queue_mib * MiB, cfg.cache_remote_timeout)
+            prefill_tps = calibration.prefill_rate(engine)
+            log.info("snapshot remote tier: %s (shared with the replicas using it; it holds user data), "
+                     "write-behind queue %d MiB; prefill measured at %.0f tokens/s", redacted(cfg.cache_remote),
+                     cfg.cache_remote_queue_mib, prefill_tps)
+            tiers.append(remote)
         cache = SnapshotCache(tiers, state=engine.state)
         if cfg.cache_enabled:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
@@ -126,7 +139,8 @@ class Runtime:
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval, n_slots=cfg.parallel,
                                        queue_size=cfg.queue_size, timeout_s=cfg.timeout,
                                        prefill_chunk=cfg.prefill_chunk,
-                                       prefill_chunk_alone=cfg.prefill_chunk_alone, batch_decode=batch_decode),
+                                       prefill_chunk_alone=cfg.prefill_chunk_alone, batch_decode=batch_decode,
+                                       prefill_tps=prefill_tps),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks

@@ -20,11 +20,9 @@ A request that arrives meanwhile takes the STORE slot over when it extends what 
 preempts it at the chunk boundary when no slot is free: after-generation work never makes a request wait
 longer than one chunk.
 
-Cancellation and limits: a cancelled request (client gone) leaves its slot at the next step; one cancelled while
-decoding gets what it generated; a request past its deadline (`timeout_s`) fails with RequestTimeout; a full
-queue refuses new requests with QueueFull (the server's 429). Checkpoints stored before a cancellation stay
-valid (each is complete at its position); the end-of-prompt state of a request cancelled during prefill is
-never stored.
+Cancellation and limits: a cancelled request (client gone) leaves its slot at the next step (one cancelled while
+decoding gets what it generated); past its deadline (`timeout_s`), RequestTimeout; a full queue, QueueFull
+(HTTP 429). Checkpoints stored before a cancellation stay valid; a cancelled prefill's end state is not stored.
 
 A job of n > 1 choices (request.py) waits, with the requests queued after it, until it has n slots (free or STORE);
 its prompt is prefilled once and copied (`Reuse.fork`); each choice equals its cold run (`Job.choice`).
@@ -47,7 +45,7 @@ from .engine import Engine
 from .errors import EngineError, OrchestratorError, QueueFull
 from .memory import HeapTrimmer
 from .request import Collector, Event, EventKind, Job, Phase, Result, Sink, Slot, Task
-from .reuse import Reuse
+from .reuse import PrefillRate, Reuse
 
 log = logging.getLogger("orchestrator.scheduler")
 
@@ -64,9 +62,10 @@ class Scheduler:
         timeout_s: default per-request limit in seconds from submission (0 = none).
         prefill_chunk: most prompt tokens in one step while others wait or compute (an arrival waits for it).
         prefill_chunk_alone: the same for a request alone (0: n_batch): larger ubatches prefill faster.
-        batch_decode: put the decode steps of all generating slots into one llama_decode call. Only set it when
-            that is bit-identical to decoding alone (calibration.check_batch_invariance), or cached and
-            concurrent outputs may differ from cold ones.
+        batch_decode: one llama_decode for all generating slots; only where that is bit-identical to decoding
+            alone (calibration.check_batch_invariance), or cached and concurrent outputs may differ from cold.
+        prefill_tps: measured prompt tokens/s (calibration.prefill_rate; None: from the first chunk on), refined
+            by every chunk: a shared tier's fetch-or-recompute choice reads it.
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A job that fails gets an ERROR event, its
@@ -75,13 +74,13 @@ class Scheduler:
 
     def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
-                 batch_decode: bool = False) -> None:
+                 batch_decode: bool = False, prefill_tps: float | None = None) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
         self.cache = cache
         self.slots = [Slot(seq) for seq in range(n_slots)]
-        self.reuse = Reuse(engine, cache, self.slots, checkpoint_interval)
+        self.reuse = Reuse(engine, cache, self.slots, checkpoint_interval, PrefillRate(prefill_tps))
         self.min_segment = self.reuse.min_segment
         self.checkpoint_interval = checkpoint_interval
         self.queue_size = queue_size

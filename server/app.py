@@ -50,6 +50,8 @@ from . import logprobs
 from .schemas import GenerationOptions, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
+REPLICA_HEADER = "x-orchestrator-replica"  # on every response: which replica served it (--replica-name)
+TIER_HEADER = "x-orchestrator-cache-tier"  # on non-streamed results: live, ram, disk, remote or none
 
 
 def _is_json(content_type: str) -> bool:
@@ -116,6 +118,12 @@ def _usage(results: Sequence[Result]) -> dict:
     return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+def _tier_header(r: Result) -> dict:
+    """The header naming where a non-streamed result's prefix came from: live, ram, disk, remote or none (a stream's
+    headers leave before that is known: its last chunk's usage and timings say it)."""
+    return {TIER_HEADER: r.restore_source}
 
 
 def _timings(r: Result) -> dict:
@@ -312,7 +320,7 @@ class Api:
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": self.rt.model_id,
             "choices": [self._chat_choice(r, prompt, req) for r in results],
-            "usage": _usage(results), "timings": _timings(results[0])})
+            "usage": _usage(results), "timings": _timings(results[0])}, headers=_tier_header(results[0]))
 
     def _chat_choice(self, r: Result, prompt: Prompt, req) -> dict:
         """One entry of a chat completion's `choices`: the message parsed from choice r.index's text."""
@@ -424,7 +432,7 @@ class Api:
             "choices": [{"index": r.index, "text": (req.prompt + r.text) if req.echo else r.text,
                          "finish_reason": r.finish_reason,
                          "logprobs": None if r.logprobs is None else lps[r.index].block(r.logprobs)} for r in results],
-            "usage": _usage(results), "timings": _timings(results[0])})
+            "usage": _usage(results), "timings": _timings(results[0])}, headers=_tier_header(results[0]))
 
     # ------------------------------------------------------------------ Anthropic Messages API
 
@@ -451,7 +459,7 @@ class Api:
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
             "content": anthropic.content_blocks(out), "stop_reason": reason, "stop_sequence": sequence,
-            "usage": anthropic.usage(r), "timings": _timings(r)})
+            "usage": anthropic.usage(r), "timings": _timings(r)}, headers=_tier_header(r))
 
     def _stop_reason(self, r: Result, has_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
         """Anthropic's (stop_reason, stop_sequence); which stop string ended the text is read from the text of
@@ -606,16 +614,20 @@ def _guard(api: Api, path: str, handler, cfg: Config, public: bool, flavor: str)
     """Check the API key (unless `public` or none is configured), then run the route, turning any exception into
     an error response in the route's flavor (OpenAI's or Anthropic's shape) here, so the connection stays usable
     (an exception that reaches Starlette's outermost middleware is re-raised and closes the keep-alive
-    connection); every such refusal or failure is counted and logged."""
+    connection); every such refusal or failure is counted and logged. Every response names the replica
+    (REPLICA_HEADER)."""
+    replica = cfg.replica
+
     async def guarded(request: Request):
         try:
             if cfg.api_key is not None and not public:
                 _authorize(request, cfg.api_key)
-            return await handler(request)
+            response = await handler(request)
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx in one place: server/errors.py
             response = error_response(e, flavor)
             api.record_failure(path, e)
-            return response
+        response.headers[REPLICA_HEADER] = replica
+        return response
 
     return guarded
 

@@ -40,10 +40,31 @@ class _CacheCollector:
                 ("spills", s.spills, "Evicted entries written to the disk tier"),
                 ("promotions", s.promotions, "Disk-tier hits copied back to RAM"),
                 ("dropped", s.dropped, "Entries lost (no room on disk, or corrupt)"),
-                ("inserts", s.inserts, "Entries stored")):
+                ("inserts", s.inserts, "Entries stored"),
+                ("shared_found", s.shared_found, "Entries a shared tier listed beyond what this replica held"),
+                ("shared_skipped", s.shared_skipped, "Restores from a shared tier not taken: recomputing was "
+                                                     "faster than fetching (both measured)")):
             c = CounterMetricFamily(f"orchestrator_cache_{name}", doc)
             c.add_metric([], value)
             yield c
+        for name, doc, value in (
+                ("hits", "Entries read from a lower tier", lambda t: t.hits),
+                ("misses", "Reads of a lower tier that found nothing usable", lambda t: t.misses),
+                ("writes", "Entries written to a lower tier", lambda t: t.inserts),
+                ("invalid", "Entries found corrupt or of another model, deleted", lambda t: t.rejected_invalid),
+                ("errors", "Operations of a tier that failed (connection, timeout, refused), served as misses",
+                 lambda t: t.errors),
+                ("dropped_writes", "Writes not made: write-behind queue full, or the tier unreachable",
+                 lambda t: t.dropped)):
+            c = CounterMetricFamily(f"orchestrator_cache_tier_{name}", doc, labels=["tier"])
+            for t in s.tiers[1:]:
+                c.add_metric([t.name], value(t))
+            yield c
+        up = GaugeMetricFamily("orchestrator_cache_tier_up", "1 while a lower tier takes writes (0: disabled "
+                               "after a failure, or unreachable and reconnecting)", labels=["tier"])
+        for t in s.tiers[1:]:
+            up.add_metric([t.name], 0 if t.disabled else 1)
+        yield up
 
 
 class _AfterGenerationCollector:
@@ -82,7 +103,7 @@ class Metrics:
         self.cached_tokens = Counter("orchestrator_cached_tokens", "Prompt tokens restored instead of computed",
                                      registry=r)
         self.requests = Counter("orchestrator_requests", "Finished requests by where their prefix came from "
-                                "(live, ram, disk; none = miss)", ["cache_tier"], registry=r)
+                                "(live, ram, disk, remote; none = miss)", ["cache_tier"], registry=r)
         self.restore = Histogram("orchestrator_restore_seconds", "Time to restore a snapshot", buckets=_SECONDS,
                                  registry=r)
         self.prefill = Histogram("orchestrator_prefill_seconds", "Time to prefill the uncached part of a prompt",

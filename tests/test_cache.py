@@ -222,6 +222,7 @@ class DictTier:
         from collections import OrderedDict
 
         self.name, self.budget_bytes, self.on_evict, self.broken = name, budget_bytes, None, False
+        self.shared = False
         self.data: OrderedDict = OrderedDict()
 
     @property

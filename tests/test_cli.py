@@ -55,7 +55,24 @@ def test_serve_cli_answers_and_logs_each_request(tiny_model, tmp_path):
 
 def test_serve_rejects_bad_flags_before_loading_anything(tmp_path):
     for flags in (["-t", "0"], ["-c", "0"], ["-n", "-1"], ["--port", "99999"], ["--cache-ram", "-5"],
-                  ["--chat-template-file", str(tmp_path / "missing.jinja")]):
+                  ["--chat-template-file", str(tmp_path / "missing.jinja")],
+                  ["--cache-remote", "http://127.0.0.1:6379"], ["--cache-remote-timeout", "0"]):
         r = subprocess.run([sys.executable, "-m", "orchestrator", "serve", *flags], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2 and "error:" in r.stderr, (flags, r.stderr)
+
+
+def test_remote_tier_flags_reach_the_config():
+    import argparse
+
+    from orchestrator import cli
+
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    cfg = cli._config(parser.parse_args(["serve", "--cache-remote", "rediss://:pw@redis.internal:6380/2",
+                                     "--cache-remote-queue", "64", "--cache-remote-timeout", "0.5",
+                                     "--replica-name", "r7", "--port", "9001"]))
+    assert (cfg.cache_remote, cfg.cache_remote_queue_mib, cfg.cache_remote_timeout, cfg.replica) == \
+        ("rediss://:pw@redis.internal:6380/2", 64, 0.5, "r7")
+    cfg.replica_name = None
+    assert cfg.replica.endswith(":9001")

@@ -10,27 +10,15 @@ file, written whole before its SQLite row commits, so a process killed mid-write
 error, an outside writer) fails the length or CRC-32 check and is deleted on read. Nothing is pickled, in either
 direction: `_SnapshotDisk` writes only snapshot blobs and integers and refuses to unpickle.
 
-One snapshot file, little-endian throughout (`nbytes` = file size = 59 + 4 * n_tokens + payload bytes):
-
-    offset    size  field
-         0       8  magic b"ORCSNAP\\0"
-         8       2  format version, u16 (FORMAT_VERSION)
-        10      32  fingerprint of model and state layout (refused if not the tier's own)
-        42       1  kind, u8: 0 "kv" (the attention KV of the prefix; the whole state where it is KV only or
-                    cannot be split), 1 "checkpoint" (the recurrent state after the prefix)
-        43       4  n_tokens, u32
-        47       8  payload length in bytes, u64
-        55       4  CRC-32 of bytes [0, 55) + token ids + payload, u32
-        59  4 * n   token ids of the prefix the snapshot holds, u32 each
-    59 + 4n    len  payload: the sequence-state bytes, opaque here
+One snapshot file holds one blob (blob.py: header with magic, format version, fingerprint, kind, token count,
+payload length and CRC-32, then the token ids and the payload), the same bytes as a value of the remote tier.
 
 LRU order survives restarts: every put and every hit stores a use number, from one counter that only goes up, in a
 second diskcache row beside the snapshot (key: the snapshot key as UTF-8 bytes; diskcache keeps str and bytes keys
 apart). At open, entries are ordered by it; a snapshot without one counts as least recently used.
 
-Format versions: 1 named the kinds "full" and "recurrent" and keyed them "kv-…" and "rec-…"; 2 (this one) has the
-same bytes under the names "kv" and "checkpoint" and keys "kv-…" and "checkpoint-…". Entries of another version
-are discarded at open with one log line that says so (they cost misses, never errors).
+Entries of another format version (blob.FORMAT_VERSION) are discarded at open with one log line that says so
+(they cost misses, never errors).
 """
 
 from __future__ import annotations
@@ -43,19 +31,18 @@ import itertools
 import logging
 import os
 import sqlite3
-import struct
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Sequence
 
 import diskcache
-import numpy as np
 from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
 
 from ..errors import OrchestratorError
+from . import blob
+from .blob import FINGERPRINT_BYTES, FORMAT_VERSION, KINDS
 from .radix import EntryKind
 from .tiers import EntryInfo, Stored, TierStats
 
@@ -63,14 +50,6 @@ __all__ = ["DiskTier", "EntryInfo", "FORMAT_VERSION", "KINDS"]
 
 log = logging.getLogger("orchestrator.cache.disk")
 
-MAGIC = b"ORCSNAP\0"
-FORMAT_VERSION = 2
-FINGERPRINT_BYTES = 32
-KINDS = (EntryKind.KV, EntryKind.CHECKPOINT)  # index = the kind byte on disk
-
-_HEADER = struct.Struct("<8sH32sBIQI")  # magic, version, fingerprint, kind, n_tokens, payload bytes, crc32
-_CHECKED = _HEADER.size - 4  # header bytes covered by the checksum: all but the checksum itself
-_TOKEN = np.dtype("<u4")
 _LOCK_NAME = "orchestrator.lock"
 _SUFFIX = ".val"  # diskcache's file suffix
 
@@ -103,6 +82,7 @@ class DiskTier:
     """
 
     name = "disk"
+    shared = False
 
     def __init__(self, directory: Path | str, budget_bytes: int, fingerprint: bytes) -> None:
         if budget_bytes < 0:
@@ -171,18 +151,9 @@ class DiskTier:
         """
         if not isinstance(key, str):
             raise TypeError(f"snapshot keys are str, got {type(key).__name__}")
-        if kind not in KINDS:
-            raise ValueError(f"snapshot kind must be one of {[str(k) for k in KINDS]}, got {kind!r}")
-        ids = np.asarray(tokens, dtype=np.int64)
-        if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF)):
-            raise ValueError("tokens must be a flat sequence of token ids in [0, 2**32)")
-        token_bytes = ids.astype(_TOKEN).tobytes()
-        payload_nbytes = memoryview(payload).nbytes
-        checked = _HEADER.pack(MAGIC, FORMAT_VERSION, self._fingerprint, KINDS.index(kind), ids.size,
-                               payload_nbytes, 0)[:_CHECKED]
-        crc = zlib.crc32(payload, zlib.crc32(token_bytes, zlib.crc32(checked)))
-        blob = _Blob((checked + struct.pack("<I", crc), token_bytes, payload))
-        nbytes = _HEADER.size + len(token_bytes) + payload_nbytes
+        parts = blob.encode(self._fingerprint, kind, tokens, payload)
+        nbytes = blob.blob_nbytes(len(tokens), memoryview(payload).nbytes)
+        value = _Blob(parts)
         evicted: list[str] = []
         try:
             with self._lock:
@@ -201,7 +172,7 @@ class DiskTier:
                         self._evictions += 1
                         evicted.append(victim)
                     with self._cache.transact():
-                        self._cache.set(key, blob)
+                        self._cache.set(key, value)
                         self._cache.set(_use_key(key), next(self._uses))
                 except _DISK_ERRORS as e:
                     self._fail(f"writing snapshot {key!r} ({nbytes} bytes)", e)
@@ -229,11 +200,7 @@ class DiskTier:
                 return None
             try:
                 with self._open_value(key) as f:
-                    kind, n_tokens, payload_nbytes, crc, checked = _read_header(f, self._fingerprint)
-                    token_bytes = _read_exact(f, 4 * n_tokens, "token ids")
-                    payload = _read_exact(f, payload_nbytes, "payload")
-                if zlib.crc32(payload, zlib.crc32(token_bytes, zlib.crc32(checked))) != crc:
-                    raise _Invalid("CRC-32 mismatch: the file is corrupt")
+                    stored = blob.read(f, self._fingerprint)
             except _Invalid as e:
                 self._reject(key, str(e))
                 self._misses += 1
@@ -244,7 +211,7 @@ class DiskTier:
                 return None
             self._touch(key)
             self._hits += 1
-            return Stored(kind, tuple(np.frombuffer(token_bytes, dtype=_TOKEN).tolist()), payload)
+            return stored
 
     def delete(self, key: str) -> bool:
         """Forget the snapshot under `key`. Returns whether one was stored. Disk errors disable the tier."""
@@ -271,16 +238,15 @@ class DiskTier:
                     continue
                 try:
                     with self._open_value(key) as f:
-                        kind, n_tokens, _, _, _ = _read_header(f, self._fingerprint)
-                        token_bytes = _read_exact(f, 4 * n_tokens, "token ids")
+                        kind, n_tokens, _, _, _ = blob.read_header(f, self._fingerprint)
+                        token_bytes = blob.read_exact(f, 4 * n_tokens, "token ids")
                 except _Invalid as e:
                     self._reject(key, str(e))
                     continue
                 except _DISK_ERRORS as e:
                     self._reject(key, f"unreadable ({e})")
                     continue
-                info = EntryInfo(key, kind, tuple(np.frombuffer(token_bytes, dtype=_TOKEN).tolist()),
-                                 self._lru[key])
+                info = EntryInfo(key, kind, blob.tokens_of(token_bytes), self._lru[key])
             yield info
 
     def keys(self) -> list[str]:
@@ -340,7 +306,7 @@ class DiskTier:
                 continue
             try:
                 with self._open_value(dkey) as f:
-                    _read_header(f, self._fingerprint)
+                    blob.read_header(f, self._fingerprint)
                     sizes[dkey] = f.seek(0, io.SEEK_END)
                     if isinstance(f, io.BufferedReader):
                         files.add(os.path.realpath(f.name))
@@ -451,20 +417,7 @@ class DiskTier:
             self._lock_fd = None
 
 
-class _Invalid(Exception):
-    """A stored value is not a valid snapshot of this tier; the message says why."""
-
-
-class _OtherFingerprint(_Invalid):
-    """A valid snapshot header, but for another model or state layout."""
-
-
-class _OtherVersion(_Invalid):
-    """A snapshot file of another format version."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(f"format version {version}, this build reads version {FORMAT_VERSION}")
-        self.version = version
+_Invalid, _OtherFingerprint, _OtherVersion = blob.Invalid, blob.OtherFingerprint, blob.OtherVersion
 
 
 @dataclass(frozen=True)
@@ -513,39 +466,6 @@ def _write_parts(path: str, parts: Sequence[bytes | memoryview]) -> int:
         for part in parts:
             f.write(part)
     return sum(memoryview(p).nbytes for p in parts)
-
-
-def _read_header(f: BinaryIO, fingerprint: bytes) -> tuple[EntryKind, int, int, int, bytes]:
-    """Read and check a header at the start of `f`, including that the file has exactly the length it announces.
-
-    Returns (kind, n_tokens, payload bytes, crc32, the checksummed header bytes). Leaves `f` at the token ids.
-    Raises _OtherVersion, _OtherFingerprint or _Invalid with the reason.
-    """
-    raw = f.read(_HEADER.size)
-    if len(raw) < _HEADER.size:
-        raise _Invalid(f"truncated header ({len(raw)} of {_HEADER.size} bytes)")
-    magic, version, fp, kind, n_tokens, payload_nbytes, crc = _HEADER.unpack(raw)
-    if magic != MAGIC:
-        raise _Invalid(f"bad magic {magic!r}, not a snapshot file")
-    if version != FORMAT_VERSION:
-        raise _OtherVersion(version)
-    if fp != fingerprint:
-        raise _OtherFingerprint("written for another model or state layout (fingerprint mismatch)")
-    if kind >= len(KINDS):
-        raise _Invalid(f"unknown kind byte {kind}")
-    expected = _HEADER.size + 4 * n_tokens + payload_nbytes
-    size = f.seek(0, io.SEEK_END)
-    f.seek(_HEADER.size)
-    if size != expected:
-        raise _Invalid(f"{size} bytes, but the header announces {expected} (truncated or torn write)")
-    return KINDS[kind], n_tokens, payload_nbytes, crc, raw[:_CHECKED]
-
-
-def _read_exact(f: BinaryIO, nbytes: int, what: str) -> bytes:
-    data = f.read(nbytes)
-    if len(data) != nbytes:
-        raise _Invalid(f"{what} truncated ({len(data)} of {nbytes} bytes)")
-    return data
 
 
 def _use_key(key: str) -> bytes:

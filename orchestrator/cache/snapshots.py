@@ -12,11 +12,24 @@ tokens[:p]); on a KV-only model any prefix of a KV entry restores.
 
 Tiers (`orchestrator.cache.tiers`): every entry is stored first in tiers[0], the hot tier (RAM), whose resident
 bytes never exceed its budget, checked before an insert. When an entry must leave it, the `EvictionPolicy`
-picks it and it spills: it is written to every lower tier that takes it (the disk tier; a shared tier would
-be the next) and read from the fastest of them that holds it; a later hit is promoted back to the hot tier.
-Lower tiers evict on their own and report it (`on_evict`): the entry falls back to the next tier that holds
-it, and the index forgets what no tier holds. A failing lower tier is a miss, never an error (an exception
-from it is logged and counts as a miss or a refused put). Thread-safe: one lock guards the tree and the tiers.
+picks it and it spills: it is written to every local lower tier that takes it (the disk tier) and read from
+the fastest of them that holds it; a later hit is promoted back to the hot tier. Lower tiers evict on their
+own and report it (`on_evict`): the entry falls back to the next tier that holds it, and the index forgets
+what no tier holds. A failing lower tier is a miss, never an error (an exception from it is logged and counts
+as a miss or a refused put). Thread-safe: one lock guards the tree and the tiers.
+
+Shared tiers (`SharedTier`: the remote tier, which other replicas write to and read from) are used otherwise:
+
+    put           every new entry is also written to them at once (write-behind: the tier queues it); a KV
+                  entry is listed at the checkpoints on its path too (`covers`), so it is found for those
+    discover      per request, before planning: what they list for the prompt's prefixes deeper than the local
+                  plan is indexed ("adopted") for that request; a plan may then name them (tier "remote")
+    load          an adopted part is read from the shared tier and promoted to the hot tier
+    evict, settle an entry that leaves the local tiers leaves the index too (the shared tier may still hold it:
+                  `discover` finds it again); an adopted entry not promoted is forgotten at the next discover
+
+so the index never grows with what other replicas store. Only a part llama.cpp refused (`discard`) is deleted
+from a shared tier; a corrupt one the tier deletes itself.
 
 Tenant isolation: every method keyed by tokens takes a keyword `salt` (the request's `cache_salt`; "" = the
 shared cache). Each salt has its own radix tree, so a lookup never sees, and a KV entry never covers, an entry
@@ -27,13 +40,13 @@ their salt across restarts. The RAM budget and the eviction order are shared by 
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .keys import disk_key, salt_id, salt_of_key
 from .policy import Candidate, EvictionPolicy
 from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
 from ..state import HybridState, StateKind
@@ -51,8 +64,8 @@ class RestorePlan:
 
     n_tokens: prompt tokens restored (0: nothing). checkpoint_id: the recurrent checkpoint at n_tokens. kv_id:
     the stored KV entry covering n_tokens, or None when the live sequence's own KV is used. tier: the name of
-    the tier the slowest part comes from ("ram", "disk"), "live" for live KV and a checkpoint in the hot tier
-    (or none), or "none".
+    the tier the slowest part comes from ("ram", "disk", "remote"), "live" for live KV and a checkpoint in the
+    hot tier (or none), or "none".
     """
 
     n_tokens: int = 0
@@ -70,6 +83,8 @@ class _Meta:
     key: str  # disk key: salt id + kind + hash of the tokens (stable across restarts)
     boundary: bool = True  # a checkpoint at a template boundary or interval (False: end of a request)
     salt: str = ""  # salt id (salt_id()) of the tree holding the entry
+    source: str | None = None  # adopted: the key a shared tier holds the bytes under (None: `key`)
+    shared: bool = False  # written to, or read from, a shared tier
 
 
 @dataclass
@@ -90,32 +105,24 @@ class CacheStats:
     promotions: int = 0  # disk hits copied back to RAM
     dropped: int = 0  # entries lost (no disk tier, disk full or evicted by its budget, or corrupt on disk)
     rejected_too_large: int = 0
+    shared_found: int = 0  # entries a shared tier listed for a request's prefixes, deeper than the local ones
+    shared_skipped: int = 0  # plans through them not taken: recomputing was faster than fetching
     tiers: list = field(default_factory=list)  # TierStats of each tier, hot first
 
 
-def salt_id(salt: str) -> str:
-    """The id of a cache salt: "" for no salt, else 32 hex digits of its BLAKE2b hash (never the salt itself)."""
-    if not salt:
-        return ""
-    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"orc-salt").hexdigest()
-
-
-def disk_key(kind: str, tokens: Sequence[int], sid: str = "") -> str:
-    """Disk key of an entry: "<kind>-<n>-<hash of tokens>" unsalted, "s<salt id>-<kind>-<n>-<hash of salt id and
-    tokens>" under salt id `sid`."""
-    h = hashlib.blake2b(sid.encode() + b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=16).hexdigest()
-    return f"s{sid}-{kind}-{len(tokens)}-{h}" if sid else f"{kind}-{len(tokens)}-{h}"
-
-
-def _salt_of_key(key: str) -> str:
-    return key[1:33] if key.startswith("s") else ""
+def _holds(stored: Sequence[int], path: Sequence[int], kind: EntryKind) -> bool:
+    """Whether an entry stored for `stored` tokens serves the index's `path`: the same prefix, or, for KV (which
+    is prefix-closed; a restore truncates it), a longer one that extends it."""
+    stored = tuple(stored)
+    return stored == tuple(path) or (kind == KV and len(stored) > len(path) and stored[: len(path)] == tuple(path))
 
 
 class SnapshotCache:
     """Prefix cache of state snapshots: radix tree over `tiers` (hot first; see the module docstring).
 
-    tiers: a hot tier that never evicts on its own (`RamTier`), then any lower tiers (`DiskTier`), in the order
-    entries spill. The lower tiers' entries are indexed at construction, so a restarted server keeps its cache.
+    tiers: a hot tier that never evicts on its own (`RamTier`), then any lower tiers (`DiskTier`, `RemoteTier`),
+    in the order entries spill. The local lower tiers' entries are indexed at construction, so a restarted server
+    keeps its cache; shared tiers are asked per request (`discover`).
     The cache owns its tiers: `close` closes them. state: the model's state kind (default: hybrid).
     """
 
@@ -138,7 +145,10 @@ class SnapshotCache:
         self._stats = CacheStats()
         self._warned_too_large = False
         self._warned_tiers: set[str] = set()
-        for level in range(1, len(self.tiers)):
+        self._local = tuple(level for level in range(1, len(self.tiers)) if not self.tiers[level].shared)
+        self._shared = tuple(level for level in range(1, len(self.tiers)) if self.tiers[level].shared)
+        self._adopted: list[int] = []  # ids indexed by the last `discover`
+        for level in self._local:
             self._index_tier(level)
             self.tiers[level].on_evict = functools.partial(self._on_evict, level)
 
@@ -146,6 +156,11 @@ class SnapshotCache:
     def budget_bytes(self) -> int:
         """The hot tier's budget: the most payload bytes kept in RAM."""
         return self.hot.budget_bytes
+
+    @property
+    def has_shared(self) -> bool:
+        """Whether a shared tier is configured (`discover` may find entries other replicas stored)."""
+        return bool(self._shared)
 
     def tier(self, name: str) -> Tier | None:
         """The tier called `name` ("ram", "disk"), or None."""
@@ -222,7 +237,7 @@ class SnapshotCache:
         with self._lock:
             gone = [i for i in (plan.checkpoint_id, plan.kv_id) if i is not None and i in self._meta]
             for eid in gone:
-                self._forget(eid)
+                self._forget(eid, shared=True)
             self._stats.dropped += len(gone)
             return len(gone)
 
@@ -233,11 +248,11 @@ class SnapshotCache:
         meta.last_used = self._tick
         if meta.level == HOT:
             return self.hot.get(meta.key).payload
-        got = self._lower(meta.level, "get", meta.key)
-        if got is not None and (got.kind != meta.kind or (got.tokens is not None
-                                                          and got.tokens != self._tree_of(eid).tokens_of(eid))):
+        got = self._lower(meta.level, "get", meta.source or meta.key)
+        if got is not None and (got.kind != meta.kind or (got.tokens is not None and not _holds(
+                got.tokens, self._tree_of(eid).tokens_of(eid), meta.kind))):
             log.warning("snapshot %s in the %s tier holds another prefix or kind than its key says; dropped",
-                        meta.key, self.tiers[meta.level].name)
+                        meta.source or meta.key, self.tiers[meta.level].name)
             got = None
         if got is None:
             self._forget(eid)
@@ -245,9 +260,10 @@ class SnapshotCache:
             return None
         data = got.payload
         self._stats.promotions += 1
+        meta.shared = meta.shared or meta.level in self._shared
         if self._make_room(len(data), pinned) and self.hot.put(meta.key, (), meta.kind, data):
             self._resident[eid] = None
-            meta.level, meta.nbytes = HOT, len(data)
+            meta.level, meta.nbytes, meta.source = HOT, len(data), None
         return data
 
     def contains(self, tokens: Sequence[int], kind: EntryKind = CHECKPOINT, *, salt: str = "") -> bool:
@@ -255,6 +271,72 @@ class SnapshotCache:
         with self._lock:
             tree = self._trees.get(salt_id(salt))
             return tree is not None and tree.find(tokens, kind) is not None
+
+    # ------------------------------------------------------------------ shared tiers
+
+    def discover(self, tokens: Sequence[int], max_tokens: int, deeper_than: int, *, salt: str = "") -> int:
+        """Index what the shared tiers list for tokens[:n], deeper_than < n <= max_tokens, under `salt` (one
+        probe per shared tier; see the module docstring), so that `plan` may use it. Entries adopted by the
+        previous call and not promoted since are forgotten first. Returns how many entries were adopted.
+
+        Skipped: what the local index holds already, and listed KV where local KV covers the position (a plan
+        should not fetch what it has).
+        """
+        with self._lock:
+            self._release_adopted()
+            if not self._shared or max_tokens <= deeper_than:
+                return 0
+            sid = salt_id(salt)
+            for level in self._shared:
+                for item in self._lower(level, "probe", tokens, deeper_than, max_tokens, sid, default=[]):
+                    path = tuple(tokens[: item.n_tokens])
+                    tree = self._trees.get(sid, _EMPTY)
+                    if item.key != disk_key(item.kind, path, sid) or tree.find(path, item.kind) is not None:
+                        continue
+                    if item.kind == KV and tree.kv_covering(path, len(path)) is not None:
+                        continue
+                    eid = next(self._ids)
+                    self._index(eid, path, _Meta(item.kind, item.nbytes, level, self._tick, item.key, True, sid,
+                                                 source=item.source, shared=True))
+                    self._adopted.append(eid)
+            self._stats.shared_found += len(self._adopted)
+            return len(self._adopted)
+
+    def release_adopted(self) -> None:
+        """Forget the entries the last `discover` adopted that were not promoted (the caller will not fetch
+        them)."""
+        with self._lock:
+            self._stats.shared_skipped += 1
+            self._release_adopted()
+
+    def _release_adopted(self) -> None:
+        for eid in self._adopted:
+            meta = self._meta.get(eid)
+            if meta is not None and meta.level in self._shared:
+                self._detach(eid)
+        self._adopted = []
+
+    def transfer_s(self, plan: RestorePlan) -> float:
+        """Measured seconds to read the parts of `plan` that are in a shared tier only (0.0 when none are)."""
+        with self._lock:
+            total = 0.0
+            for eid in (plan.checkpoint_id, plan.kv_id):
+                meta = self._meta.get(eid) if eid is not None else None
+                if meta is not None and meta.level in self._shared:
+                    total += self.tiers[meta.level].transfer_s(meta.nbytes)
+            return total
+
+    def _share(self, meta: _Meta, tokens: Sequence[int], data: bytes) -> None:
+        """Write a new entry to every shared tier (write-behind); a KV entry is listed at the checkpoints on
+        its path too."""
+        if not self._shared:
+            return
+        covers: list[int] = []
+        if meta.kind == KV:
+            covers = [n.depth for n in self._tree(meta.salt).path(tokens)
+                      if n.checkpoint is not None and n.depth < len(tokens)]
+        for level in self._shared:
+            meta.shared |= bool(self._lower(level, "put", meta.key, tokens, meta.kind, data, covers, default=False))
 
     # ------------------------------------------------------------------ insert and evict
 
@@ -306,21 +388,25 @@ class SnapshotCache:
             if level is None:
                 self._stats.rejected_too_large += 1
                 return False
-            self._index(eid, tokens, _Meta(kind, nbytes, level, self._tick, key, boundary, sid))
+            meta = _Meta(kind, nbytes, level, self._tick, key, boundary, sid)
+            self._index(eid, tokens, meta)
+            self._share(meta, tokens, data)
             self._stats.inserts += 1
             self._stats.spills += 1
             return True
         if not self.hot.put(key, tokens, kind, data):
             return False
-        self._index(eid, tokens, _Meta(kind, nbytes, HOT, self._tick, key, boundary, sid))
+        meta = _Meta(kind, nbytes, HOT, self._tick, key, boundary, sid)
+        self._index(eid, tokens, meta)
+        self._share(meta, tokens, data)
         self._resident[eid] = None
         self._stats.inserts += 1
         return True
 
     def _spill(self, key: str, tokens: Sequence[int], kind: EntryKind, data: bytes) -> int | None:
-        """Write an entry to every lower tier that takes it; returns the level of the fastest one, or None."""
-        took = [level for level in range(1, len(self.tiers))
-                if self._lower(level, "put", key, tokens, kind, data, default=False)]
+        """Write an entry to every local lower tier that takes it; returns the level of the fastest one, or None.
+        (Shared tiers got it when it was stored.)"""
+        took = [level for level in self._local if self._lower(level, "put", key, tokens, kind, data, default=False)]
         return took[0] if took else None
 
     def _drop_superseded(self, tokens: Sequence[int], sid: str) -> None:
@@ -349,13 +435,13 @@ class SnapshotCache:
         del self._resident[eid]
         self._stats.evictions += 1
         level = self._spill(meta.key, self._tree_of(eid).tokens_of(eid), meta.kind, data) \
-            if len(self.tiers) > 1 else None
+            if self._local else None
         if level is not None:
             meta.level = level
             self._stats.spills += 1
-        else:
+        else:  # a shared tier may still hold it: `discover` finds it there again
             self._detach(eid)
-            self._stats.dropped += 1
+            self._stats.dropped += not meta.shared
 
     def _index(self, eid: int, tokens: Sequence[int], meta: _Meta) -> None:
         """Add entry `eid` (stored in the tier `meta.level` names) to its salt's tree and the indexes."""
@@ -389,27 +475,32 @@ class SnapshotCache:
             # A promoted (hot) entry, or one read from a faster tier, only lost a copy it does not use.
             if meta is None or meta.level != level or self._lower(level, "contains", key):
                 continue
-            deeper = [d for d in range(level + 1, len(self.tiers)) if self._lower(d, "contains", key)]
+            deeper = [d for d in self._local if d > level and self._lower(d, "contains", key)]
             if deeper:
                 meta.level = deeper[0]
             else:
                 self._detach(eid)
                 self._stats.dropped += 1
 
-    def _forget(self, eid: int) -> None:
+    def _forget(self, eid: int, shared: bool = False) -> None:
+        """Drop an entry from the index and the local tiers; from the shared tiers too when `shared` (it is bad:
+        other replicas must not restore it either)."""
         meta = self._meta[eid]
         if meta.level == HOT:
             self.hot.delete(meta.key)
             del self._resident[eid]
-        for level in range(1, len(self.tiers)):  # a promoted entry keeps its lower copy: delete it too
+        for level in self._local:  # a promoted entry keeps its lower copy: delete it too
             self._lower(level, "delete", meta.key)
+        if shared:
+            for level in self._shared:
+                self._lower(level, "delete", meta.source or meta.key)
         self._detach(eid)
 
     def _index_tier(self, level: int) -> None:
         """Index what lower tier `level` holds (at start: a restarted server keeps its cache)."""
         tier, n = self.tiers[level], 0
         for info in self._lower(level, "entries", default=[]):
-            sid = _salt_of_key(info.key)
+            sid = salt_of_key(info.key)
             try:
                 kind = EntryKind(info.kind)
             except ValueError:
@@ -429,8 +520,10 @@ class SnapshotCache:
     # ------------------------------------------------------------------ inspection
 
     def clear(self) -> int:
-        """Forget every entry in every tier; returns how many there were."""
+        """Forget every entry the index knows, in the local tiers; returns how many there were. A shared tier keeps
+        its entries (other replicas use them; flush Redis with redis-cli, docs/scale-out.md)."""
         with self._lock:
+            self._release_adopted()
             n = len(self._meta)
             for eid in list(self._meta):
                 self._forget(eid)
@@ -482,7 +575,7 @@ class SnapshotCache:
             assert set(self._meta) == ids
             assert self._by_key == {m.key: e for e, m in self._meta.items()}
             assert not self._gone
-            assert all(self.tiers[m.level].contains(m.key) for m in self._meta.values()), \
+            assert all(self.tiers[m.level].contains(m.source or m.key) for m in self._meta.values()), \
                 "an entry whose snapshot its tier no longer holds"
             assert set(self._resident) == {e for e, m in self._meta.items() if m.level == HOT}
             assert len(self.hot) == len(self._resident), "the hot tier holds entries the index does not know"

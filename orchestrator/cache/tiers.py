@@ -7,9 +7,15 @@ radix tree, of llama.cpp or of HTTP. `SnapshotCache` holds an ordered list of ti
     tiers[0]   the hot tier (RAM). The cache decides what leaves it, by its eviction policy, and moves it to
                the first lower tier that takes it. A hot tier never evicts on its own: `put` refuses (False)
                what does not fit.
-    tiers[1:]  lower tiers (disk; a tier shared across machines would be another). Each keeps within its own
-               budget by evicting on its own (least recently used), and reports every key it evicted through
-               `on_evict`, so that the cache's index forgets it.
+    tiers[1:]  lower tiers (disk, then remote). Each keeps within its own budget by evicting on its own (least
+               recently used), and reports every key it evicted through `on_evict`, so that the cache's index
+               forgets it.
+
+A shared tier (`SharedTier`, `shared` True: the remote tier, which other replicas write to) differs in three
+ways: the cache writes every new entry to it at once (write-behind: `put` queues and returns), not when RAM
+evicts it; it is never listed (`entries()` is empty), the cache asks it per request what it holds for the
+request's prefixes (`probe`); and it evicts silently, so the index keeps its entries only for the request that
+found them.
 
 Failure semantics: a failing tier is a miss, never an error to the client. `get` of a key that is missing,
 corrupt or unreadable returns None; `put` that cannot store returns False; a tier that breaks (a full or
@@ -61,7 +67,9 @@ class TierStats:
     evictions: int = 0  # entries the tier evicted on its own to fit its budget
     rejected_too_large: int = 0
     rejected_invalid: int = 0  # entries found corrupt or of another model, deleted
-    disabled: bool = False  # writes are off after a failure
+    disabled: bool = False  # writes are off after a failure (a shared tier: unreachable now)
+    errors: int = 0  # operations that failed (connection, timeout, refused): each served as a miss
+    dropped: int = 0  # writes not made: the write-behind queue was full or the tier unreachable
 
 
 @runtime_checkable
@@ -71,7 +79,8 @@ class Tier(Protocol):
     Thread-safety is the tier's own business (the cache calls it under its lock, the tier may be shared).
     """
 
-    name: str  # "ram", "disk", ...: reported as `restore_source` and as the metrics' tier label
+    name: str  # "ram", "disk", "remote": reported as `restore_source` and as the metrics' tier label
+    shared: bool  # other processes write to it (SharedTier)
     on_evict: Callable[[str], None] | None  # called with each key the tier evicted on its own
 
     @property
@@ -104,11 +113,46 @@ class Tier(Protocol):
         """Release files and connections. Idempotent."""
 
 
+@runtime_checkable
+class SharedTier(Tier, Protocol):
+    """A tier other replicas write to and read from (the module docstring says how the cache uses it)."""
+
+    def put(self, key: str, tokens: Sequence[int], kind: EntryKind, payload: bytes,
+            covers: Sequence[int] = ()) -> bool:
+        """Queue the entry for writing; False when it is dropped. `covers`: for a KV entry, the shallower
+        positions (< len(tokens)) where a checkpoint is stored on its path: the entry is listed there too, so
+        that a replica restoring one of them finds KV that covers it."""
+
+    def probe(self, tokens: Sequence[int], lo: int, hi: int, sid: str) -> list["Listed"]:
+        """Entries of salt id `sid` that restore tokens[:n] for lo < n <= hi, checked against `tokens`. [] when
+        the tier is unreachable."""
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Measured seconds to read `nbytes` now (math.inf while unreachable or unmeasured)."""
+
+
+@dataclass(frozen=True)
+class Listed:
+    """An entry a shared tier lists for a prefix of a request, as `SharedTier.probe` returns it.
+
+    key: the entry's key at `n_tokens` (keys.disk_key of its kind and tokens[:n_tokens]); source: the key the
+    tier stores the bytes under: the same, or, for a KV entry listed at a checkpoint it covers, the key of the
+    deeper KV entry (its payload holds more tokens; a restore truncates it). nbytes: bytes to transfer.
+    """
+
+    key: str
+    kind: EntryKind
+    n_tokens: int
+    nbytes: int
+    source: str
+
+
 class RamTier:
     """The hot tier: payloads in a dict, at most `budget_bytes` of them. Never evicts on its own (the cache's
     policy decides); `put` returns False when the entry does not fit. Keeps no token ids."""
 
     name = "ram"
+    shared = False
 
     def __init__(self, budget_bytes: int) -> None:
         if budget_bytes < 0:
