@@ -332,12 +332,13 @@ class Reuse:
         exactly, and set task.work and task.pos for that (True); or nothing to do (False).
 
         The state after the generated tokens (and the end-of-turn token): what the conversation's next request
-        extends. Instead the state where the prompt ends, when the generated text is not what the next request
-        will send (cancelled, or cut by a stop string), when the likely next request would not restore it (the
-        job's `restorable_after` says no: on Qwen3.5 with thinking on, a text answer's reasoning is dropped by
-        the next user turn), when it would not fit the context, when it is stored already, or when too few
-        tokens were generated for an exact prefill from the rewind point. Nothing when that is stored already,
-        or when the sequence cannot be rewound.
+        extends. When the likely next request would not restore it (the job's `restorable_after` says no: on
+        Qwen3.5 a text answer's reasoning or empty think block is not rendered by the next user turn), no
+        re-prefill at all: the prompt's KV up to the rewind point is saved (False). Instead the state where the
+        prompt ends, when the generated text is not what the next request will send (cancelled, or cut by a stop
+        string), when it would not fit the context, when it is stored already, or when too few tokens were
+        generated for an exact prefill from the rewind point. Nothing when that is stored already, or when the
+        sequence cannot be rewound.
         """
         if not task.store:
             return False
@@ -347,8 +348,13 @@ class Reuse:
         try:
             unusable = task.cut or len(full) > self.engine.n_ctx or self.cache.contains(full, KV, salt=salt)
             if not unusable and not self._restorable(task.job, generated):
-                unusable = True
+                # Nothing the next request extends: keep only the prompt's KV (so its checkpoints stay
+                # restorable once the slot serves another conversation), saved at the rewind point, no prefill.
                 self.after_stats.unrestorable += 1
+                start = self._rewind(task)
+                if start:
+                    task.saved += self._store(task, task.tokens[:start], (KV,), boundary=False)
+                return False
             work = task.tokens if unusable else full
             if work is task.tokens and self.cache.contains(work, KV, salt=salt):
                 return False

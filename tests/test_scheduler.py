@@ -400,14 +400,16 @@ def test_after_generation_is_skipped_where_the_next_request_would_not_restore_it
     r = s.run(job(prompt, [len(SYSTEM)], max_tokens=12, restorable_after=never))
     s.drain()
     assert seen == [r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else [])]
-    assert {n for k, n in kinds_at(cache) if k == str(KV)} == {len(prompt)}  # the prompt's end only
+    # the prompt's KV up to the repeat point, saved without any re-prefill
+    assert {n for k, n in kinds_at(cache) if k == str(KV)} == {len(prompt) - MS}
     st_ = s.reuse.after_stats
-    assert (st_.unrestorable, st_.answer, st_.prompt_end) == (1, 0, 1)
-    assert st_.tokens == MS  # from the repeat point to the prompt's end, not the answer's tokens
+    assert (st_.unrestorable, st_.answer, st_.prompt_end, st_.tokens) == (1, 0, 0, 0)
     r2 = s.run(job(SYSTEM + TAILS[1], [len(SYSTEM)], max_tokens=12, restorable_after=lambda g: True))
     s.drain()
     full = len(SYSTEM + TAILS[1]) + len(r2.completion_tokens) + (r2.finish_reason == "stop")
     assert (str(KV), full) in kinds_at(cache) and s.reuse.after_stats.answer == 1
+    # the saved KV and the repeat point's checkpoint serve the prompt's extensions, exactly
+    assert same_as_cold(s, prompt + [3, 3, 4, 4], [len(SYSTEM)]).cached_tokens == len(prompt) - MS
 
 
 def test_a_request_alone_prefills_in_larger_chunks_and_shares_the_cores_in_small_ones(make):
