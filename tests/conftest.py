@@ -98,6 +98,7 @@ def run_chat(rt: Runtime, messages, tools=None, use_cache=True, max_tokens=8, ca
 def assert_same_as_cold(rt: Runtime, messages, tools=None, max_tokens=8, cache_salt="", **template_kwargs) -> Turn:
     """Run with the cache, then cold (cache off), and assert identical greedy tokens and first-step logits."""
     warm = run_chat(rt, messages, tools, True, max_tokens, cache_salt, **template_kwargs)
+    rt.scheduler.drain()  # the warm run's after-generation work lands first (else the cold run would preempt it)
     cold = run_chat(rt, messages, tools, False, max_tokens, **template_kwargs)
     assert cold.result.cached_tokens == 0
     assert warm.result.completion_tokens == cold.result.completion_tokens
