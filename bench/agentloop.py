@@ -29,7 +29,7 @@ from typing import Sequence
 
 import httpx
 
-from bench.client import SEED
+from bench.client import SEED, sse_chunks
 from bench.scenarios import LoopPlan, answer_message, follow_up
 
 # ---------------------------------------------------------------------------------------------- streaming
@@ -152,15 +152,8 @@ def stream_chat(client: httpx.Client, url: str, body: dict, timeout_s: float, tu
                 turn.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 turn.total_s = time.perf_counter() - t0
                 return turn
-            for line in resp.iter_lines():
-                if time.perf_counter() - t0 > timeout_s:
-                    raise TimeoutError(f"request exceeded {timeout_s:.0f} s")
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                if acc.feed(json.loads(data)) and ttft is None:
+            for obj in sse_chunks(resp, t0, timeout_s):
+                if acc.feed(obj) and ttft is None:
                     ttft = time.perf_counter() - t0
     except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as e:
         turn.error = repr(e)

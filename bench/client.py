@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import httpx
 
@@ -56,6 +57,20 @@ def request_body(api: str, kind: str, chat: dict, prompt_text: str, max_tokens: 
     return {"prompt": prompt_text, **common}
 
 
+def sse_chunks(resp: httpx.Response, t0: float, timeout_s: float) -> Iterator[dict]:
+    """The JSON objects of an OpenAI-style SSE stream, until `data: [DONE]` or its end. Raises TimeoutError once
+    `timeout_s` seconds have passed since `t0` (perf_counter), json.JSONDecodeError on a malformed chunk."""
+    for line in resp.iter_lines():
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"request exceeded {timeout_s:.0f} s")
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 def send(client: httpx.Client, base_url: str, api: str, body: dict, timeout_s: float = 900.0) -> Outcome:
     """POST `body` to the system's endpoint and read the SSE stream (each read bounded; whole call bounded)."""
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
@@ -71,15 +86,7 @@ def send(client: httpx.Client, base_url: str, api: str, body: dict, timeout_s: f
                 resp.read()
                 return Outcome(False, 0.0, time.perf_counter() - t0, "", None, None,
                                f"HTTP {resp.status_code}: {resp.text[:300]}")
-            for line in resp.iter_lines():
-                if time.perf_counter() - t0 > timeout_s:
-                    raise TimeoutError(f"request exceeded {timeout_s:.0f} s")
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
+            for obj in sse_chunks(resp, t0, timeout_s):
                 text = _chunk_text(api, obj)
                 if text:
                     if ttft is None:
