@@ -258,6 +258,7 @@ class Engine:
         self.n_seq_max = n_seq_max
         self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._scratch = bytearray()  # load_state's buffer for states given in parts
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
@@ -457,17 +458,34 @@ class Engine:
         """Bytes `save_state(seq, partial)` would write now (llama_state_seq_get_size_ext)."""
         return int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL if partial else 0))
 
-    def load_state(self, seq: int, data: bytes, partial: bool = False, clear: bool = True) -> None:
+    def load_state(self, seq: int, data: bytes | tuple, partial: bool = False, clear: bool = True) -> None:
         """Load a saved state into `seq` (llama_state_seq_set_data_ext), clearing the sequence first if `clear`.
-        Raises EngineError (sequence cleared) when llama.cpp refuses it. How the parts of a state are combined
-        is the state kind's business (`self.state.restore`)."""
+        `data`: bytes, or a tuple of bytes-like parts loaded as their concatenation, which is put together in a
+        buffer this engine keeps (it grows to the largest state loaded so far: at most one slot's full state)
+        because fresh memory costs page faults: on the 0.8b a 43 MiB state joined into new memory restored at
+        43% of memcpy speed, in the kept buffer at (bench/bench_restore.py). Raises EngineError (sequence
+        cleared) when llama.cpp refuses it. How the parts of a state are combined is the state kind's business
+        (`self.state.restore`)."""
         if clear:
             self.clear(seq)
-        src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
-        n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, len(data), seq, PARTIAL if partial else 0)
+        if isinstance(data, tuple):
+            size = sum(len(part) for part in data)
+            if len(self._scratch) < size:
+                self._scratch = bytearray(size)
+            view, at = memoryview(self._scratch), 0
+            for part in data:
+                view[at:at + len(part)] = part
+                at += len(part)
+            view.release()
+            src = (ctypes.c_uint8 * size).from_buffer(self._scratch)
+        else:
+            size = len(data)
+            src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, size, seq, PARTIAL if partial else 0)
+        del src  # releases the scratch buffer's export, so that it can grow next time
         if n == 0:
             self.clear(seq)
-            raise EngineError(f"llama.cpp rejected a {len(data)}-byte state for sequence {seq}")
+            raise EngineError(f"llama.cpp rejected a {size}-byte state for sequence {seq}")
 
     def truncate(self, seq: int, n_tokens: int) -> None:
         """Keep the first `n_tokens` tokens of `seq` (llama_memory_seq_rm(seq, n_tokens, -1)). A recurrent state

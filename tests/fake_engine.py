@@ -211,7 +211,9 @@ class FakeEngine:
     def state_size(self, seq: int, partial: bool = False) -> int:
         return len(self.save_state(seq, partial))
 
-    def load_state(self, seq: int, data: bytes, partial: bool = False, clear: bool = True) -> None:
+    def load_state(self, seq: int, data: bytes | tuple, partial: bool = False, clear: bool = True) -> None:
+        if isinstance(data, tuple):
+            data = b"".join(data)
         if clear:
             self.clear(seq)
         try:
