@@ -35,6 +35,7 @@ class Config:
     threads: int = field(default_factory=lambda: max(1, psutil.cpu_count(logical=False) or 1))
     cache_ram_mib: int = field(default_factory=default_cache_ram_mib)  # snapshot LRU budget, MiB
     checkpoint_interval: int = 512  # tokens between recurrent checkpoints inside long messages (0 = off)
+    snapshot_min_gap: int = 256  # tokens: message ends closer than that to another snapshot position are not stops
     cache_disk_dir: Path | None = None  # disk tier directory; None = no disk tier
     cache_disk_mib: int = 4096  # disk tier budget, MiB
     # The remote tier shared with other replicas: redis://[user:password@]host:port/db, rediss:// for TLS, or

@@ -27,7 +27,9 @@ def conversation(n_messages: int, words: int, seed: int = 0) -> list[dict]:
 
 
 def test_edit_message_9_hits_through_message_8_and_after_20_turns_still_hits_from_disk(start, tmp_path):
-    rt = start(cache_ram_mib=24, cache_disk_dir=tmp_path / "snap", cache_disk_mib=1024, checkpoint_interval=512)
+    # Every message end a snapshot (snapshot_min_gap 0): the hits below are exactly at message ends.
+    rt = start(cache_ram_mib=24, cache_disk_dir=tmp_path / "snap", cache_disk_mib=1024, checkpoint_interval=512,
+               snapshot_min_gap=0)
     msgs = conversation(12, 1000)  # about 1,000 tokens a message
     first = assert_same_as_cold(rt, msgs, max_tokens=4)
     assert len(first.tokens) > 11_000
@@ -60,7 +62,7 @@ def test_two_conversations_alternate_under_a_six_snapshot_budget_and_keep_the_sh
     n = len(first.tokens)
     snapshot = len(probe.engine.save_state(0))  # whole state after the ~1,500-token prefix
     probe.close()
-    rt = start(cache_ram_mib=max(1, 6 * snapshot // MiB))
+    rt = start(cache_ram_mib=max(1, 6 * snapshot // MiB), snapshot_min_gap=0)  # a snapshot at every message end
     convs = {"a": [system], "b": [system]}
     rng = random.Random(2)
     shared_end = None
@@ -149,3 +151,21 @@ def test_interval_checkpoints_serve_a_divergence_inside_a_long_message(start):
     assert shared > 1000 and hit.result.cached_tokens == (shared // 256) * 256
     kinds = {k for k, _tier, _t in rt.cache.entries()}
     assert kinds == {CHECKPOINT, KV}
+
+
+def test_short_messages_do_not_each_stop_the_prefill_and_the_next_turn_still_hits_by_the_rewrite_point(start):
+    rt = start()  # the default snapshot_min_gap (256 tokens)
+    msgs = conversation(7, 12)  # seven ~20-token messages, the last a user message
+    first = assert_same_as_cold(rt, msgs, max_tokens=4)
+    n = len(first.tokens)
+    ends = [e for e in first.boundaries.message_ends if e and e < n]
+    stops = first.boundaries.positions(n, rt.config.snapshot_min_gap)
+    assert len(ends) >= 3 and stops == [ends[-1]]  # one stop for the whole run of short messages
+    # The next turn: Qwen3.5's template drops the answer's <think> block once a newer user message exists, so
+    # the prompt diverges at the end of the last user message. That end was no stop of its own turn's prefill
+    # (the repeat point, min_segment earlier, stood in for it), nor of this one: the hit is within min_segment.
+    msgs = msgs + [{"role": "assistant", "content": "[7] " + text(random.Random(7), 12)},
+                   {"role": "user", "content": "[8] " + text(random.Random(8), 12)}]
+    t = assert_same_as_cold(rt, msgs, max_tokens=4)
+    rewrite = t.boundaries.message_ends[-3]
+    assert rewrite - rt.engine.min_segment <= t.result.cached_tokens <= rewrite

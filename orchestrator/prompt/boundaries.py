@@ -70,10 +70,27 @@ class Boundaries:
     message_ends: tuple[int | None, ...]
     extra: tuple[int | None, ...] = ()
 
-    def positions(self, n_prompt: int) -> list[int]:
-        """Sorted distinct offsets strictly inside the prompt (0 < p < n_prompt), where snapshots are taken."""
-        found = {self.tools_end, self.system_end, *self.message_ends, *self.extra}
-        return sorted(p for p in found if p is not None and 0 < p < n_prompt)
+    def positions(self, n_prompt: int, min_gap: int = 0) -> list[int]:
+        """Sorted distinct offsets strictly inside the prompt (0 < p < n_prompt), where snapshots are taken.
+
+        `min_gap` (tokens): a message end closer than that to another kept offset is left out, so a run of short
+        messages does not stop the prefill at every one. The end of the tools block, the end of the system
+        message, the caller's breakpoints and the last message end are always kept; the other message ends are
+        taken from the last one backwards (the recent ones are where a template rewrites history and where a
+        conversation forks). Each stop costs a llama_decode call of its own and a state save: on the 0.8b on 2
+        cores about 40 ms, a 3% loss on a conversation of 85-token messages (bench/ab_cold.py).
+        """
+        def inside(p: int | None) -> bool:
+            return p is not None and 0 < p < n_prompt
+
+        ends = sorted({p for p in self.message_ends if inside(p)})
+        kept = {p for p in (self.tools_end, self.system_end, *self.extra) if inside(p)}
+        if ends:
+            kept.add(ends.pop())
+        for p in reversed(ends):
+            if all(abs(p - k) >= min_gap for k in kept):
+                kept.add(p)
+        return sorted(kept)
 
 
 @dataclass(frozen=True)

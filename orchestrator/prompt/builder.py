@@ -40,9 +40,11 @@ class Prompt:
     render_s: float = 0.0  # seconds spent rendering the template (escaping included)
     tokenize_s: float = 0.0  # seconds spent tokenizing the rendered text
     boundaries_s: float = 0.0  # seconds spent finding the boundaries (probe renders and their tokens)
+    snapshot_min_gap: int = 0  # tokens: message ends closer than that to another stop are left out
 
     def snapshot_positions(self) -> list[int]:
-        return self.boundaries.positions(len(self.tokens)) if self.boundaries else []
+        """Where the prefill stops to save a snapshot (Boundaries.positions); [] for a plain-text prompt."""
+        return self.boundaries.positions(len(self.tokens), self.snapshot_min_gap) if self.boundaries else []
 
 
 log = logging.getLogger("orchestrator.prompt.builder")
@@ -73,10 +75,14 @@ class PromptBuilder:
 
     parse_special_in_content: tokenize caller strings with special tokens parsed, as llama-server does (control
     texts in content become control tokens: --parse-special-in-content, off by default; see control.py).
+    snapshot_min_gap: tokens; message ends closer than that to another snapshot position are not stopped at
+    (Boundaries.positions).
     """
 
-    def __init__(self, engine: Engine, template: ChatTemplate, parse_special_in_content: bool = False) -> None:
+    def __init__(self, engine: Engine, template: ChatTemplate, parse_special_in_content: bool = False,
+                 snapshot_min_gap: int = 0) -> None:
         self.engine = engine
+        self.snapshot_min_gap = snapshot_min_gap
         self.template = template
         self.output_format: OutputFormat = detect_format(template.source)
         self.detector = BoundaryDetector(template)
@@ -178,7 +184,8 @@ class PromptBuilder:
         tail = text.rstrip()
         opens = tail.endswith("<think>") and "</think>" not in tail[tail.rfind("<think>"):]
         return Prompt(text=text, tokens=tokens, boundaries=bounds, opens_reasoning=opens, render_s=t1 - t0,
-                      tokenize_s=t2 - t1, boundaries_s=time.perf_counter() - t2)
+                      tokenize_s=t2 - t1, boundaries_s=time.perf_counter() - t2,
+                      snapshot_min_gap=self.snapshot_min_gap)
 
     def completion(self, text: str) -> Prompt:
         """A plain-text prompt (/v1/completions): no template, no boundaries."""
