@@ -2,6 +2,7 @@
 
     python bench/ab_cold.py                 # synthetic qwen3.5-0.8b, 2 threads, 5 repetitions
     python bench/ab_cold.py --reps 7 --model my.gguf
+    python bench/ab_cold.py --variant "chunk128=--prefill-chunk-alone 128" --variant "gap256=--snapshot-min-gap 256"
 
 Two prompts, each made cold on every repetition by a nonce at the start of the system message (so neither
 server has any prefix of it), sent with max_tokens 1 and streamed; TTFT is measured by the client:
@@ -12,8 +13,9 @@ server has any prefix of it), sent with max_tokens 1 and streamed; TTFT is measu
 
 Both servers run at once on their own ports with the flags of bench/systems.py (llama-server: --no-repack,
 -fa off, -b/-ub 512, its defaults otherwise); each request waits until both processes are idle; the order of
-the two systems alternates per repetition. Prints per-prompt medians and the median of the per-repetition
-ratios (orchestrator / llama-server), with the load average; writes bench/results/<date>/ab_cold.json. The
+the systems rotates by one every repetition. `--variant NAME=FLAGS` adds an orchestrator started with more
+flags (each is one more server in the same interleaving). Prints per-prompt medians and the median of the
+per-repetition ratios (each orchestrator / llama-server), with the load average; writes bench/results/<date>/ab_cold.json. The
 machine is shared: read the ratio together with the spread and the load.
 """
 
@@ -35,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import request_body, send  # noqa: E402
 from bench.run import default_model  # noqa: E402
-from bench.systems import SYSTEMS, launch  # noqa: E402
+from bench.systems import SYSTEMS, System, launch  # noqa: E402
 
 
 def _text(seed: int, n_words: int) -> str:
@@ -63,10 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more orchestrator, started with FLAGS (e.g. 'gap256=--snapshot-min-gap 256')")
     a = ap.parse_args(argv)
     model = a.model or default_model()
     log_dir = ROOT / "bench" / "results" / "logs"
     systems = [SYSTEMS["orchestrator"], SYSTEMS["llama-server"]]
+    for v in a.variant:
+        name, _, flags = v.partition("=")
+        if not name or not flags:
+            ap.error(f"--variant {v!r}: expected NAME=FLAGS")
+        systems.append(System(f"orchestrator-{name}", "orchestrator", "chat", extra=tuple(flags.split())))
     running = []
     rows: list[dict] = []
     try:
@@ -75,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         with httpx.Client() as client:
             for rep in range(a.reps + 1):  # repetition 0 warms both servers up and is not counted
                 bodies = prompts(uuid.uuid4().hex[:12], a.tokens)
-                order = running if rep % 2 == 0 else running[::-1]
+                order = running[rep % len(running):] + running[: rep % len(running)]  # each in each place
                 for name, chat in bodies.items():
                     for r in order:
                         for other in running:
@@ -88,26 +97,30 @@ def main(argv: list[str] | None = None) -> int:
                             rows.append({"rep": rep, "prompt": name, "system": r.system.name, "ttft_s": out.ttft_s,
                                          "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
                                          "load": os.getloadavg()[0]})
-                        print(f"rep {rep} {name:6} {r.system.name:13} ttft {out.ttft_s:6.2f} s  prompt "
+                        print(f"rep {rep} {name:6} {r.system.name:22} ttft {out.ttft_s:6.2f} s  prompt "
                               f"{out.prompt_tokens} cached {out.cached_tokens}  load {os.getloadavg()[0]:.1f}",
                               file=sys.stderr)
     finally:
         for r in running:
             r.stop()
-    summary = {}
+    summary: dict[str, dict] = {}
     for name in ("single", "conv"):
-        ours = {x["rep"]: x["ttft_s"] for x in rows if x["prompt"] == name and x["system"] == "orchestrator"}
         peer = {x["rep"]: x["ttft_s"] for x in rows if x["prompt"] == name and x["system"] == "llama-server"}
-        ratios = [ours[k] / peer[k] for k in ours if k in peer]
-        summary[name] = {"orchestrator_median_s": statistics.median(ours.values()),
-                         "llama_server_median_s": statistics.median(peer.values()),
-                         "ratio_median": statistics.median(ratios), "ratios": ratios}
-        print(f"{name:6}: orchestrator {summary[name]['orchestrator_median_s']:.2f} s, llama-server "
-              f"{summary[name]['llama_server_median_s']:.2f} s (medians of {len(ratios)}); ratio per repetition: "
-              f"median {summary[name]['ratio_median']:.3f}, {min(ratios):.3f}..{max(ratios):.3f}")
+        summary[name] = {"llama_server_median_s": statistics.median(peer.values())}
+        for s in systems:
+            if s.kind != "orchestrator":
+                continue
+            ours = {x["rep"]: x["ttft_s"] for x in rows if x["prompt"] == name and x["system"] == s.name}
+            ratios = [ours[k] / peer[k] for k in ours if k in peer]
+            summary[name][s.name] = {"median_s": statistics.median(ours.values()),
+                                     "ratio_median": statistics.median(ratios), "ratios": ratios}
+            print(f"{name:6}: {s.name} {statistics.median(ours.values()):.2f} s, llama-server "
+                  f"{summary[name]['llama_server_median_s']:.2f} s (medians of {len(ratios)}); ratio per "
+                  f"repetition: median {statistics.median(ratios):.3f}, {min(ratios):.3f}..{max(ratios):.3f}")
     out = a.out or ROOT / "bench" / "results" / str(date.today()) / "ab_cold.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(model), "threads": a.threads, "reps": a.reps, "rows": rows,
+    out.write_text(json.dumps({"model": str(model), "threads": a.threads, "reps": a.reps,
+                               "systems": {s.name: list(s.extra) for s in systems}, "rows": rows,
                                "summary": summary}, indent=2))
     print(f"wrote {out}")
     return 0

@@ -29,6 +29,7 @@ class Outcome:
     cached_tokens: int | None
     error: str = ""
     server_timings: dict | None = None
+    completion_tokens: int | None = None
 
 
 def _chunk_text(api: str, obj: dict) -> str:
@@ -77,7 +78,7 @@ def send(client: httpx.Client, base_url: str, api: str, body: dict, timeout_s: f
     t0 = time.perf_counter()
     ttft = None
     out: list[str] = []
-    prompt_tokens = cached = None
+    prompt_tokens = cached = completion = None
     timings = None
     try:
         with client.stream("POST", base_url + path, json=body,
@@ -95,6 +96,7 @@ def send(client: httpx.Client, base_url: str, api: str, body: dict, timeout_s: f
                 u = obj.get("usage")
                 if u:
                     prompt_tokens = u.get("prompt_tokens", prompt_tokens)
+                    completion = u.get("completion_tokens", completion)
                     details = u.get("prompt_tokens_details") or {}
                     if details.get("cached_tokens") is not None:
                         cached = details["cached_tokens"]
@@ -107,5 +109,7 @@ def send(client: httpx.Client, base_url: str, api: str, body: dict, timeout_s: f
         cached = timings["cache_n"]
     if timings and prompt_tokens is None and "prompt_n" in timings:
         prompt_tokens = timings["prompt_n"] + timings.get("cache_n", 0)
+    if timings and completion is None and "predicted_n" in timings:
+        completion = timings["predicted_n"]
     return Outcome(True, ttft if ttft is not None else total, total, "".join(out), prompt_tokens, cached,
-                   server_timings=timings)
+                   server_timings=timings, completion_tokens=completion)

@@ -1,0 +1,134 @@
+"""Aggregate decode throughput, orchestrator against llama-server -np 4, interleaved A/B (issue 12, item 5).
+
+    python bench/ab_decode.py                      # synthetic qwen3.5-0.8b, 2 threads, 1 and 4 busy slots
+    python bench/ab_decode.py --gen 128 --reps 5 --variant "batched=--decode-batching on"
+
+For each number of busy slots N (--busy, default 1,4), each system gets N streamed requests at once: short
+distinct prompts (about 40 tokens, new every repetition so no cache is involved), greedy, --gen tokens each.
+Aggregate decode tokens/s = Σ (completion tokens − 1) ÷ (last request's last token − first request's first
+token): the time all N decode together, prefill excluded. Systems run at once on their own ports and take turns
+(the order rotates every repetition), each round after all are idle. `--variant NAME=FLAGS` adds an orchestrator
+started with more flags: `--decode-batching on` is the batched decode that gives up the guarantee that an answer
+does not depend on the requests decoding next to it (orchestrator/calibration.py measures whether batching is
+bit-identical on the model; when it is not, slots decode one at a time by default).
+
+llama-server runs with -np 4 and -c 4 × --ctx (so each slot has --ctx), --no-repack, -fa off, -b/-ub 512, and
+ignores EOS so every request decodes --gen tokens; orchestrator stops at EOS (the random model rarely emits
+it), which the token counts account for. Writes bench/results/<date>/ab_decode.json. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from datetime import date
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.client import request_body, send  # noqa: E402
+from bench.run import default_model  # noqa: E402
+from bench.systems import SYSTEMS, System, launch  # noqa: E402
+
+
+def burst(url: str, kind: str, n: int, gen: int, nonce: str) -> dict:
+    """N concurrent streamed chat requests of `gen` tokens; their aggregate decode rate and each one's figures."""
+    results: list[tuple[float, object]] = [None] * n  # type: ignore[list-item]
+
+    def one(i: int) -> None:
+        chat = {"messages": [{"role": "user", "content": f"{nonce} request {i}: write a long story about "
+                              f"the number {i * 7919 % 1000} and the colour of the sea at night."}]}
+        body = request_body("chat", kind, chat, "", gen, cold=True)
+        if kind == "llama-server":
+            body["ignore_eos"] = True
+        with httpx.Client() as client:
+            t0 = time.perf_counter()
+            results[i] = (t0, send(client, url, "chat", body))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _, out in results:
+        if not out.ok:
+            raise RuntimeError(out.error)
+    first = min(t0 + out.ttft_s for t0, out in results)
+    last = max(t0 + out.total_s for t0, out in results)
+    tokens = [out.completion_tokens or 0 for _, out in results]
+    decoded = sum(max(k - 1, 0) for k in tokens)
+    return {"tokens": tokens, "decode_s": last - first, "tok_s": decoded / (last - first) if last > first else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--busy", default="1,4", help="numbers of slots decoding at once")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--port", type=int, default=18700)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more orchestrator, started with FLAGS (e.g. 'batched=--decode-batching on')")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    busy = [int(x) for x in a.busy.split(",")]
+    model = a.model or default_model()
+    systems = [SYSTEMS["orchestrator"], System("llama-server", "llama-server", "chat", extra=("-np", "4"))]
+    for v in a.variant:
+        name, _, flags = v.partition("=")
+        if not name or not flags:
+            ap.error(f"--variant {v!r}: expected NAME=FLAGS")
+        systems.append(System(f"orchestrator-{name}", "orchestrator", "chat", extra=tuple(flags.split())))
+    log_dir = ROOT / "bench" / "results" / "logs"
+    running, rows = [], []
+    try:
+        for i, s in enumerate(systems):
+            running.append(launch(s, model, a.port + i, a.threads, a.ctx, log_dir))
+        for rep in range(a.reps + 1):  # repetition 0 warms every server up and is not counted
+            order = running[rep % len(running):] + running[: rep % len(running)]
+            for n in busy:
+                for r in order:
+                    for other in running:
+                        other.wait_idle()
+                    m = burst(r.url, r.system.kind, n, a.gen, uuid.uuid4().hex[:12])
+                    print(f"rep {rep} busy {n} {r.system.name:24} {m['tok_s']:6.2f} tok/s  tokens {m['tokens']}  "
+                          f"load {os.getloadavg()[0]:.1f}", file=sys.stderr)
+                    if rep:
+                        rows.append({"rep": rep, "busy": n, "system": r.system.name, **m,
+                                     "load": os.getloadavg()[0]})
+    finally:
+        for r in running:
+            r.stop()
+    summary: dict[str, dict] = {}
+    for n in busy:
+        summary[str(n)] = {}
+        for s in systems:
+            rates = [x["tok_s"] for x in rows if x["busy"] == n and x["system"] == s.name]
+            summary[str(n)][s.name] = {"median_tok_s": statistics.median(rates), "min": min(rates), "max": max(rates)}
+        peer = summary[str(n)]["llama-server"]["median_tok_s"]
+        for s in systems:
+            m = summary[str(n)][s.name]
+            print(f"busy {n}: {s.name:24} {m['median_tok_s']:6.2f} tok/s (median of {a.reps}, "
+                  f"{m['min']:.2f}..{m['max']:.2f}), {m['median_tok_s'] / peer:.2f}x llama-server")
+    out = a.out or ROOT / "bench" / "results" / str(date.today()) / "ab_decode.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(model), "threads": a.threads, "gen": a.gen, "reps": a.reps,
+                               "systems": {s.name: list(s.extra) for s in systems}, "rows": rows,
+                               "summary": summary}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
