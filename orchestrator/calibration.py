@@ -188,10 +188,17 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
     Batch invariance is measured only where it matters: more than one sequence, and decode batching not off."""
     min_segment = file.get()
     if min_segment is None:
+        log.info("measuring the smallest exact prefill ubatch (first start of this model on this CPU; a few "
+                 "seconds, kept in %s)", file.file or "memory only: --calibration-file keeps it")
+        started = time.perf_counter()
         min_segment = measure_min_segment(engine)
         file.put(min_segment)
+        log.info("measured min_segment %d in %.1f s", min_segment, time.perf_counter() - started)
     engine.calibrate(min_segment)
+    started = time.perf_counter()
     invariant = engine.n_seq_max >= 2 and decode_batching != "off" and check_batch_invariance(engine)
+    if time.perf_counter() - started > 2.0:  # a step longer than 2 s says what it did (issue 12, item 7)
+        log.info("checked batched decoding against decoding alone in %.1f s", time.perf_counter() - started)
     engine.calibrate(min_segment, invariant)
     return Calibration(min_segment, invariant)
 
