@@ -213,9 +213,10 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
 
 def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: Path,
            cache_ram_mib: int | None = None, workload: str = "", ready_timeout_s: float = 300.0,
-           env_extra: dict[str, str] | None = None) -> Running:
+           env_extra: dict[str, str] | None = None, omp_wait_policy: str | None = OMP_WAIT_POLICY) -> Running:
     """Start `s` and wait until it serves (GET /v1/models answers 200); raises RuntimeError on failure.
-    env_extra: more environment (BENCH_AFTERGEN_LOG runs orchestrator instrumented)."""
+    env_extra: more environment (BENCH_AFTERGEN_LOG runs orchestrator instrumented). omp_wait_policy: the
+    OMP_WAIT_POLICY given unless the environment sets one; None leaves OpenMP's default (spin, then sleep)."""
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:
             raise RuntimeError(f"port {port} is already in use: another server would answer for {s.name}")
@@ -224,7 +225,8 @@ def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: P
     log = log_dir / f"{s.name}{'-cold' if s.cold else ''}-{port}.log"
     env = dict(os.environ, PYTHONPATH=s.root or str(ROOT), ORCHESTRATOR_CACHE_DIR=os.environ.get(
         "ORCHESTRATOR_CACHE_DIR", str(Path.home() / ".cache" / "orchestrator")), **(env_extra or {}))
-    env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    if omp_wait_policy:
+        env.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
     instrument = bool((env_extra or {}).get("BENCH_AFTERGEN_LOG"))
     with open(log, "ab") as fh:
         popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp, workload, instrument),

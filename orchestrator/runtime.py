@@ -18,7 +18,7 @@ from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
 from .errors import InvalidRequest, OrchestratorError
 from .config import MiB, Config
-from .engine import Engine
+from .engine import Engine, EngineThread
 from .output import grammar
 from .output.grammar import Constraint, Structure
 from .prompt.builder import PromptBuilder, load_template
@@ -91,9 +91,21 @@ class Runtime:
 
     @classmethod
     def start(cls, cfg: Config) -> "Runtime":
-        """Load the model and start the worker. Raises ModelLoadError."""
+        """Load the model and start the worker. Raises ModelLoadError.
+
+        The model is found (or synthesized) here; it is loaded and calibrated on the thread that then runs the
+        scheduler's worker loop, so that one thread makes every llama_decode call (engine.EngineThread)."""
         path = resolve_model(cfg)
         file_digest = model_file_digest(path)  # read once: the calibration key and the disk tier's fingerprint
+        driver = EngineThread()
+        try:
+            return driver.run(cls._start, cfg, path, file_digest, driver)
+        except BaseException:
+            driver.shutdown()
+            raise
+
+    @classmethod
+    def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel)
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
@@ -141,7 +153,7 @@ class Runtime:
                                        queue_size=cfg.queue_size, timeout_s=cfg.timeout,
                                        prefill_chunk=cfg.prefill_chunk,
                                        prefill_chunk_alone=cfg.prefill_chunk_alone, batch_decode=batch_decode,
-                                       prefill_tps=prefill_tps),
+                                       prefill_tps=prefill_tps, driver=driver),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks

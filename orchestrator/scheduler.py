@@ -34,6 +34,7 @@ rules, nothing is read or stored. That is the correctness oracle the tests compa
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import math
@@ -41,7 +42,7 @@ import threading
 import time
 
 from .cache.snapshots import SnapshotCache
-from .engine import Engine
+from .engine import Engine, EngineThread
 from .errors import EngineError, OrchestratorError, QueueFull
 from .memory import HeapTrimmer
 from .request import Collector, Event, EventKind, Job, Phase, Result, Sink, Slot, Task
@@ -66,6 +67,9 @@ class Scheduler:
             alone (calibration.check_batch_invariance), or cached and concurrent outputs may differ from cold.
         prefill_tps: measured prompt tokens/s (calibration.prefill_rate; None: from the first chunk on), refined
             by every chunk: a shared tier's fetch-or-recompute choice reads it.
+        driver: the thread that made the engine's earlier llama_decode calls, to run the worker loop on (it is
+            shut down on close): llama_decode from a second thread is slower (engine.EngineThread); None: a
+            thread of its own.
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A job that fails gets an ERROR event, its
@@ -74,7 +78,8 @@ class Scheduler:
 
     def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
-                 batch_decode: bool = False, prefill_tps: float | None = None) -> None:
+                 batch_decode: bool = False, prefill_tps: float | None = None,
+                 driver: EngineThread | None = None) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
@@ -95,8 +100,13 @@ class Scheduler:
         self._job_s = 5.0  # moving average of request durations, for Retry-After
         self._closed = False
         self._trimmer = HeapTrimmer()
-        self._thread = threading.Thread(target=self._worker, name="orchestrator-worker", daemon=True)
-        self._thread.start()
+        self._driver = driver
+        if driver is not None:  # the thread that already ran the engine's start-up decodes (runtime.py)
+            self._thread = None
+            self._worker_done = driver.submit(self._worker)
+        else:
+            self._thread = threading.Thread(target=self._worker, name="orchestrator-worker", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ public
 
@@ -150,7 +160,14 @@ class Scheduler:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            return
+        try:
+            self._worker_done.result(timeout=30)
+        except concurrent.futures.TimeoutError:
+            log.warning("the scheduler's worker did not stop within 30 s")
+        self._driver.shutdown()
 
     # ------------------------------------------------------------------ worker
 
