@@ -442,7 +442,7 @@ class Engine:
         """Remove every token of sequence `seq` from the memory (KV and recurrent)."""
         llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
-    def save_state(self, seq: int, partial: bool = False) -> bytes:
+    def save_state(self, seq: int, partial: bool = False) -> bytearray:
         """The state of sequence `seq` as bytes (llama_state_seq_get_data_ext): KV + recurrent, or with `partial`
         the recurrent part only (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a checkpoint, fixed size).
 
@@ -451,11 +451,15 @@ class Engine:
         """
         flags = PARTIAL if partial else 0
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
+        out = bytearray(size)  # llama.cpp writes into it: one pass over the bytes (a ctypes array and a copy
+        buf = (ctypes.c_uint8 * size).from_buffer(out)  # into bytes were three: 19 MiB checkpoints, a save each
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)  # boundary of a prefill)
+        del buf
         if n == 0:
             raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
-        return ctypes.string_at(buf, n)
+        if n < size:
+            del out[n:]
+        return out
 
     def state_size(self, seq: int, partial: bool = False) -> int:
         """Bytes `save_state(seq, partial)` would write now (llama_state_seq_get_size_ext)."""
@@ -471,6 +475,8 @@ class Engine:
         (`self.state.restore`)."""
         if clear:
             self.clear(seq)
+        if not isinstance(data, (bytes, tuple)):  # a bytearray (save_state) or a memoryview
+            data = (data,)
         if isinstance(data, tuple):
             size = sum(len(part) for part in data)
             if len(self._scratch) < size:

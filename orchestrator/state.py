@@ -36,7 +36,7 @@ HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and
 class StateIO(Protocol):
     """The engine's byte-level state primitives (`Engine`, and the unit tests' fake engine)."""
 
-    def save_state(self, seq: int, partial: bool = False) -> bytes:
+    def save_state(self, seq: int, partial: bool = False) -> bytes | bytearray:
         """The state of `seq` (partial: the recurrent part only, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)."""
 
     def load_state(self, seq: int, data: bytes, partial: bool = False, clear: bool = True) -> None:
@@ -237,7 +237,8 @@ class HybridState(StateKind):
         if not self.split_layout:  # the KV entry is then the whole state
             return {KV: full, CHECKPOINT: io.save_state(seq, partial=True)}
         body = io.state_size(seq, partial=True) - HEADER
-        return {KV: full[HEADER:len(full) - body], CHECKPOINT: full[:HEADER] + full[len(full) - body:]}
+        view = memoryview(full)  # one copy per part (slices of `full` and a `+` were two for the checkpoint)
+        return {KV: bytes(view[HEADER:len(full) - body]), CHECKPOINT: b"".join((view[:HEADER], view[len(full) - body:]))}
 
     def restore(self, io, seq, n_tokens, kv, checkpoint):
         # Order matters on a hybrid memory: the KV, then the checkpoint, then the truncation, which fails before
