@@ -22,7 +22,6 @@ machine is shared: read the ratio together with the spread and the load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import request_body, send  # noqa: E402
 from bench.run import default_model  # noqa: E402
-from bench.systems import SYSTEMS, System, launch  # noqa: E402
+from bench.systems import SYSTEMS, launch, orchestrator_variants, write_ab  # noqa: E402
 
 
 def _text(seed: int, n_words: int) -> str:
@@ -71,11 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or default_model()
     log_dir = ROOT / "bench" / "results" / "logs"
     systems = [SYSTEMS["orchestrator"], SYSTEMS["llama-server"]]
-    for v in a.variant:
-        name, _, flags = v.partition("=")
-        if not name or not flags:
-            ap.error(f"--variant {v!r}: expected NAME=FLAGS")
-        systems.append(System(f"orchestrator-{name}", "orchestrator", "chat", extra=tuple(flags.split())))
+    try:
+        systems += orchestrator_variants(a.variant)
+    except ValueError as e:
+        ap.error(str(e))
     running = []
     rows: list[dict] = []
     try:
@@ -118,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{summary[name]['llama_server_median_s']:.2f} s (medians of {len(ratios)}); ratio per "
                   f"repetition: median {statistics.median(ratios):.3f}, {min(ratios):.3f}..{max(ratios):.3f}")
     out = a.out or ROOT / "bench" / "results" / str(date.today()) / "ab_cold.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(model), "threads": a.threads, "reps": a.reps,
-                               "systems": {s.name: list(s.extra) for s in systems}, "rows": rows,
-                               "summary": summary}, indent=2))
-    print(f"wrote {out}")
+    write_ab(out, systems, rows, summary, model=str(model), threads=a.threads, reps=a.reps)
     return 0
 
 

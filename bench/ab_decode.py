@@ -21,7 +21,6 @@ it), which the token counts account for. Writes bench/results/<date>/ab_decode.j
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import request_body, send  # noqa: E402
 from bench.run import default_model  # noqa: E402
-from bench.systems import SYSTEMS, System, launch  # noqa: E402
+from bench.systems import SYSTEMS, System, launch, orchestrator_variants, write_ab  # noqa: E402
 
 
 def burst(url: str, kind: str, n: int, gen: int, nonce: str) -> dict:
@@ -90,11 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     busy = [int(x) for x in a.busy.split(",")]
     model = a.model or default_model()
     systems = [SYSTEMS["orchestrator"], System("llama-server", "llama-server", "chat", extra=("-np", "4"))]
-    for v in a.variant:
-        name, _, flags = v.partition("=")
-        if not name or not flags:
-            ap.error(f"--variant {v!r}: expected NAME=FLAGS")
-        systems.append(System(f"orchestrator-{name}", "orchestrator", "chat", extra=tuple(flags.split())))
+    try:
+        systems += orchestrator_variants(a.variant)
+    except ValueError as e:
+        ap.error(str(e))
     log_dir = ROOT / "bench" / "results" / "logs"
     running, rows = [], []
     try:
@@ -128,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"busy {n}: {s.name:24} {m['median_tok_s']:6.2f} tok/s (median of {a.reps}, "
                   f"{m['min']:.2f}..{m['max']:.2f}), {m['median_tok_s'] / peer:.2f}x llama-server")
     out = a.out or ROOT / "bench" / "results" / str(date.today()) / "ab_decode.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(model), "threads": a.threads, "gen": a.gen, "reps": a.reps, "omp": a.omp,
-                               "systems": {s.name: list(s.extra) for s in systems}, "rows": rows,
-                               "summary": summary}, indent=2))
-    print(f"wrote {out}")
+    write_ab(out, systems, rows, summary, model=str(model), threads=a.threads, gen=a.gen, reps=a.reps, omp=a.omp)
     return 0
 
 

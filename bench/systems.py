@@ -30,6 +30,7 @@ Cold references run on "cold" variants: orchestrator with `cache_prompt: false`,
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -303,3 +304,23 @@ class RssSampler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
+
+
+def orchestrator_variants(specs: list[str]) -> list[System]:
+    """Orchestrators started with more flags, from `--variant NAME=FLAGS` specs (named orchestrator-NAME).
+    Raises ValueError for a spec without a name or flags."""
+    out = []
+    for spec in specs:
+        name, _, flags = spec.partition("=")
+        if not name or not flags.strip():
+            raise ValueError(f"--variant {spec!r}: expected NAME=FLAGS")
+        out.append(System(f"orchestrator-{name}", "orchestrator", "chat", extra=tuple(flags.split())))
+    return out
+
+
+def write_ab(out: Path, systems: list[System], rows: list[dict], summary: dict, **fields) -> None:
+    """Write an A/B script's JSON (its `fields`, each system's extra flags, the rows, the summary) to `out`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**fields, "systems": {s.name: list(s.extra) for s in systems}, "rows": rows,
+                               "summary": summary}, indent=2))
+    print(f"wrote {out}")

@@ -3,7 +3,12 @@
 No servers, no model, no timing assertions (figures depend on the machine).
 """
 
+import json
+
+import pytest
+
 from bench import report
+from bench.systems import orchestrator_variants, write_ab
 
 
 def test_oracle_is_longest_prefix_shared_with_any_earlier_prompt():
@@ -76,3 +81,16 @@ def test_the_bench_names_what_it_misses_before_it_starts(monkeypatch):
     systems = [SYSTEMS["orchestrator"]]
     assert run.missing_dependencies(systems) == ["matplotlib"]
     assert "fastapi" in run.missing_dependencies(systems + [s for s in SYSTEMS.values() if s.kind == "llama-cpp-python"])
+
+
+def test_ab_variants_are_orchestrators_with_their_flags_and_are_written_with_them(tmp_path):
+    gap, chunk = orchestrator_variants(["gap=--snapshot-min-gap 0", "c=--prefill-chunk-alone 128"])
+    assert (gap.name, gap.kind, gap.extra) == ("orchestrator-gap", "orchestrator", ("--snapshot-min-gap", "0"))
+    assert chunk.extra == ("--prefill-chunk-alone", "128")
+    for bad in ("nogap", "=--x", "name= "):
+        with pytest.raises(ValueError):
+            orchestrator_variants([bad])
+    out = tmp_path / "sub" / "ab.json"
+    write_ab(out, [gap], [{"rep": 1}], {"single": {}}, reps=1)
+    assert json.loads(out.read_text()) == {"reps": 1, "systems": {"orchestrator-gap": ["--snapshot-min-gap", "0"]},
+                                            "rows": [{"rep": 1}], "summary": {"single": {}}}
