@@ -67,9 +67,8 @@ class Scheduler:
             alone (calibration.check_batch_invariance), or cached and concurrent outputs may differ from cold.
         prefill_tps: measured prompt tokens/s (calibration.prefill_rate; None: from the first chunk on), refined
             by every chunk: a shared tier's fetch-or-recompute choice reads it.
-        driver: the thread that made the engine's earlier llama_decode calls, to run the worker loop on (it is
-            shut down on close): llama_decode from a second thread is slower (engine.EngineThread); None: a
-            thread of its own.
+        driver: the thread to run the worker loop on, shut down on close: the one that made the engine's earlier
+            llama_decode calls, since calls from a second thread are slower (engine.EngineThread); None: a new one.
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A job that fails gets an ERROR event, its
@@ -100,13 +99,8 @@ class Scheduler:
         self._job_s = 5.0  # moving average of request durations, for Retry-After
         self._closed = False
         self._trimmer = HeapTrimmer()
-        self._driver = driver
-        if driver is not None:  # the thread that already ran the engine's start-up decodes (runtime.py)
-            self._thread = None
-            self._worker_done = driver.submit(self._worker)
-        else:
-            self._thread = threading.Thread(target=self._worker, name="orchestrator-worker", daemon=True)
-            self._thread.start()
+        self._driver = driver or EngineThread()
+        self._worker_done = self._driver.submit(self._worker)
 
     # ------------------------------------------------------------------ public
 
@@ -160,9 +154,6 @@ class Scheduler:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            return
         try:
             self._worker_done.result(timeout=30)
         except concurrent.futures.TimeoutError:
