@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)  # py-spy attaches
                 client.post(url, json={"messages": messages, "max_tokens": 1, "temperature": 0})
                 server.wait_idle()
-                spy_proc.send_signal(subprocess.signal.SIGINT)
+                spy_proc.send_signal(signal.SIGINT)
                 spy_proc.wait(30)
                 line = [ln for ln in server.log.read_text().splitlines() if "total_ms=" in ln][-1]
                 (out_dir / f"profile-{name}.md").write_text(summarize(raw, line))

@@ -451,10 +451,12 @@ class Engine:
         """
         flags = PARTIAL if partial else 0
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
-        out = bytearray(size)  # llama.cpp writes into it: one pass over the bytes (a ctypes array and a copy
-        buf = (ctypes.c_uint8 * size).from_buffer(out)  # into bytes were three: 19 MiB checkpoints, a save each
-        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)  # boundary of a prefill)
-        del buf
+        # llama.cpp writes straight into the bytearray that is returned and kept: one pass over the bytes, where a
+        # zeroed ctypes array copied into bytes took three (a 19 MiB checkpoint at every stop of a prefill).
+        out = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(out)
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
+        del buf  # releases the export, so that `out` can be cut to n
         if n == 0:
             raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
         if n < size:
@@ -465,31 +467,31 @@ class Engine:
         """Bytes `save_state(seq, partial)` would write now (llama_state_seq_get_size_ext)."""
         return int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL if partial else 0))
 
-    def load_state(self, seq: int, data: bytes | tuple, partial: bool = False, clear: bool = True) -> None:
+    def load_state(self, seq: int, data: bytes | bytearray | memoryview | tuple, partial: bool = False, clear: bool = True) -> None:
         """Load a saved state into `seq` (llama_state_seq_set_data_ext), clearing the sequence first if `clear`.
-        `data`: bytes, or a tuple of bytes-like parts loaded as their concatenation, which is put together in a
-        buffer this engine keeps (it grows to the largest state loaded so far: at most one slot's full state)
-        because fresh memory costs page faults: on the 0.8b a 43 MiB state joined into new memory restored at
-        43% of memcpy speed, in the kept buffer at (bench/bench_restore.py). Raises EngineError (sequence
-        cleared) when llama.cpp refuses it. How the parts of a state are combined is the state kind's business
+        `data`: bytes, or any other bytes-like object or a tuple of them (parts, loaded as their concatenation),
+        which is copied into a buffer this engine keeps, growing to the largest state loaded so far (at most one
+        slot's full state): llama.cpp reads one contiguous buffer, and one kept buffer spares the page faults of
+        new memory (a 43 MiB state read back from the disk tier restored at 1.3 GiB/s joined into new memory,
+        2.6 GiB/s through the kept buffer; bench/bench_restore.py). Raises EngineError (sequence cleared) when
+        llama.cpp refuses it. How the parts of a state are combined is the state kind's business
         (`self.state.restore`)."""
         if clear:
             self.clear(seq)
-        if not isinstance(data, (bytes, tuple)):  # a bytearray (save_state) or a memoryview
-            data = (data,)
-        if isinstance(data, tuple):
-            size = sum(len(part) for part in data)
+        if isinstance(data, bytes):
+            size = len(data)
+            src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        else:
+            parts = data if isinstance(data, tuple) else (data,)
+            size = sum(len(part) for part in parts)
             if len(self._scratch) < size:
                 self._scratch = bytearray(size)
             view, at = memoryview(self._scratch), 0
-            for part in data:
+            for part in parts:
                 view[at:at + len(part)] = part
                 at += len(part)
             view.release()
             src = (ctypes.c_uint8 * size).from_buffer(self._scratch)
-        else:
-            size = len(data)
-            src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
         n = llama_cpp.llama_state_seq_set_data_ext(self.ctx, src, size, seq, PARTIAL if partial else 0)
         del src  # releases the scratch buffer's export, so that it can grow next time
         if n == 0:
