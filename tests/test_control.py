@@ -245,7 +245,11 @@ def test_a_conversation_without_control_texts_tokenizes_exactly_as_before(name):
     @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
     @given(script=scripts(name))
     def check(script):
-        got = chat(builder, [m for m in script if "<think>" not in (m.get("content") or "")], TOOLS, {})
+        # Without control texts: the random words can spell one ("<TOOLCALL>" on Nemotron was drawn), which is
+        # then escaped, as it must be, and tokenizes otherwise than the plain text.
+        kept = [m for m in script if "<think>" not in (m.get("content") or "")]
+        assume(not any(c in repr(kept) for c in builder.controls.texts))
+        got = chat(builder, kept, TOOLS, {})
         if got is not None:
             assert got.tokens == vocab.tokenize(got.text)
 
