@@ -107,6 +107,10 @@ def _serve_parser(sub) -> None:
                    help="leave out message-end snapshots closer than TOKENS to another one (the tools block, the "
                         "system message and the last message always get one): fewer prefill stops on runs of short "
                         f"messages, less reuse when a conversation forks between them (default {d.snapshot_min_gap})")
+    p.add_argument("--spare-checkpoints", type=_non_negative, default=d.spare_checkpoints, metavar="N",
+                   help="checkpoint buffers whose memory is faulted in while the server is idle, so that a "
+                        "prefill's snapshot saves skip it (out of --cache-ram, at most an eighth of it; 0 = off; "
+                        f"default {d.spare_checkpoints})")
     p.add_argument("--decode-batching", choices=["auto", "on", "off"], default=d.decode_batching,
                    help="one llama_decode for all generating slots: auto = only when measured bit-identical to "
                         "decoding alone on this model (default auto)")
@@ -169,7 +173,8 @@ def _config(a: argparse.Namespace) -> Config:
                  cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk,
                  checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, prefill_chunk_alone=a.prefill_chunk_alone,
-                 snapshot_min_gap=a.snapshot_min_gap, decode_batching=a.decode_batching,
+                 snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints,
+                 decode_batching=a.decode_batching,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
                  api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
                  max_tokens_limit=a.max_tokens_limit, parse_special_in_content=a.parse_special_in_content,

@@ -36,6 +36,7 @@ class Config:
     cache_ram_mib: int = field(default_factory=default_cache_ram_mib)  # snapshot LRU budget, MiB
     checkpoint_interval: int = 512  # tokens between recurrent checkpoints inside long messages (0 = off)
     snapshot_min_gap: int = 256  # tokens: message ends closer than that to another snapshot position are not stops
+    spare_checkpoints: int = 8  # checkpoint buffers faulted in while idle, out of cache_ram_mib (at most 1/8 of it)
     cache_disk_dir: Path | None = None  # disk tier directory; None = no disk tier
     cache_disk_mib: int = 4096  # disk tier budget, MiB
     # The remote tier shared with other replicas: redis://[user:password@]host:port/db, rediss:// for TLS, or

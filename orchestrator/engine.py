@@ -42,6 +42,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
+from .buffers import SpareBuffers, address, bytes_writer
 from .errors import EngineError, InvalidRequest, ModelLoadError
 from .state import StateKind, state_kind
 
@@ -261,7 +262,9 @@ class Engine:
         self.n_seq_max = n_seq_max
         self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._scratch = bytearray()  # load_state's buffer for states given in parts
+        self._scratch = bytearray()  # the kept buffer of load_state (states given in parts) and save_state_view
+        self._new_bytes = bytes_writer()  # save_state's bytes objects, filled in place by llama.cpp
+        self.spares = SpareBuffers(self._new_bytes)  # checkpoint-sized, faulted in while idle (keep_spares)
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
@@ -442,26 +445,62 @@ class Engine:
         """Remove every token of sequence `seq` from the memory (KV and recurrent)."""
         llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
-    def save_state(self, seq: int, partial: bool = False) -> bytearray:
+    def save_state(self, seq: int, partial: bool = False) -> bytes:
         """The state of sequence `seq` as bytes (llama_state_seq_get_data_ext): KV + recurrent, or with `partial`
         the recurrent part only (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a checkpoint, fixed size).
 
-        Size: for Qwen3.5-0.8B about 19 MiB of recurrent state plus about 12 KiB of KV per token held.
-        Raises EngineError when llama.cpp writes nothing.
+        llama.cpp writes straight into the bytes object that is returned (and that the RAM tier keeps as it is):
+        one pass over the state. A bytearray copied into bytes by the RAM tier was two: 32 ms instead of 17 ms
+        for a 19 MiB checkpoint of the 0.8b on a 2-core EPYC, at every stop of a prefill; most of the 17 is page
+        faults of new memory, so a checkpoint goes into a spare written while idle when there is one (`spares`,
+        `keep_spares`): 2 ms (`python bench/bench_save.py`). Size: for Qwen3.5-0.8B about 19 MiB of recurrent
+        state plus about 12 KiB of KV per token held. Raises EngineError when llama.cpp writes nothing.
         """
+        if self._new_bytes is None:  # not CPython: through the kept buffer, then one copy into bytes
+            return bytes(self.save_state_view(seq, partial))
         flags = PARTIAL if partial else 0
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
-        # llama.cpp writes straight into the bytearray that is returned and kept: one pass over the bytes, where a
-        # zeroed ctypes array copied into bytes took three (a 19 MiB checkpoint at every stop of a prefill).
-        out = bytearray(size)
-        buf = (ctypes.c_uint8 * size).from_buffer(out)
-        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
-        del buf  # releases the export, so that `out` can be cut to n
+        out = self.spares.take(size) or self._new_bytes(None, size)
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, address(out), size, seq, flags)
         if n == 0:
             raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
-        if n < size:
-            del out[n:]
-        return out
+        return out if n == size else out[:n]
+
+    def keep_spares(self, count: int) -> int:
+        """Keep up to `count` spare checkpoint buffers (buffers.SpareBuffers), written through by `fill_spare`
+        while the server is idle; 0 drops them. Returns the bytes they will hold (0 on a model without a
+        recurrent state, whose saves have no fixed size). Measures the size on sequence 0 and clears it: call it
+        before serving."""
+        self.spares.clear()
+        self.clear(0)
+        try:
+            self.decode(0, [max(self.bos_id, 0)] * 2, 0, want_logits=False)
+            size = self.state_size(0, partial=True) if self.state.checkpoint_bytes(self, 0) > 0 else 0
+        finally:
+            self.clear(0)
+        self.spares = SpareBuffers(self._new_bytes, size, count)
+        return self.spares.size * self.spares.target
+
+    def fill_spare(self) -> bool:
+        """Write one more spare checkpoint buffer through (page faults now, not during a prefill: about 13 ms
+        for 19 MiB); False when there are enough."""
+        return self.spares.fill_one()
+
+    def save_state_view(self, seq: int, partial: bool = False) -> memoryview:
+        """The state of `seq` written into a buffer this engine keeps, as a read-only view that is valid until the
+        next save_state_view or load_state on this engine: for callers that cut a state into parts or copy it
+        into another sequence, which then pay for new memory once, for what they keep. Raises EngineError when
+        llama.cpp writes nothing."""
+        flags = PARTIAL if partial else 0
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
+        if len(self._scratch) < size:
+            self._scratch = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(self._scratch)
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
+        del buf  # releases the export, so that the buffer can grow next time
+        if n == 0:
+            raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
+        return memoryview(self._scratch)[:n].toreadonly()
 
     def state_size(self, seq: int, partial: bool = False) -> int:
         """Bytes `save_state(seq, partial)` would write now (llama_state_seq_get_size_ext)."""
@@ -469,18 +508,19 @@ class Engine:
 
     def load_state(self, seq: int, data: bytes | bytearray | memoryview | tuple, partial: bool = False, clear: bool = True) -> None:
         """Load a saved state into `seq` (llama_state_seq_set_data_ext), clearing the sequence first if `clear`.
-        `data`: bytes, or any other bytes-like object or a tuple of them (parts, loaded as their concatenation),
-        which is copied into a buffer this engine keeps, growing to the largest state loaded so far (at most one
-        slot's full state): llama.cpp reads one contiguous buffer, and one kept buffer spares the page faults of
-        new memory (a 43 MiB state read back from the disk tier restored at 1.3 GiB/s joined into new memory,
-        2.6 GiB/s through the kept buffer; bench/bench_restore.py). Raises EngineError (sequence cleared) when
-        llama.cpp refuses it. How the parts of a state are combined is the state kind's business
-        (`self.state.restore`)."""
+        `data`: bytes, or a view `save_state_view` returned (both read where they are), or any other bytes-like
+        object or a tuple of them (parts, loaded as their concatenation), which is copied into a buffer this
+        engine keeps, growing to the largest state loaded so far (at most one slot's full state): llama.cpp reads
+        one contiguous buffer, and one kept buffer spares the page faults of new memory (a 43 MiB state read
+        back from the disk tier restored at 1.3 GiB/s joined into new memory, 2.6 GiB/s through the kept buffer;
+        bench/bench_restore.py). Raises EngineError (sequence cleared) when llama.cpp refuses it. How the parts
+        of a state are combined is the state kind's business (`self.state.restore`)."""
         if clear:
             self.clear(seq)
         if isinstance(data, bytes):
-            size = len(data)
-            src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+            size, src = len(data), address(data)
+        elif isinstance(data, memoryview) and data.obj is self._scratch:
+            size, src = data.nbytes, (ctypes.c_uint8 * data.nbytes).from_buffer(self._scratch)
         else:
             parts = data if isinstance(data, tuple) else (data,)
             size = sum(len(part) for part in parts)

@@ -274,7 +274,7 @@ class Reuse:
         none), so every choice samples its first token from them. Raises EngineError (that sequence cleared)."""
         slot = other.slot
         try:
-            self.engine.load_state(slot.seq, self.engine.save_state(first.slot.seq))
+            self.engine.load_state(slot.seq, self.engine.save_state_view(first.slot.seq))
         except EngineError:
             slot.live = []
             raise

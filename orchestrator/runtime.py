@@ -25,6 +25,7 @@ from .prompt.builder import PromptBuilder, load_template
 from .request import Job, Sink
 from .reuse import AfterGenerationStats
 from .scheduler import Scheduler
+from .state import HEADER
 from .cache.tiers import RamTier, Tier
 
 log = logging.getLogger("orchestrator")
@@ -124,7 +125,15 @@ class Runtime:
         batch_decode = calibration.decode_batching(facts, engine.n_seq_max, cfg.decode_batching)
         if "random" in info.name.lower():
             log.warning("model %r has RANDOM weights: output text is meaningless", info.name)
-        tiers: list[Tier] = [RamTier(cfg.cache_ram_bytes if cfg.cache_enabled else 0)]
+        spare_bytes = 0
+        if cfg.cache_enabled and cfg.spare_checkpoints and recurrent:
+            # Spare checkpoint buffers are snapshot memory to come: reserved out of --cache-ram (an eighth at most).
+            count = min(cfg.spare_checkpoints, cfg.cache_ram_bytes // 8 // (recurrent + HEADER))
+            spare_bytes = engine.keep_spares(count)
+            if spare_bytes:
+                log.info("%d spare checkpoint buffers (%.0f MiB of the snapshot RAM), faulted in while idle",
+                         count, spare_bytes / MiB)
+        tiers: list[Tier] = [RamTier(cfg.cache_ram_bytes - spare_bytes if cfg.cache_enabled else 0)]
         if cfg.cache_enabled and cfg.cache_disk_dir is not None and cfg.cache_disk_mib > 0:
             try:
                 disk = DiskTier(cfg.cache_disk_dir, cfg.cache_disk_mib * MiB, state_fingerprint(path, engine, file_digest))

@@ -106,6 +106,7 @@ class FakeEngine:
         self.prefilled_tokens = 0  # tokens computed by decode() in ubatches of more than one token
         self.on_decode: Callable[[int, Sequence[int], int], None] | None = None  # called before each decode()
         self.fail_loads = False  # load_state refuses everything (llama.cpp rejecting a state)
+        self._scratch = bytearray()  # save_state_view's buffer, reused like the engine's
         self._running = threading.Event()
         self._running.set()
         self.state.probe(self, 1)
@@ -125,6 +126,10 @@ class FakeEngine:
         if min_segment < 2 or self.n_batch < 2 * min_segment - 1:
             raise ModelLoadError(f"min_segment {min_segment} does not fit n_batch {self.n_batch}")
         self.min_segment, self.batch_invariant = min_segment, batch_invariant
+
+    def fill_spare(self) -> bool:
+        """No spare save buffers (the engine's page-fault saving has nothing to save here)."""
+        return False
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """One token per word, from a hash (never the end-of-generation id)."""
@@ -203,17 +208,27 @@ class FakeEngine:
 
     def save_state(self, seq: int, partial: bool = False) -> bytes:
         s = self._seqs[seq]
-        rec = _encode(s.rec, _ENTRY.size, self.checkpoint_nbytes) if s.rec is not None else b""
+        # a recurrent state is fixed-size once it holds a token; an empty sequence's is a few bytes, as in llama.cpp
+        rec = _encode(s.rec, _ENTRY.size, self.checkpoint_nbytes if s.rec else None) if s.rec is not None else b""
         if partial:
             return MAGIC + rec
         return MAGIC + _encode(s.kv, self.kv_bytes_per_token) + rec
 
+    def save_state_view(self, seq: int, partial: bool = False) -> memoryview:
+        """As the engine's: the state in one kept buffer, overwritten by the next save_state_view or load_state
+        (so a caller that keeps the view too long reads another state, as it would on the engine)."""
+        data = self.save_state(seq, partial)
+        if len(self._scratch) != len(data):
+            self._scratch = bytearray(len(data))
+        self._scratch[:] = data
+        return memoryview(self._scratch).toreadonly()
+
     def state_size(self, seq: int, partial: bool = False) -> int:
         return len(self.save_state(seq, partial))
 
-    def load_state(self, seq: int, data: bytes | tuple, partial: bool = False, clear: bool = True) -> None:
-        if isinstance(data, tuple):
-            data = b"".join(data)
+    def load_state(self, seq: int, data: bytes | memoryview | tuple, partial: bool = False, clear: bool = True) -> None:
+        data = b"".join(data) if isinstance(data, tuple) else bytes(data)
+        self._scratch[:] = b"\xff" * len(self._scratch)  # the engine's kept buffer is reused by every load
         if clear:
             self.clear(seq)
         try:

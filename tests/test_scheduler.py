@@ -131,7 +131,7 @@ def test_the_fake_engine_punishes_short_ubatches_and_lost_checkpoints():
         eng.state.restore(eng, 1, 12, mine[KV], right)
     # Sizes like the real ones (1/64 scale): a fixed-size checkpoint, KV growing per token.
     assert len(mine[CHECKPOINT]) == 8 + eng.checkpoint_nbytes
-    assert len(mine[KV]) == 4 + 16 * eng.kv_bytes_per_token
+    assert len(mine[KV]) == 8 + 4 + 16 * eng.kv_bytes_per_token + 4  # header, KV part, empty recurrent part
 
 
 def test_calibration_finds_the_fakes_thresholds():

@@ -199,7 +199,7 @@ class RamTier:
             if old is not None:
                 self._bytes -= len(old[1])
                 del self._data[key]
-            self._data[key] = (EntryKind(kind), bytes(payload))
+            self._data[key] = (EntryKind(kind), bytes(payload))  # no copy of bytes (Engine.save_state's)
             self._bytes += len(payload)
             self._inserts += 1
             return True
