@@ -101,8 +101,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--prefill-chunk", type=_at_least(3), default=d.prefill_chunk, metavar="N",
                    help=f"most prompt tokens per prefill step, between other slots' decode steps (default {d.prefill_chunk})")
     p.add_argument("--prefill-chunk-alone", type=int, default=d.prefill_chunk_alone, metavar="N",
-                   help="most prompt tokens per prefill step when no other request is waiting, prefilling or "
-                        "decoding (default 0: --batch-size; larger ubatches prefill faster)")
+                   help="most prompt tokens per prefill step when no other request is waiting or decoding (other "
+                        "prefills wait for the one that finishes first anyway; default 0: --batch-size; larger "
+                        "ubatches prefill faster)")
     p.add_argument("--snapshot-min-gap", type=_non_negative, default=d.snapshot_min_gap, metavar="TOKENS",
                    help="leave out message-end snapshots closer than TOKENS to another one (the tools block, the "
                         "system message and the last message always get one): fewer prefill stops on runs of short "

@@ -54,7 +54,7 @@ class Config:
     queue_size: int = 64  # requests waiting for a slot before new ones get HTTP 429
     timeout: float = 600.0  # seconds a request may take from arrival to its last token (0 = no limit)
     prefill_chunk: int = 128  # most prompt tokens per prefill step (between two decode steps of other slots)
-    prefill_chunk_alone: int = 0  # most prompt tokens per step when no other request waits or runs (0: n_batch)
+    prefill_chunk_alone: int = 0  # most prompt tokens per step when no other request waits or decodes (0: n_batch)
     decode_batching: str = "auto"  # "auto": batch slots' decode steps when bit-identical to alone; "on"; "off"
     calibration_file: Path | None = None  # where measured kernel facts are kept across restarts; None: re-measure
     api_key: str | None = None  # Bearer key required on every endpoint but /health; None = no authentication

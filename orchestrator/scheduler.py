@@ -10,9 +10,11 @@ Then the worker loops over steps; each step is
 
   * one decode step for every slot that is generating: their next tokens go into one llama_decode call when
     the model is batch-invariant (calibration.check_batch_invariance), else one call per slot;
-  * one prefill chunk for one prefilling slot, in turn: at most `prefill_chunk` tokens, never crossing a
-    snapshot position and never shorter than min_segment. A long prefill thus advances between other
-    conversations' tokens instead of stalling them; alone, it takes `prefill_chunk_alone` (n_batch) a step.
+  * one prefill chunk for one prefilling slot, the one that would finish first (`_fill_order`: shortest
+    remaining first among prompts that arrive together, never passed over for ever): at most `prefill_chunk`
+    tokens, never crossing a snapshot position and never shorter than min_segment. A long prefill thus
+    advances between other conversations' tokens instead of stalling them; alone, it takes
+    `prefill_chunk_alone` (n_batch) a step.
 
 After the result is delivered, the slot re-prefills and stores the state after generation (phase STORE,
 `Reuse.after_generation`), in chunks like any prefill, but only while no request is decoding or prefilling.
@@ -62,7 +64,7 @@ class Scheduler:
         queue_size: most requests waiting for a slot; more are refused with QueueFull.
         timeout_s: default per-request limit in seconds from submission (0 = none).
         prefill_chunk: most prompt tokens in one step while others wait or compute (an arrival waits for it).
-        prefill_chunk_alone: the same for a request alone (0: n_batch): larger ubatches prefill faster.
+        prefill_chunk_alone: the same while no request decodes or waits (0: n_batch): larger ubatches prefill faster.
         batch_decode: one llama_decode for all generating slots; only where that is bit-identical to decoding
             alone (calibration.check_batch_invariance), or cached and concurrent outputs may differ from cold.
         prefill_tps: measured prompt tokens/s (calibration.prefill_rate; None: from the first chunk on), refined
@@ -95,7 +97,6 @@ class Scheduler:
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = threading.Condition()
         self._order = itertools.count()
-        self._turn = 0  # round-robin cursor over prefilling slots
         self._job_s = 5.0  # moving average of request durations, for Retry-After
         self._closed = False
         self._trimmer = HeapTrimmer()
@@ -280,14 +281,25 @@ class Scheduler:
         if not filling and not decoding:
             filling = [t for t in active if t.phase == Phase.STORE]
         if filling:
-            filling.sort(key=lambda t: (t.slot.seq - self._turn) % len(self.slots))
-            task = filling[0]
-            self._turn = (task.slot.seq + 1) % len(self.slots)
-            # Small chunks while others compute or wait (512-token chunks delayed short requests by ~3 s on the
-            # 0.8b, 128 by < 1 s; bench/bench_slots.py); alone, fewer passes over the weights (bench_prefill.py).
-            alone = task.phase == Phase.PREFILL and len(filling) == 1 and not decoding and not self._waiting
+            task = min(filling, key=self._fill_order)
+            # Small chunks while others decode or wait in the queue (512-token chunks delayed short requests by
+            # ~3 s on the 0.8b, 128 by < 1 s; bench/bench_slots.py); otherwise fewer passes over the weights
+            # (bench_prefill.py). Other prefills do not count: they wait for this one to finish (_fill_order),
+            # so smaller chunks would only make both later.
+            alone = task.phase == Phase.PREFILL and not decoding and not self._waiting
             self._guard(task, self._prefill_chunk, task, self.prefill_chunk_alone if alone else self.prefill_chunk)
         return bool(decoding or filling)
+
+    def _fill_order(self, t: Task) -> tuple[float, int]:
+        """Which prefill advances first: the one that would finish first had it been served alone since it was
+        submitted (submission time + tokens left ÷ the measured prefill speed), the older on a tie. Among prompts
+        that arrive together that is shortest-remaining-first, which minimises the sum of their TTFTs (agents'
+        tool results of 200 and 1,500 tokens: the short one is not held up by the long one's chunks); a prompt
+        that has waited as long as its remainder takes goes before any later arrival, so none waits for ever.
+        Before any prefill was measured, tokens left alone."""
+        left = len(t.work) - t.pos
+        rate = self.reuse.prefill.tokens_per_s
+        return (t.clock.submitted + left / rate if rate else float(left)), t.order
 
     def _guard(self, task: Task, fn, *args) -> None:
         """Run one request's step; its failure fails that request only."""

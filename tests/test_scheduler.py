@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -421,11 +422,62 @@ def test_a_request_alone_prefills_in_larger_chunks_and_shares_the_cores_in_small
     assert max(n for _, n in sizes) == 64  # alone: n_batch-sized chunks
     s.drain()
     sizes.clear()
-    submit_all(s, eng, [job([7] + long_, max_tokens=40, use_cache=False), job([8] + long_, max_tokens=2,
-                                                                               use_cache=False)])
-    assert max(n for _, n in sizes[:4]) == 8  # two requests prefilling together: small chunks, in turn
+    submit_all(s, eng, [job([7] + long_[:100], max_tokens=40, use_cache=False),
+                        job([8] + long_, max_tokens=2, use_cache=False)])
+    first = sizes[0][0]
+    assert [n for seq, n in sizes[:2]] == [64, 37] and {seq for seq, _ in sizes[:2]} == {first}
+    # two prefilling together, nothing decoding: the shorter one first, in large chunks (the other waits anyway);
+    # then while it decodes, the other's chunks are small
+    assert max(n for seq, n in sizes[2:12] if seq != first) == 8
     cold = s.run(job(long_, max_tokens=2, use_cache=False))
     assert r.completion_tokens == cold.completion_tokens and np.array_equal(r.first_logits, cold.first_logits)
+
+
+def _prefill_chunks(eng: FakeEngine, per_token_s: float = 20e-6) -> list[tuple[int, int]]:
+    """(seq, tokens) of every prefill call from now on (decode steps of one token left out), each taking
+    `per_token_s` a token: a measurable prefill speed, as on a model."""
+    calls: list[tuple[int, int]] = []
+
+    def on_decode(seq, toks, pos):
+        if len(toks) > 1:
+            calls.append((seq, len(toks)))
+            time.sleep(per_token_s * len(toks))
+    eng.on_decode = on_decode
+    return calls
+
+
+def test_prompts_arriving_together_prefill_shortest_first_and_each_equals_its_cold_run(make):
+    eng, cache, s = make(n_slots=3, prefill_chunk=8)
+    calls = _prefill_chunks(eng)
+    s.run(job([5] * 40, max_tokens=1, use_cache=False))  # the prefill speed is measured from here on
+    s.drain()
+    calls.clear()
+    long_, mid, short = ([11 + (i % 40) for i in range(n)] for n in (300, 120, 24))
+    out = submit_all(s, eng, [job(long_, max_tokens=2), job([9] + mid, max_tokens=2), job([8] + short, max_tokens=2)])
+    seqs = [seq for seq, _ in calls]
+    first = {seq: seqs.index(seq) for seq in set(seqs)}
+    last = {seq: len(seqs) - 1 - seqs[::-1].index(seq) for seq in set(seqs)}
+    by_len = sorted(first, key=lambda seq: sum(n for q, n in calls if q == seq))  # short, mid, long
+    # each prompt's prefill is done before a longer one's resumes: the short one waits for no chunk of the others
+    assert last[by_len[0]] < first[by_len[1]] and last[by_len[1]] < last[by_len[2]]
+    assert first[by_len[2]] == 0 or last[by_len[0]] < first[by_len[2]]
+    for r, toks in zip(out, (long_, [9] + mid, [8] + short)):
+        cold = s.run(job(toks, max_tokens=2, use_cache=False))
+        assert r.completion_tokens == cold.completion_tokens and np.array_equal(r.first_logits, cold.first_logits)
+
+
+def test_a_long_prompt_is_not_passed_over_for_ever_by_later_short_ones(make):
+    eng, cache, s = make(n_slots=2, prefill_chunk=8)
+    _prefill_chunks(eng)
+    s.run(job([5] * 40, max_tokens=1, use_cache=False))
+    s.drain()
+    rate = s.reuse.prefill.tokens_per_s
+    long_task = Task(job([11 + (i % 40) for i in range(400)]), lambda ev: None, threading.Event(), 0, 0)
+    short_task = Task(job([3] * 16), lambda ev: None, threading.Event(), 1, 0)
+    assert s._fill_order(short_task) < s._fill_order(long_task)  # arriving together: the short one first
+    # the long one has waited as long as its 400 tokens take at the measured speed: it goes before a new arrival
+    long_task.clock.submitted -= 400 / rate
+    assert s._fill_order(long_task) < s._fill_order(short_task)
 
 
 def _phases(s: Scheduler) -> dict[int, Phase]:
