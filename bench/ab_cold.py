@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.client import request_body, send  # noqa: E402
 from bench.run import default_model  # noqa: E402
-from bench.systems import SYSTEMS, launch, orchestrator_variants, write_ab  # noqa: E402
+from bench.systems import SYSTEMS, launch, omp_policy, orchestrator_variants, write_ab  # noqa: E402
 
 
 def _text(seed: int, n_words: int) -> str:
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--omp", choices=["passive", "default"], default="passive",
+                    help="OpenMP wait policy of both servers (bench.systems.omp_policy; default passive, as before)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="one more orchestrator, started with FLAGS (e.g. 'gap256=--snapshot-min-gap 256')")
     a = ap.parse_args(argv)
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         for i, s in enumerate(systems):
-            running.append(launch(s, model, a.port + i, a.threads, a.ctx, log_dir))
+            running.append(launch(s, model, a.port + i, a.threads, a.ctx, log_dir, omp_wait_policy=omp_policy(a.omp)))
         with httpx.Client() as client:
             for rep in range(a.reps + 1):  # repetition 0 warms both servers up and is not counted
                 bodies = prompts(uuid.uuid4().hex[:12], a.tokens)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{summary[name]['llama_server_median_s']:.2f} s (medians of {len(ratios)}); ratio per "
                   f"repetition: median {statistics.median(ratios):.3f}, {min(ratios):.3f}..{max(ratios):.3f}")
     out = a.out or ROOT / "bench" / "results" / str(date.today()) / "ab_cold.json"
-    write_ab(out, systems, rows, summary, model=str(model), threads=a.threads, reps=a.reps)
+    write_ab(out, systems, rows, summary, model=str(model), threads=a.threads, reps=a.reps, omp=a.omp)
     return 0
 
 

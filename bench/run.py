@@ -2,6 +2,7 @@
 
     python -m bench                    # default scale (about 30-40 min on 2 cores), all systems and workloads
     python -m bench --quick            # a smoke run of every code path (a few minutes)
+    python -m bench --compass          # the default, with W3 at 8 agents x 6 turns (issue 12)
     python -m bench --full             # the issue's full W3 scale (8 agents x 6 turns, 200-1,500-token results)
     python -m bench --systems orchestrator,llama-server --workloads W1
     python -m bench --workloads W4,CHAT --before /tmp/before   # closed loops (bench/agentloop.py), with
@@ -44,7 +45,7 @@ from bench.render import Renderer  # noqa: E402
 from bench import agentloop  # noqa: E402
 from bench.scenarios import Req, Scale, chat, w1, w2, w3, w4  # noqa: E402
 from bench.systems import (LLAMA_SERVER, SYSTEMS, RssSampler, Running, before_system, cold_variant,  # noqa: E402
-                           launch)
+                           launch, omp_policy)
 
 LOOPS = ("W4", "CHAT")
 
@@ -115,7 +116,7 @@ def run_phase(reqs: list[Req], systems, args, texts, tokens, oracle, sampler: Rs
             port = BASE_PORT + (50 if cold else 0) + i
             t = time.monotonic()
             running[s.name] = launch(s, args.model, port, args.threads, args.scale.ctx_size, log_dir,
-                                     cache_ram.get(s.kind), reqs[0].workload)
+                                     cache_ram.get(s.kind), reqs[0].workload, omp_wait_policy=args.omp_wait_policy)
             sampler.add(s.name + ("-cold" if cold else ""), running[s.name])
             log(f"  started {s.name}{' (cold)' if cold else ''} on :{port} in {time.monotonic() - t:.1f} s")
         with httpx.Client() as client:
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_const", dest="scale_name", const="quick", help="smoke-run scale")
+    g.add_argument("--compass", action="store_const", dest="scale_name", const="compass",
+                   help="the default scale with W3 at 8 agents x 6 turns (issue 12)")
     g.add_argument("--full", action="store_const", dest="scale_name", const="full", help="issue 5's full scale")
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b Q4_K_M)")
     ap.add_argument("--threads", type=int, default=2)
@@ -197,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop-cold", choices=["last", "none"], default=None,
                     help="W4/CHAT: after the first run of each system, send each agent's last request again "
                          "with cache_prompt false and compare (default: last with --quick, else none)")
+    ap.add_argument("--omp", choices=["default", "passive"], default="default",
+                    help="OpenMP wait policy of every server: OpenMP's default (spin, then sleep: what a user gets) "
+                         "or passive (OMP_WAIT_POLICY=PASSIVE, for a machine shared with other jobs)")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/<UTC date>/")
     args = ap.parse_args(argv)
+    args.omp_wait_policy = omp_policy(args.omp)
     args.scale_name = args.scale_name or "default"
     args.scale = Scale.named(args.scale_name)
     args.cold = args.cold or ("all" if args.scale_name == "quick" else "last")
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
             "date": day, "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "load_start": meta_load, "scale_name": args.scale_name, "scale": asdict(args.scale), "model": str(args.model),
-            "threads": args.threads, "ctx_size": args.scale.ctx_size, "systems": names,
+            "threads": args.threads, "ctx_size": args.scale.ctx_size, "systems": names, "omp": args.omp,
             "cold_groups": [c.name for c in cold_groups], "cold_mode": args.cold,
             "orchestrator_cache_ram_mib": {"W1": args.cache_ram, "W2": args.cache_ram, "W3": args.w3_cache_ram},
             "commands": {}, "loops": {}}

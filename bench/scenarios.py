@@ -75,10 +75,13 @@ class Scale:
     @staticmethod
     def named(name: str) -> "Scale":
         """'default' (about 35 min for four systems on 2 shared cores), 'quick' (a smoke run of every code
-        path), 'full' (issue 5 as written: W1 at both sizes x both budgets, 8 agents x 6 turns with 200-1,500
-        token tool results, 32-token completions; hours on 2 cores)."""
+        path), 'compass' (the default with W3 at the compass scale of issue 12: 8 agents x 6 turns, tool
+        results of 200-600 tokens as in the default), 'full' (issue 5 as written: W1 at both sizes x both
+        budgets, 8 agents x 6 turns with 200-1,500 token tool results, 32-token completions; hours on 2 cores)."""
         if name == "default":
             return Scale()
+        if name == "compass":
+            return Scale(w3_agents=8, w3_turns=6)
         if name == "quick":
             return Scale(w1_rounds=((420, 1), (420, 8)), w2_turns=3, w3_agents=2, w3_turns=2,
                          w3_tools_tokens=800, w3_tool_min=100, w3_tool_max=200, max_tokens=8,

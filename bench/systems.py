@@ -165,6 +165,15 @@ class Running:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def omp_policy(choice: str) -> str | None:
+    """The OMP_WAIT_POLICY `launch` gives for a bench's `--omp` choice: "passive" (threads sleep between graph
+    nodes: the setting for a machine shared with other jobs) or "default" (None: OpenMP's own spin-then-sleep,
+    what a user running a server gets; one-token decode steps take half the time of passive's on 2 cores)."""
+    if choice not in ("passive", "default"):
+        raise ValueError(f"--omp {choice!r}: passive or default")
+    return OMP_WAIT_POLICY if choice == "passive" else None
+
+
 def before_system(root: Path) -> System:
     """orchestrator run from another checkout (its PYTHONPATH), e.g. the commit before a change."""
     return System("orchestrator-before", "orchestrator", "chat", root=str(root))
