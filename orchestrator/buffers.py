@@ -72,6 +72,10 @@ class SpareBuffers:
         self._free.append(buf)
         return True
 
+    def describe(self) -> dict:
+        """For /v1/cache/stats: spares kept now and wanted, their bytes, and saves that got one since start."""
+        return {"kept": len(self._free), "target": self.target, "bytes": self.nbytes, "taken": self.taken}
+
     def clear(self) -> None:
         """Drop every spare (their memory goes back to the allocator)."""
         self._free.clear()

@@ -214,7 +214,7 @@ class Runtime:
         """/v1/cache/stats: the cache's counters and the settings that shape what it stores."""
         return {**dataclasses.asdict(self.cache.stats()), "checkpoint_interval": self.scheduler.checkpoint_interval,
                 "after_generation": dataclasses.asdict(self.scheduler.reuse.after_stats),
-                **self.engine.state.describe()}
+                "spare_checkpoints": self.engine.spares.describe(), **self.engine.state.describe()}
 
     def flush_cache(self) -> int:
         """Drop every snapshot in every tier; returns how many entries went."""

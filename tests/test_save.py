@@ -113,3 +113,6 @@ def test_an_idle_server_fills_its_spares_out_of_the_ram_budget_and_serves_exactl
     warm = assert_same_as_cold(rt, messages)
     assert warm.result.cached_tokens == 0 and warm.result.snapshots_saved >= 2
     assert spares.taken >= 2  # the warm run's checkpoint saves went into spares (the cold run stores nothing)
+    report = rt.cache_report()["spare_checkpoints"]
+    assert report["target"] == spares.target and report["taken"] == spares.taken
+    assert report["bytes"] == report["kept"] * spares.size
