@@ -157,6 +157,33 @@ def w1_speedups(records: list[dict], systems: Sequence[str]) -> list[dict]:
     return out
 
 
+def cold_requests(records: list[dict], systems: Sequence[str], peer: str = "llama-server") -> list[dict]:
+    """The requests nothing could be reused for (oracle 0: they share no token with any earlier request of their
+    round), as served in the warm rounds (snapshots included): TTFT per system, its ratio to `peer`'s, and the
+    share of orchestrator's TTFT spent saving snapshots (its server timings' snapshot_ms)."""
+    out = []
+    warm = [r for r in records if not r["cold"] and r["ok"] and r["oracle"] == 0]
+    keys = []
+    for r in warm:
+        if (r["round"], r["index"]) not in keys:
+            keys.append((r["round"], r["index"]))
+    for rnd, idx in keys:
+        rs = {r["system"]: r for r in warm if (r["round"], r["index"]) == (rnd, idx)}
+        base = rs.get(peer)
+        first = next(iter(rs.values()))
+        row = {"workload": first["workload"], "round": rnd, "label": first["label"],
+               "prompt_tokens": first["prompt_tokens"], "ttft_s": {}, "ratio_to_peer": {}, "snapshot_share": None}
+        for s in systems:
+            if s in rs:
+                row["ttft_s"][s] = rs[s]["ttft_s"]
+                row["ratio_to_peer"][s] = rs[s]["ttft_s"] / base["ttft_s"] if base and base["ttft_s"] else None
+        timings = (rs.get(BASELINE) or {}).get("server_timings") or {}
+        if timings.get("snapshot_ms") is not None and timings.get("ttft_ms"):
+            row["snapshot_share"] = timings["snapshot_ms"] / timings["ttft_ms"]
+        out.append(row)
+    return out
+
+
 def _f(v, fmt="{:.2f}", none="—") -> str:
     return none if v is None else fmt.format(v)
 
@@ -208,6 +235,20 @@ def markdown(summary: list[dict], w1: list[dict], records: list[dict], systems: 
             cells.append(f"{c['ttft_s']:.3f} s ({_f(c['speedup_vs_cold'], '{:.1f}×')}, {_f(c['cached'], '{}')} "
                          f"cached){bad}")
         lines.append(f"| {row['round']} | {row['label']} | {_f(oracle_v, '{}')} | " + " | ".join(cells) + " |")
+    colds = cold_requests(records, systems)
+    if colds:
+        lines += ["", "## Cold requests", "",
+                  "Requests that share no token with any earlier request of their round, so every system prefills "
+                  "them whole, as served in the warm rounds (orchestrator's snapshot saves included): TTFT s and "
+                  "÷ llama-server's; snapshot: the share of orchestrator's TTFT spent saving snapshots (its "
+                  "`timings.snapshot_ms`).", "",
+                  "| workload | round | request | prompt tok | " + " | ".join(systems) + " | snapshot |",
+                  "|---|---|---|---|" + "---|" * len(systems) + "---|"]
+        for row in colds:
+            cells = [f"{row['ttft_s'][s]:.2f} ({_f(row['ratio_to_peer'].get(s), '{:.2f}×')})" if s in row["ttft_s"]
+                     else "—" for s in systems]
+            lines.append(f"| {row['workload']} | {row['round']} | {row['label']} | {row['prompt_tokens']} | "
+                         + " | ".join(cells) + f" | {_f(row['snapshot_share'], '{:.1%}')} |")
     lines += ["", "## Every request", "",
               "TTFT s / cached tokens (reported, else implied `~`) per system; ✗ = output differs from cold.", "",
               "| workload | round | request | prompt tok | oracle | " + " | ".join(systems) + " |",

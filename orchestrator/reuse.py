@@ -124,12 +124,16 @@ class Reuse:
         """Where the prefill of `job` from position `start` stops, ascending: the template boundaries, a
         checkpoint every `checkpoint_interval` tokens inside any longer stretch between two of them (a long tool
         output or document), and the repeat point, less those the state kind does not store and those closer
-        than min_segment to the previous stop or beyond `max_hit`. A cold run stops at the same places (the
-        repeat point apart) without storing anything.
+        than min_segment to the previous stop or beyond `max_hit`. None for a job that stores nothing (a cold
+        run): it prefills in plain chunks, so the correctness oracle does not share the split points of the runs
+        it checks (a restore at p followed by the rest must equal a prefill that never stopped at p), and costs
+        no llama_decode call per boundary.
 
         Interval positions count from the boundary before them, so two prompts that share that boundary and
         diverge inside the long message share their interval checkpoints too.
         """
+        if not self.stores(job):
+            return []
         n = len(job.prompt_tokens)
         bounds = sorted(b for b in set(job.boundaries) if 0 < b < n)
         candidates = set(bounds)
@@ -314,8 +318,7 @@ class Reuse:
         """The slot's sequence now holds task.work[:end], computed by prefill in the last `seconds`: its KV is a
         reusable source (unless the whole work is a too-short ubatch), and at a snapshot position a checkpoint is
         stored. A STORE task's chunks count in `after_stats`."""
-        if seconds:
-            self.prefill.observe(end - task.pos, seconds)
+        self.prefill.observe(end - task.pos, seconds)  # ignores a chunk that was not timed (0 s)
         if task.phase == Phase.STORE:
             self.after_stats.tokens += end - task.pos
             self.after_stats.seconds += seconds

@@ -29,8 +29,9 @@ decoding gets what it generated); past its deadline (`timeout_s`), RequestTimeou
 A job of n > 1 choices (request.py) waits, with the requests queued after it, until it has n slots (free or STORE);
 its prompt is prefilled once and copied (`Reuse.fork`); each choice equals its cold run (`Job.choice`).
 
-With `use_cache=False` a job is a cold run: its slot is cleared, the whole prompt is prefilled with the same
-rules, nothing is read or stored. That is the correctness oracle the tests compare against.
+With `use_cache=False` a job is a cold run: its slot is cleared, the whole prompt is prefilled in plain chunks
+(no stops at snapshot positions: it stores nothing), nothing is read or stored. That is the correctness oracle
+the tests compare against.
 """
 
 from __future__ import annotations

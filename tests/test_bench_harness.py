@@ -58,6 +58,23 @@ def test_annotate_summary_and_markdown_flag_a_mismatch():
     assert "**1** (2)" in md and "✗" in md
 
 
+def test_cold_requests_are_those_nothing_could_be_reused_for_with_ratios_and_the_snapshot_share():
+    recs = [_rec("orchestrator", False, "k1", "a", 2.0, prompt=500), _rec("llama-server", False, "k1", "a", 1.6,
+                                                                         prompt=500),
+            _rec("orchestrator", False, "k2", "b", 0.2, oracle=400, label="B", index=1),
+            _rec("llama-server", False, "k2", "b", 0.3, oracle=400, label="B", index=1),
+            _rec("orchestrator", True, "k1", "a", 1.9, prompt=500)]
+    recs[0]["server_timings"] = {"snapshot_ms": 20.0, "ttft_ms": 2000.0}
+    rows = report.cold_requests(recs, ["orchestrator", "llama-server"])
+    assert [(r["label"], r["prompt_tokens"]) for r in rows] == [("A", 500)]  # B shares a prefix; cold runs aside
+    assert rows[0]["ratio_to_peer"] == {"orchestrator": 2.0 / 1.6, "llama-server": 1.0}
+    assert rows[0]["snapshot_share"] == 0.01
+    report.annotate(recs)
+    md = report.markdown(report.summarize(recs, ["orchestrator", "llama-server"]), [], recs,
+                         ["orchestrator", "llama-server"], {})
+    assert "## Cold requests" in md and "| 2.00 (1.25×) | 1.60 (1.00×) | 1.0% |" in md
+
+
 def test_soak_slope_error_and_window_medians():
     from bench import soak
 

@@ -169,10 +169,25 @@ def test_snapshot_positions_are_built_once_filtered_by_min_segment():
     assert reuse.snapshot_positions(j) == [5, 12, 22, 30, 36]
     assert reuse.snapshot_positions(j, start=20) == [30, 36]  # from a restored position: 22 is too close
     cold = job(range(1, 41), [5, 12], use_cache=False)
-    assert reuse.snapshot_positions(cold) == [5, 12, 22, 32]  # a cold run stores nothing: no repeat point
+    assert reuse.snapshot_positions(cold) == []  # a cold run stores nothing: it never stops
     kv = FakeEngine(hybrid=False, exact_from=MS)
     kv.calibrate(MS)
     assert Reuse(kv, SnapshotCache([RamTier(1)], state=kv.state), [Slot(0)]).snapshot_positions(j) == []
+
+
+def test_a_cold_run_prefills_in_plain_chunks_and_a_restore_at_a_boundary_equals_it(make):
+    eng, cache, s = make(n_slots=1, prefill_chunk=16, prefill_chunk_alone=16)
+    sizes = []
+    eng.on_decode = lambda seq, toks, pos: sizes.append(len(toks))
+    prompt = SYSTEM + TAILS[0]
+    s.run(job(prompt, [len(SYSTEM) - 7], use_cache=False))
+    assert sizes[:3] == [16, 16, len(prompt) - 32]  # no stop at the boundary (33): the oracle never splits there
+    s.drain()
+    sizes.clear()
+    same_as_cold(s, prompt, [33])  # stops at 33 and the repeat point, and stores
+    assert 17 in sizes  # 16 + 17 = 33: the warm run did stop at the boundary
+    warm = same_as_cold(s, SYSTEM[:33] + TAILS[1], [33])
+    assert warm.cached_tokens == 33  # restored at 33, then prefilled: equal to the cold run that did not stop
 
 
 def test_interval_checkpoints_serve_a_divergence_inside_a_long_message(make):
