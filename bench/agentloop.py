@@ -495,6 +495,7 @@ def run_once(system, plan: LoopPlan, rep: int, args, port: int, log_dir: Path, t
     r = launch(system, args.model, port, args.threads, args.scale.w4_ctx_size, log_dir, args.cache_ram,
                plan.workload, env_extra=env, omp_wait_policy=getattr(args, "omp_wait_policy", OMP_WAIT_POLICY))
     log(f"  started {system.name} on :{port} in {time.monotonic() - t:.1f} s")
+    r.wait_idle()  # done starting up (loading, warming up) before the agents start
     run: dict = {"workload": plan.workload, "system": system.name, "rep": rep,
                  "turns_planned": len(plan.agents[0].max_tokens), "tool_choice": tool_choice}
     try:

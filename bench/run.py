@@ -119,6 +119,8 @@ def run_phase(reqs: list[Req], systems, args, texts, tokens, oracle, sampler: Rs
                                      cache_ram.get(s.kind), reqs[0].workload, omp_wait_policy=args.omp_wait_policy)
             sampler.add(s.name + ("-cold" if cold else ""), running[s.name])
             log(f"  started {s.name}{' (cold)' if cold else ''} on :{port} in {time.monotonic() - t:.1f} s")
+        for r in running.values():  # none is still starting up (loading, warming up) under the first request
+            r.wait_idle()
         with httpx.Client() as client:
             for idx, q in enumerate(reqs):
                 order = systems[idx % len(systems):] + systems[:idx % len(systems)]
