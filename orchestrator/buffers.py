@@ -39,7 +39,7 @@ class SpareBuffers:
 
     size: bytes of one buffer (a checkpoint of this model: Engine.state_size(seq, partial=True)); target: how many
     to keep (0: none). `nbytes` is what they hold now, at most size * target; `taken` counts the saves that got
-    a spare since start.
+    a spare since start. Only the engine's thread changes it; `describe` may be read from any thread.
     """
 
     def __init__(self, new: Callable[[None, int], bytes] | None, size: int = 0, target: int = 0) -> None:
@@ -74,7 +74,8 @@ class SpareBuffers:
 
     def describe(self) -> dict:
         """For /v1/cache/stats: spares kept now and wanted, their bytes, and saves that got one since start."""
-        return {"kept": len(self._free), "target": self.target, "bytes": self.nbytes, "taken": self.taken}
+        kept = len(self._free)  # read once: the worker may add one meanwhile
+        return {"kept": kept, "target": self.target, "bytes": kept * self.size, "taken": self.taken}
 
     def clear(self) -> None:
         """Drop every spare (their memory goes back to the allocator)."""

@@ -263,6 +263,7 @@ class Engine:
         self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._scratch = bytearray()  # the kept buffer of load_state (states given in parts) and save_state_view
+        self._view: memoryview | None = None  # the view save_state_view returned last (load_state reads it in place)
         self._new_bytes = bytes_writer()  # save_state's bytes objects, filled in place by llama.cpp
         self.spares = SpareBuffers(self._new_bytes)  # checkpoint-sized, faulted in while idle (keep_spares)
         self.bos_id = int(llama_cpp.llama_vocab_bos(self.vocab))
@@ -481,6 +482,11 @@ class Engine:
         self.spares = SpareBuffers(self._new_bytes, size, count)
         return self.spares.size * self.spares.target
 
+    def drop_spares(self) -> None:
+        """Keep no spare checkpoint buffers from now on (their memory goes back to the allocator)."""
+        self.spares.clear()
+        self.spares.target = 0
+
     def fill_spare(self) -> bool:
         """Write one more spare checkpoint buffer through (page faults now, not during a prefill: about 13 ms
         for 19 MiB); False when there are enough."""
@@ -500,7 +506,8 @@ class Engine:
         del buf  # releases the export, so that the buffer can grow next time
         if n == 0:
             raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
-        return memoryview(self._scratch)[:n].toreadonly()
+        self._view = memoryview(self._scratch)[:n].toreadonly()
+        return self._view
 
     def state_size(self, seq: int, partial: bool = False) -> int:
         """Bytes `save_state(seq, partial)` would write now (llama_state_seq_get_size_ext)."""
@@ -519,10 +526,12 @@ class Engine:
             self.clear(seq)
         if isinstance(data, bytes):
             size, src = len(data), address(data)
-        elif isinstance(data, memoryview) and data.obj is self._scratch:
+        elif data is self._view and data.obj is self._scratch:  # the last view, whole: it starts the buffer
             size, src = data.nbytes, (ctypes.c_uint8 * data.nbytes).from_buffer(self._scratch)
         else:
             parts = data if isinstance(data, tuple) else (data,)
+            # a part that lies in the kept buffer itself is copied out first: the join below overwrites it
+            parts = tuple(bytes(p) if isinstance(p, memoryview) and p.obj is self._scratch else p for p in parts)
             size = sum(len(part) for part in parts)
             if len(self._scratch) < size:
                 self._scratch = bytearray(size)

@@ -124,7 +124,7 @@ class Reuse:
         """Where the prefill of `job` from position `start` stops, ascending: the template boundaries, a
         checkpoint every `checkpoint_interval` tokens inside any longer stretch between two of them (a long tool
         output or document), and the repeat point, less those the state kind does not store and those closer
-        than min_segment to the previous stop or beyond `max_hit`. None for a job that stores nothing (a cold
+        than min_segment to the previous stop or beyond `max_hit`. [] for a job that stores nothing (a cold
         run): it prefills in plain chunks, so the correctness oracle does not share the split points of the runs
         it checks (a restore at p followed by the rest must equal a prefill that never stopped at p), and costs
         no llama_decode call per boundary.
@@ -140,10 +140,9 @@ class Reuse:
         if self.checkpoint_interval:
             for lo, hi in zip([0] + bounds, bounds + [n]):
                 candidates.update(range(lo + self.checkpoint_interval, hi, self.checkpoint_interval))
-        if self.stores(job):
-            # The repeat point: the last position an identical request can restore. Taken instead of a
-            # checkpoint at the very end, which nothing could restore.
-            candidates.add(self.max_hit(n))
+        # The repeat point: the last position an identical request can restore. Taken instead of a checkpoint at
+        # the very end, which nothing could restore.
+        candidates.add(self.max_hit(n))
         kept, pos = [], start
         for b in self.state.snapshot_positions(sorted(candidates)):
             if b - pos >= self.min_segment and b <= self.max_hit(n):

@@ -175,7 +175,7 @@ class Scheduler:
                     self._cond.notify_all()  # wake drain()
             # Idle: fault in one more spare checkpoint buffer (about 13 ms on the 0.8b), so that the next
             # prefill's saves skip that cost (orchestrator/buffers.py); an arrival waits for at most one.
-            if idle and self.engine.fill_spare():
+            if idle and self._fill_spare():
                 continue
             with self._cond:
                 while not self._closed and not self._waiting and not self._active():
@@ -199,6 +199,16 @@ class Scheduler:
             pending, self._waiting = list(self._waiting), collections.deque()
         for task in pending + self._active():
             self._fail(task, OrchestratorError("the server is shutting down"))
+
+    def _fill_spare(self) -> bool:
+        """One more spare checkpoint buffer (Engine.fill_spare); on a failure (out of memory), none from then on:
+        saves go to new memory as they did without spares, and the worker goes on."""
+        try:
+            return self.engine.fill_spare()
+        except Exception:  # noqa: BLE001 - spares are an optimisation; losing them must not stop the worker
+            log.warning("could not keep spare checkpoint buffers; saves go to new memory", exc_info=True)
+            self.engine.drop_spares()
+            return False
 
     def _expire(self) -> None:
         """Drop cancelled and timed-out requests, queued or running."""
@@ -297,10 +307,11 @@ class Scheduler:
         that arrive together that is shortest-remaining-first, which minimises the sum of their TTFTs (agents'
         tool results of 200 and 1,500 tokens: the short one is not held up by the long one's chunks); a prompt
         that has waited as long as its remainder takes goes before any later arrival, so none waits for ever.
-        Before any prefill was measured, tokens left alone."""
-        left = len(t.work) - t.pos
+        Before any prefill was measured (the first chunk of the server's life), arrival order."""
         rate = self.reuse.prefill.tokens_per_s
-        return (t.clock.submitted + left / rate if rate else float(left)), t.order
+        if not rate:
+            return t.clock.submitted, t.order
+        return t.clock.submitted + (len(t.work) - t.pos) / rate, t.order
 
     def _guard(self, task: Task, fn, *args) -> None:
         """Run one request's step; its failure fails that request only."""

@@ -25,6 +25,7 @@ same header and the same recurrent part (llama_memory_hybrid::state_write).
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Callable, Collection, Iterable, Protocol, Sequence
 
@@ -32,6 +33,8 @@ from .cache.radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
 from .errors import EngineError
 
 HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and PARTIAL_ONLY states
+
+log = logging.getLogger("orchestrator.state")
 
 
 class StateIO(Protocol):
@@ -210,14 +213,18 @@ class HybridState(StateKind):
                      and len(empty) >= HEADER and empty[:HEADER] == part[:HEADER])
             if split:
                 kv_entry = full[:len(full) - len(part) + HEADER] + empty[HEADER:]
-                io.load_state(0, kv_entry, partial=False, clear=True)
-                io.load_state(0, part, partial=True, clear=False)
-                split = io.save_state(0) == full
+                try:
+                    io.load_state(0, kv_entry, partial=False, clear=True)
+                    io.load_state(0, part, partial=True, clear=False)
+                    split = io.save_state(0) == full
+                except EngineError:  # llama.cpp refused the put-together state
+                    split = False
             self.split_layout, self.empty_recurrent = split, (empty[HEADER:] if split else b"")
-        except EngineError:  # llama.cpp refused the put-together state: the whole state is the KV entry
-            self.split_layout, self.empty_recurrent = False, b""
         finally:
             io.clear(0)
+        if not self.split_layout:
+            log.warning("this llama.cpp build's states do not split into a KV part and a checkpoint: every KV entry "
+                        "is a whole state (a checkpoint's size more per entry)")
 
     @property
     def layout(self) -> str:
@@ -266,18 +273,26 @@ class HybridState(StateKind):
             return {CHECKPOINT: io.save_state(seq, partial=True)}
         # The whole state goes into the engine's kept buffer, and each entry is copied out of it once: new memory
         # is written once per kept byte (a full save into new memory and then the parts out of it was twice).
+        # Only the kinds asked are built: a KV entry alone (the live KV of another slot, or a checkpoint that is
+        # stored already) copies no checkpoint.
         full = io.save_state_view(seq)
         if not self.split_layout:  # the KV entry is then the whole state
-            return {KV: bytes(full), CHECKPOINT: io.save_state(seq, partial=True)}
+            out = {KV: bytes(full)}
+            if CHECKPOINT in kinds:
+                out[CHECKPOINT] = io.save_state(seq, partial=True)
+            return out
         cut = len(full) - (io.state_size(seq, partial=True) - HEADER)  # where the recurrent part starts
-        return {KV: b"".join((full[:cut], self.empty_recurrent)), CHECKPOINT: b"".join((full[:HEADER], full[cut:]))}
+        out = {KV: b"".join((full[:cut], self.empty_recurrent))}
+        if CHECKPOINT in kinds:
+            out[CHECKPOINT] = b"".join((full[:HEADER], full[cut:]))
+        return out
 
     def restore(self, io, seq, n_tokens, kv, checkpoint):
         # Order matters on a hybrid memory: the KV, then the checkpoint, then the truncation, which fails before
         # the checkpoint is loaded (the recurrent state cannot be cut back). Each entry is a loadable state and
         # is read where it lies (bytes): a 2,000-token KV entry and its checkpoint (43 MiB on the 0.8b) restored at
-        # 4.0 GiB/s when first copied together into one buffer, 7.6 GiB/s loaded one after the other
-        # (bench/bench_restore.py).
+        # 3.8 GiB/s (26% of memcpy) when first copied together into one buffer, 6.9-7.0 GiB/s (45-47%) loaded one
+        # after the other, on a 2-core EPYC (bench/bench_restore.py).
         if kv is not None:
             io.load_state(seq, kv, partial=False, clear=True)
         io.load_state(seq, checkpoint, partial=True, clear=False)

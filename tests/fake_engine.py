@@ -107,6 +107,8 @@ class FakeEngine:
         self.on_decode: Callable[[int, Sequence[int], int], None] | None = None  # called before each decode()
         self.fail_loads = False  # load_state refuses everything (llama.cpp rejecting a state)
         self._scratch = bytearray()  # save_state_view's buffer, reused like the engine's
+        self.fill_error: BaseException | None = None  # fill_spare raises it (tests of a failing allocation)
+        self.spares_dropped = False
         self._running = threading.Event()
         self._running.set()
         self.state.probe(self, 1)
@@ -128,8 +130,14 @@ class FakeEngine:
         self.min_segment, self.batch_invariant = min_segment, batch_invariant
 
     def fill_spare(self) -> bool:
-        """No spare save buffers (the engine's page-fault saving has nothing to save here)."""
+        """No spare save buffers (the engine's page-fault saving has nothing to save here); raises `fill_error`
+        when a test sets one (an allocation that fails)."""
+        if self.fill_error is not None:
+            raise self.fill_error
         return False
+
+    def drop_spares(self) -> None:
+        self.fill_error, self.spares_dropped = None, True
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """One token per word, from a hash (never the end-of-generation id)."""
@@ -218,10 +226,11 @@ class FakeEngine:
         """As the engine's: the state in one kept buffer, overwritten by the next save_state_view or load_state
         (so a caller that keeps the view too long reads another state, as it would on the engine)."""
         data = self.save_state(seq, partial)
-        if len(self._scratch) != len(data):
+        if len(self._scratch) < len(data):  # grows only, as the engine's: a smaller state overwrites in place
             self._scratch = bytearray(len(data))
-        self._scratch[:] = data
-        return memoryview(self._scratch).toreadonly()
+        self._scratch[:len(data)] = data
+        self._scratch[len(data):] = b"\xff" * (len(self._scratch) - len(data))  # what a stale view would read
+        return memoryview(self._scratch)[:len(data)].toreadonly()
 
     def state_size(self, seq: int, partial: bool = False) -> int:
         return len(self.save_state(seq, partial))

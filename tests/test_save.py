@@ -89,6 +89,26 @@ def test_a_full_save_cut_from_the_kept_buffer_gives_two_loadable_states(engine):
     assert np.array_equal(engine.logits(), want)
 
 
+def test_only_the_entries_asked_are_built(engine):
+    _prefill(engine, 0, 30)
+    assert set(engine.state.save(engine, 0, (KV,))) == {KV}
+    assert set(engine.state.save(engine, 0, (CHECKPOINT,))) == {CHECKPOINT}
+
+
+def test_parts_lying_in_the_kept_buffer_are_copied_out_before_the_join_overwrites_them(engine):
+    tokens = _prefill(engine, 0, 30)
+    kv = engine.state.save(engine, 0, (KV,))[KV]
+    kv_part = kv[HEADER:len(kv) - len(engine.state.empty_recurrent)]
+    ckpt = engine.save_state_view(0, partial=True)  # the checkpoint, in the kept buffer
+    # header + KV part + recurrent part: writing the KV part at offset 8 would overwrite the checkpoint's body
+    # before it is copied, were it not copied out first
+    engine.load_state(1, (ckpt[:HEADER], kv_part, ckpt[HEADER:]))
+    engine.decode(0, tokens[:8], 30)
+    want = engine.logits()
+    engine.decode(1, tokens[:8], 30)
+    assert np.array_equal(engine.logits(), want)
+
+
 def test_a_state_copied_through_the_kept_buffer_continues_exactly(engine):
     tokens = _prefill(engine, 0, 30)
     engine.load_state(1, engine.save_state_view(0))  # read where it was written: no copy

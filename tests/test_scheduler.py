@@ -175,6 +175,18 @@ def test_snapshot_positions_are_built_once_filtered_by_min_segment():
     assert Reuse(kv, SnapshotCache([RamTier(1)], state=kv.state), [Slot(0)]).snapshot_positions(j) == []
 
 
+def test_a_failing_spare_allocation_drops_the_spares_and_the_worker_serves_on(make, caplog):
+    eng, cache, s = make(n_slots=1)
+    eng.fill_error = MemoryError("no memory for a spare")
+    s.run(job([5] * 20, max_tokens=1))  # wakes the worker; it goes idle after and tries to fill
+    assert s.drain(5)
+    deadline = time.monotonic() + 5
+    while not eng.spares_dropped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.spares_dropped and "spare checkpoint buffers" in caplog.text
+    same_as_cold(s, SYSTEM + TAILS[0], [len(SYSTEM)])  # and the next requests are served as before
+
+
 def test_a_cold_run_prefills_in_plain_chunks_and_a_restore_at_a_boundary_equals_it(make):
     eng, cache, s = make(n_slots=1, prefill_chunk=16, prefill_chunk_alone=16)
     sizes = []
