@@ -162,7 +162,8 @@ class Runtime:
                                        queue_size=cfg.queue_size, timeout_s=cfg.timeout,
                                        prefill_chunk=cfg.prefill_chunk,
                                        prefill_chunk_alone=cfg.prefill_chunk_alone, batch_decode=batch_decode,
-                                       prefill_tps=prefill_tps, driver=driver),
+                                       prefill_tps=prefill_tps, driver=driver,
+                                       snapshot_min_gap=cfg.snapshot_min_gap),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks

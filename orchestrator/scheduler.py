@@ -61,6 +61,7 @@ class Scheduler:
         engine: an Engine with n_seq_max >= n_slots, calibrated (min_segment).
         cache: the snapshot cache.
         checkpoint_interval: tokens between interval checkpoints inside long stretches (0 = off).
+        snapshot_min_gap: tokens; interval checkpoints closer than that to the next boundary are left out.
         n_slots: concurrent requests (sequences 0..n_slots-1).
         queue_size: most requests waiting for a slot; more are refused with QueueFull.
         timeout_s: default per-request limit in seconds from submission (0 = none).
@@ -81,13 +82,14 @@ class Scheduler:
     def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
                  batch_decode: bool = False, prefill_tps: float | None = None,
-                 driver: EngineThread | None = None) -> None:
+                 driver: EngineThread | None = None, snapshot_min_gap: int = 0) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
         self.cache = cache
         self.slots = [Slot(seq) for seq in range(n_slots)]
-        self.reuse = Reuse(engine, cache, self.slots, checkpoint_interval, PrefillRate(prefill_tps))
+        self.reuse = Reuse(engine, cache, self.slots, checkpoint_interval, PrefillRate(prefill_tps),
+                           min_gap=snapshot_min_gap)
         self.min_segment = self.reuse.min_segment
         self.checkpoint_interval = checkpoint_interval
         self.queue_size = queue_size

@@ -175,6 +175,20 @@ def test_snapshot_positions_are_built_once_filtered_by_min_segment():
     assert Reuse(kv, SnapshotCache([RamTier(1)], state=kv.state), [Slot(0)]).snapshot_positions(j) == []
 
 
+def test_interval_checkpoints_keep_min_gap_before_the_next_boundary():
+    eng = FakeEngine(exact_from=MS)
+    eng.calibrate(MS)
+    cache = SnapshotCache([RamTier(1 << 20)], state=eng.state)
+    j = job(range(1, 114), boundaries=[4, 49, 75])  # repeat point 113 - MS = 109
+    # interval positions count from each boundary: 14..44, then 59, 69, then 85, 95, 105
+    assert Reuse(eng, cache, [Slot(0)], checkpoint_interval=10).snapshot_positions(j) == [
+        4, 14, 24, 34, 44, 49, 59, 69, 75, 85, 95, 105, 109]
+    # a gap of 6: 44 goes (5 tokens before the boundary 49); 69 stays (exactly 6 before 75); boundaries and the
+    # repeat point are not interval checkpoints and stay
+    gapped = Reuse(eng, cache, [Slot(0)], checkpoint_interval=10, min_gap=6).snapshot_positions(j)
+    assert gapped == [4, 14, 24, 34, 49, 59, 69, 75, 85, 95, 105, 109]
+
+
 def test_a_failing_spare_allocation_drops_the_spares_and_the_worker_serves_on(make, caplog):
     eng, cache, s = make(n_slots=1)
     eng.fill_error = MemoryError("no memory for a spare")
