@@ -485,7 +485,7 @@ def read_events(path: Path) -> list[dict]:
 def run_once(system, plan: LoopPlan, rep: int, args, port: int, log_dir: Path, tool_choice: str | None,
              cold: str, log) -> dict:
     """One run: start `system`, run every agent of `plan` at once, (cold-check,) read its counters, stop it."""
-    from bench.systems import OMP_WAIT_POLICY, launch
+    from bench.systems import launch
 
     ag_log = log_dir / f"aftergen-{plan.workload}-{system.name}-r{rep}.jsonl"
     ag_log.parent.mkdir(parents=True, exist_ok=True)
@@ -493,7 +493,7 @@ def run_once(system, plan: LoopPlan, rep: int, args, port: int, log_dir: Path, t
     env = {"BENCH_AFTERGEN_LOG": str(ag_log)} if system.kind == "orchestrator" else None
     t = time.monotonic()
     r = launch(system, args.model, port, args.threads, args.scale.w4_ctx_size, log_dir, args.cache_ram,
-               plan.workload, env_extra=env, omp_wait_policy=getattr(args, "omp_wait_policy", OMP_WAIT_POLICY))
+               plan.workload, env_extra=env, omp_wait_policy=getattr(args, "omp_wait_policy", None))
     log(f"  started {system.name} on :{port} in {time.monotonic() - t:.1f} s")
     r.wait_idle()  # done starting up (loading, warming up) before the agents start
     run: dict = {"workload": plan.workload, "system": system.name, "rep": rep,

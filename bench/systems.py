@@ -47,10 +47,11 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server"
-# Every server runs with OpenMP's passive wait. On this shared 2-core machine llama-server's OpenMP threads
-# otherwise spin between graph nodes (it also polls for work, --poll 50): measured on a cold 507-token prompt,
-# 5.2-5.6 CPU-s and 8-10 s TTFT spinning vs 2.2 CPU-s and 3-4 s passive, interleaved. orchestrator and
-# llama_cpp.server are unaffected (2.6 CPU-s either way). Set OMP_WAIT_POLICY yourself to override.
+# `launch`'s default, and the benches' `--omp passive`: OpenMP's passive wait. On a 2-core machine shared with other
+# jobs llama-server's OpenMP threads otherwise spin between graph nodes (it also polls for work, --poll 50):
+# measured on a cold 507-token prompt, 5.2-5.6 CPU-s and 8-10 s TTFT spinning vs 2.2 CPU-s and 3-4 s passive,
+# interleaved. On a quiet machine passive halves one-token decode for every server, so `python -m bench` uses
+# OpenMP's default (`--omp default`). Set OMP_WAIT_POLICY yourself to override either.
 OMP_WAIT_POLICY = "PASSIVE"
 
 
