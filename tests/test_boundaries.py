@@ -28,6 +28,11 @@ SPECIALS = {  # the tokenizer specials each family's GGUF carries (bos_token, eo
 NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
 NO_SYSTEM = {"google-gemma-2-2b-it"}  # raises on a system message
 ONE_CALL = {"meta-llama-Llama-3.1-8B-Instruct"}  # raises on parallel tool calls
+# Finds "the last user message" by value (`message == user_messages[-1]`), so a user message equal to the last one
+# also gets the tools block in front of it: a longer conversation that ends in a repeat of an earlier user text
+# renders the tools there too, and no boundary of the shorter one is a prefix of it. Only reuse suffers (the cache
+# matches tokens, not boundaries); the scripts keep these templates' user texts distinct.
+BY_VALUE = {"mistralai-Mistral-Nemo-Instruct-2407"}
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -49,8 +54,8 @@ def scripts(draw, name: str) -> list[dict]:
     msgs: list[dict] = []
     if name not in NO_SYSTEM and draw(st.booleans()):
         msgs.append({"role": "system", "content": draw(words)})
-    for _ in range(draw(st.integers(1, 5))):
-        msgs.append({"role": "user", "content": draw(words)})
+    for turn in range(draw(st.integers(1, 5))):
+        msgs.append({"role": "user", "content": (f"{turn}: " if name in BY_VALUE else "") + draw(words)})
         if name not in NO_SYSTEM and draw(st.booleans()):
             n_calls = 1 if name in ONE_CALL else draw(st.integers(1, 2))
             calls = [{"id": draw(call_ids), "type": "function", "function": {
