@@ -339,7 +339,8 @@ class Api:
         """OpenAI's chunks, each of one choice (its `index`; with n > 1 choices their chunks interleave as they
         are generated, each choice opening with its role chunk and ending with its finish_reason chunk); with
         stream_options.include_usage every chunk carries "usage": null and one last chunk with no choices carries
-        the usage of all choices, as OpenAI sends them."""
+        the usage of all choices, as OpenAI sends them, and the `timings` a non-streamed body has (llama-server
+        sends its own in the last chunk)."""
         n = req.options.n
         parsers = [make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format,
                                       req.tools) for _ in range(n)]
@@ -381,7 +382,7 @@ class Api:
             return attach(out, i)
 
         def on_end(results: list[Result]) -> list[dict]:
-            return [dict(chunk(None), usage=_usage(results))] if with_usage else []
+            return [dict(chunk(None), usage=_usage(results), timings=_timings(results[0]))] if with_usage else []
 
         return self._openai_sse(events, cancel, "/v1/chat/completions", "chat-stream", on_text, on_done,
                                 first=[chunk({"role": "assistant", "content": ""}, i=i) for i in range(n)], n=n,
@@ -419,7 +420,8 @@ class Api:
                              r.index)]
 
             def on_end(results: list[Result]) -> list[dict]:
-                return [dict(body(None), usage=_usage(results))] if with_usage else []
+                return ([dict(body(None), usage=_usage(results), timings=_timings(results[0]))] if with_usage
+                        else [])
 
             gen = self._openai_sse(events, cancel, "/v1/completions", "completion-stream", on_text, on_done,
                                    first=[body(req.prompt, i=i) for i in range(n)] if req.echo else [], n=n,

@@ -64,6 +64,9 @@ def test_stream_usage_arrives_in_a_last_chunk_without_choices_as_openai_sends_it
     # every chunk but the last carries "usage": null; the finish_reason chunk is the one before the usage chunk
     assert all("usage" in c and c["usage"] is None for c in with_usage[:-1])
     assert with_usage[-1]["choices"] == [] and with_usage[-1]["usage"]["completion_tokens"] == 5
+    timings = with_usage[-1]["timings"]  # the breakdown a non-streamed body carries
+    assert timings["ttft_ms"] >= timings["prefill_ms"] > 0 and timings["total_ms"] >= timings["ttft_ms"]
+    assert timings["cache_source"] in ("none", "live", "ram", "disk") and timings["snapshots_saved"] >= 0
     assert with_usage[-2]["choices"][0]["finish_reason"] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in with_usage[:-2])
     assert len({c["id"] for c in with_usage}) == 1
