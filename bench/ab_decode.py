@@ -2,6 +2,7 @@
 
     python bench/ab_decode.py                      # synthetic qwen3.5-0.8b, 2 threads, 1 and 4 busy slots
     python bench/ab_decode.py --gen 128 --reps 5 --variant "batched=--decode-batching on"
+    python bench/ab_decode.py --busy 1 --context 4000 --ctx 12288   # decode after a 4,000-token prompt
 
 For each number of busy slots N (--busy, default 1,4), each system gets N streamed requests at once: short
 distinct prompts (about 40 tokens, new every repetition so no cache is involved), greedy, --gen tokens each.
@@ -40,13 +41,19 @@ from bench.run import default_model  # noqa: E402
 from bench.systems import SYSTEMS, System, launch, orchestrator_variants, write_ab  # noqa: E402
 
 
-def burst(url: str, kind: str, n: int, gen: int, nonce: str) -> dict:
-    """N concurrent streamed chat requests of `gen` tokens; their aggregate decode rate and each one's figures."""
+WORDS = ("the sea at night is dark and the light of the moon falls on the water while a ship moves slowly "
+         "past the harbour where old men sit and talk about the weather").split()
+
+
+def burst(url: str, kind: str, n: int, gen: int, nonce: str, context: int = 0) -> dict:
+    """N concurrent streamed chat requests of `gen` tokens after `context` filler words each; their aggregate
+    decode rate and each one's figures."""
     results: list[tuple[float, object]] = [None] * n  # type: ignore[list-item]
 
     def one(i: int) -> None:
-        chat = {"messages": [{"role": "user", "content": f"{nonce} request {i}: write a long story about "
-                              f"the number {i * 7919 % 1000} and the colour of the sea at night."}]}
+        filler = " ".join(WORDS[(i + k * 7) % len(WORDS)] for k in range(context))
+        chat = {"messages": [{"role": "user", "content": f"{nonce} request {i}: {filler} Now write a long story "
+                              f"about the number {i * 7919 % 1000} and the colour of the sea at night."}]}
         body = request_body("chat", kind, chat, "", gen, cold=True)
         if kind == "llama-server":
             body["ignore_eos"] = True
@@ -66,7 +73,8 @@ def burst(url: str, kind: str, n: int, gen: int, nonce: str) -> dict:
     last = max(t0 + out.total_s for t0, out in results)
     tokens = [out.completion_tokens or 0 for _, out in results]
     decoded = sum(max(k - 1, 0) for k in tokens)
-    return {"tokens": tokens, "decode_s": last - first, "tok_s": decoded / (last - first) if last > first else 0.0}
+    return {"tokens": tokens, "decode_s": last - first, "tok_s": decoded / (last - first) if last > first else 0.0,
+            "prompt_tokens": [out.prompt_tokens for _, out in results], "ttft_s": [out.ttft_s for _, out in results]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--busy", default="1,4", help="numbers of slots decoding at once")
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--context", type=int, default=0, metavar="WORDS",
+                    help="filler words before each request's text (about a token each): decode at a long context")
     ap.add_argument("--port", type=int, default=18700)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="one more orchestrator, started with FLAGS (e.g. 'batched=--decode-batching on')")
@@ -105,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 for r in order:
                     for other in running:
                         other.wait_idle()
-                    m = burst(r.url, r.system.kind, n, a.gen, uuid.uuid4().hex[:12])
+                    m = burst(r.url, r.system.kind, n, a.gen, uuid.uuid4().hex[:12], a.context)
                     print(f"rep {rep} busy {n} {r.system.name:24} {m['tok_s']:6.2f} tok/s  tokens {m['tokens']}  "
                           f"load {os.getloadavg()[0]:.1f}", file=sys.stderr)
                     if rep:
@@ -126,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"busy {n}: {s.name:24} {m['median_tok_s']:6.2f} tok/s (median of {a.reps}, "
                   f"{m['min']:.2f}..{m['max']:.2f}), {m['median_tok_s'] / peer:.2f}x llama-server")
     out = a.out or ROOT / "bench" / "results" / str(date.today()) / "ab_decode.json"
-    write_ab(out, systems, rows, summary, model=str(model), threads=a.threads, gen=a.gen, reps=a.reps, omp=a.omp)
+    write_ab(out, systems, rows, summary, model=str(model), threads=a.threads, gen=a.gen, reps=a.reps, omp=a.omp,
+             context=a.context)
     return 0
 
 

@@ -45,7 +45,7 @@ from bench.render import Renderer  # noqa: E402
 from bench import agentloop  # noqa: E402
 from bench.scenarios import Req, Scale, chat, w1, w2, w3, w4  # noqa: E402
 from bench.systems import (LLAMA_SERVER, SYSTEMS, RssSampler, Running, before_system, cold_variant,  # noqa: E402
-                           launch, omp_policy)
+                           launch, omp_policy, orchestrator_variants)
 
 LOOPS = ("W4", "CHAT")
 
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b Q4_K_M)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more system: orchestrator with more flags, named orchestrator-NAME (repeatable)")
     ap.add_argument("--workloads", default="W1,W2,W3")
     ap.add_argument("--cache-ram", type=int, default=4096, help="orchestrator --cache-ram on W1/W2, MiB")
     ap.add_argument("--w3-cache-ram", type=int, default=192,
@@ -216,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     systems = [SYSTEMS[n] for n in names]
+    try:
+        systems += orchestrator_variants(args.variant)
+    except ValueError as e:
+        ap.error(str(e))
     workloads = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     loops = [w for w in workloads if w in LOOPS]
     workloads = [w for w in workloads if w not in LOOPS]
