@@ -162,13 +162,11 @@ def cold_requests(records: list[dict], systems: Sequence[str], peer: str = "llam
     round), as served in the warm rounds (snapshots included): TTFT per system, its ratio to `peer`'s, and the
     share of orchestrator's TTFT spent saving snapshots (its server timings' snapshot_ms)."""
     out = []
-    warm = [r for r in records if not r["cold"] and r["ok"] and r["oracle"] == 0]
-    keys = []
-    for r in warm:
-        if (r["round"], r["index"]) not in keys:
-            keys.append((r["round"], r["index"]))
-    for rnd, idx in keys:
-        rs = {r["system"]: r for r in warm if (r["round"], r["index"]) == (rnd, idx)}
+    groups: dict[tuple, dict[str, dict]] = {}  # (round, index) -> system -> record, in the order first seen
+    for r in records:
+        if not r["cold"] and r["ok"] and r["oracle"] == 0:
+            groups.setdefault((r["round"], r["index"]), {})[r["system"]] = r
+    for (rnd, _), rs in groups.items():
         base = rs.get(peer)
         first = next(iter(rs.values()))
         row = {"workload": first["workload"], "round": rnd, "label": first["label"],
