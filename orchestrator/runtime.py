@@ -218,8 +218,13 @@ class Runtime:
                 "spare_checkpoints": self.engine.spares.describe(), **self.engine.state.describe()}
 
     def flush_cache(self) -> int:
-        """Drop every snapshot in every tier; returns how many entries went."""
-        return self.cache.clear()
+        """Drop every snapshot of the local tiers (RAM, disk; a shared tier keeps its entries for the other
+        replicas) and forget the slots' live state (`Scheduler.forget_live`), so that the next request reuses
+        nothing computed before; returns how many entries went. Blocks until the worker has cleared the slots
+        (at most one step)."""
+        n = self.cache.clear()
+        self.scheduler.forget_live()
+        return n
 
     def health(self) -> dict:
         """Slots, queue and cache figures for /health."""

@@ -102,6 +102,7 @@ class Scheduler:
         self._order = itertools.count()
         self._job_s = 5.0  # moving average of request durations, for Retry-After
         self._closed = False
+        self._forget: list[threading.Event] = []  # forget_live calls the worker has yet to carry out
         self._trimmer = HeapTrimmer()
         self._driver = driver or EngineThread()
         self._worker_done = self._driver.submit(self._worker)
@@ -143,6 +144,38 @@ class Scheduler:
         with self._cond:
             return self._cond.wait_for(lambda: not self._waiting and not self._active(), timeout)
 
+    def forget_live(self, timeout: float = 60.0) -> bool:
+        """Forget the state the slots' sequences hold (a cache flush: POST /v1/cache/flush), so that nothing
+        computed before the call is offered to later requests as live KV: every idle slot's sequence is cleared,
+        and every after-generation re-prefill (STORE) is dropped with its sequence, since it would store a state of
+        before the call. Requests being prefilled or decoded go on; what they compute and store from then on
+        counts as new. Carried out by the worker thread (the engine's only user) between two steps; waits at most
+        `timeout` seconds for it (a step is one prefill chunk or one decode step) and returns whether it was done."""
+        done = threading.Event()
+        with self._cond:
+            if self._closed:
+                return False
+            self._forget.append(done)
+            self._cond.notify_all()
+        return done.wait(timeout)
+
+    def _forget_slots(self) -> None:
+        """The worker's side of forget_live."""
+        with self._cond:
+            pending, self._forget = self._forget, []
+        if not pending:
+            return
+        try:
+            for slot in self.slots:
+                if slot.task is not None and slot.task.phase == Phase.STORE:
+                    self._release(slot.task)
+                if slot.task is None:
+                    self.reuse.reset(slot)
+                    slot.key = ""
+        finally:  # a failure (logged by the worker) must not keep the caller waiting for its timeout
+            for done in pending:
+                done.set()
+
     @property
     def queue_length(self) -> int:
         """Requests waiting for a slot."""
@@ -180,13 +213,14 @@ class Scheduler:
             if idle and self._fill_spare():
                 continue
             with self._cond:
-                while not self._closed and not self._waiting and not self._active():
+                while not self._closed and not self._waiting and not self._active() and not self._forget:
                     self._cond.notify_all()  # wake drain()
                     self._cond.wait(self._trimmer.interval_s)
                     self._trimmer.maybe_trim()
                 if self._closed:
                     break
             try:
+                self._forget_slots()
                 self._expire()
                 self._admit()
                 if not self._step():
@@ -199,6 +233,9 @@ class Scheduler:
                     self._fail(task, EngineError("internal error in the scheduler; see the server log"))
         with self._cond:
             pending, self._waiting = list(self._waiting), collections.deque()
+            forget, self._forget = self._forget, []
+        for done in forget:  # nothing is served any more: nothing to forget either
+            done.set()
         for task in pending + self._active():
             self._fail(task, OrchestratorError("the server is shutting down"))
 

@@ -572,10 +572,11 @@ class Api:
         return JSONResponse(self.rt.cache_report())
 
     async def cache_flush(self, request: Request):
-        """Administration: drop every snapshot in every tier. Off (403) on a server without --api-key."""
+        """Administration: drop every snapshot of the local tiers and the slots' live state (Runtime.flush_cache).
+        Off (403) on a server without --api-key."""
         if self.rt.config.api_key is None:
             raise Forbidden("cache administration is off: start the server with --api-key to enable it")
-        n = self.rt.flush_cache()
+        n = await run_in_threadpool(self.rt.flush_cache)  # waits for the worker's step, off the event loop
         log.warning("cache flushed by an administration request: %d entries dropped", n)
         return JSONResponse({"flushed_entries": n})
 

@@ -219,7 +219,8 @@ def test_the_right_key_opens_every_endpoint_and_flush_empties_the_cache(limited,
     assert r.status_code == 200 and r.json()["flushed_entries"] > 0
     assert rt.cache.entries() == []
     rt.cache.check()
-    assert authed.post("/v1/chat/completions", json=chat()).status_code == 200
+    again = authed.post("/v1/chat/completions", json=chat())  # nothing of before: no entry, no live state
+    assert again.status_code == 200 and again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_anthropic_routes_take_the_key_as_x_api_key_and_refuse_in_their_shape(limited):

@@ -9,6 +9,7 @@ the real model in test_correctness.py, test_slots.py and test_models.py.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -622,6 +623,41 @@ def test_a_kv_only_model_restores_any_shared_prefix_without_checkpoints(make):
     assert same_as_cold(s, b).cached_tokens == 33
     assert {k for k, _ in kinds_at(cache)} == {str(KV)}
     assert same_as_cold(s, b).cached_tokens == len(b) - MS
+
+
+def test_a_flush_forgets_the_slots_live_kv_too(make):
+    eng, cache, s = make(hybrid=False, n_slots=1)
+    a = SYSTEM + TAILS[0]
+    same_as_cold(s, a)
+    cache.clear()  # the stored entries only: a KV-only model still restores from the slot's live KV
+    assert s.run(job(a)).cached_tokens == len(a) - MS
+    s.drain()
+    cache.clear()
+    assert s.forget_live()
+    assert eng.pos_max(0) == -1 and s.slots[0].live == []
+    again = same_as_cold(s, a)
+    assert (again.cached_tokens, again.restore_source) == (0, "none")
+
+
+def test_a_flush_drops_an_after_generation_re_prefill_and_its_sequence(make):
+    eng, cache, s = make(n_slots=1)
+    prompt = SYSTEM + TAILS[0]
+    done = threading.Event()
+
+    def sink(ev: Event) -> None:
+        if ev.kind == EventKind.DONE:
+            eng.pause()  # the worker stops at the re-prefill's first chunk (STORE)
+            done.set()
+
+    s.submit(job(prompt, [len(SYSTEM)], max_tokens=40), sink)
+    assert done.wait(30)
+    flushed = concurrent.futures.ThreadPoolExecutor(1).submit(s.forget_live)
+    eng.resume()  # that chunk ends; the worker forgets before the next one
+    assert flushed.result(30)
+    s.drain()
+    assert s.slots[0].task is None and eng.pos_max(0) == -1
+    assert all(n < len(prompt) for k, n in kinds_at(cache) if k == str(KV))  # the answer's state never stored
+    same_as_cold(s, prompt, [len(SYSTEM)], max_tokens=40)
 
 
 def test_a_restore_llama_cpp_refuses_drops_the_entries_and_the_request_continues_as_a_miss(make, caplog):
