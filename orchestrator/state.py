@@ -291,7 +291,7 @@ class HybridState(StateKind):
         # Order matters on a hybrid memory: the KV, then the checkpoint, then the truncation, which fails before
         # the checkpoint is loaded (the recurrent state cannot be cut back). Each entry is a loadable state and
         # is read where it lies (bytes): a 2,000-token KV entry and its checkpoint (43 MiB on the 0.8b) restored at
-        # 3.8 GiB/s (26% of memcpy) when first copied together into one buffer, 6.9-7.0 GiB/s (45-47%) loaded one
+        # 3.8 GiB/s (26% of memcpy) when first copied together into one buffer, 7.2-7.5 GiB/s (43-46%) loaded one
         # after the other, on a 2-core EPYC (bench/bench_restore.py).
         if kv is not None:
             io.load_state(seq, kv, partial=False, clear=True)
