@@ -318,7 +318,8 @@ class Collector:
 @dataclass
 class Slot:
     """One sequence of the context. live: tokens whose KV the sequence holds, computed by prefill (a reusable
-    source); salt: the cache_salt of the request whose state it holds."""
+    source); salt: the cache_salt of the request whose state it holds; stale: a cache flush came while it served
+    its task, so its live KV is offered to no other request and it is cleared when the task leaves."""
 
     seq: int
     live: list[int] = field(default_factory=list)
@@ -326,3 +327,4 @@ class Slot:
     salt: str = ""
     last_used: float = 0.0
     task: Task | None = None
+    stale: bool = False

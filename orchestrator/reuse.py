@@ -163,9 +163,10 @@ class Reuse:
 
     def plans(self, tokens: list[int], salt: str) -> list[RestorePlan]:
         """The restore plan of `tokens` under `salt` with each slot's live KV (stored entries are the same for
-        all; a slot holding another salt's state offers none)."""
+        all; a slot holding another salt's state, or state from before a cache flush (`stale`), offers none)."""
         limit = self.max_hit(len(tokens))
-        return [self.cache.plan(tokens, limit, s.live if s.salt == salt else (), salt=salt) for s in self.slots]
+        return [self.cache.plan(tokens, limit, s.live if s.salt == salt and not s.stale else (), salt=salt)
+                for s in self.slots]
 
     def pick_slot(self, task: Task, free: Sequence[Slot]) -> Slot:
         """The free slot whose own live KV restores the deepest prefix (no copy), else, by preference, the last
@@ -221,7 +222,8 @@ class Reuse:
             return False
         for other in earlier:
             if (other.order >= task.order or not other.job.use_cache or other.job.cache_salt != task.job.cache_salt
-                    or other.index):  # choices i > 0 store nothing (choice 0 does)
+                    or other.index  # choices i > 0 store nothing (choice 0 does)
+                    or (other.phase != Phase.QUEUED and not other.store)):  # nor does one admitted before a flush
                 continue
             shared = min(common_len(other.tokens, task.tokens), upto)
             if shared <= avail:

@@ -219,12 +219,10 @@ class Runtime:
 
     def flush_cache(self) -> int:
         """Drop every snapshot of the local tiers (RAM, disk; a shared tier keeps its entries for the other
-        replicas) and forget the slots' live state (`Scheduler.forget_live`), so that the next request reuses
-        nothing computed before; returns how many entries went. Blocks until the worker has cleared the slots
-        (at most one step)."""
-        n = self.cache.clear()
-        self.scheduler.forget_live()
-        return n
+        replicas) and forget the slots' live state, so that no request admitted afterwards reuses anything computed
+        before (`Scheduler.flush`); returns how many entries went. Blocks until the worker has done it (at most one
+        step); raises OrchestratorError when it did not within a minute."""
+        return self.scheduler.flush()
 
     def health(self) -> dict:
         """Slots, queue and cache figures for /health."""

@@ -102,7 +102,7 @@ class Scheduler:
         self._order = itertools.count()
         self._job_s = 5.0  # moving average of request durations, for Retry-After
         self._closed = False
-        self._forget: list[threading.Event] = []  # forget_live calls the worker has yet to carry out
+        self._flushes: list[concurrent.futures.Future] = []  # flush calls the worker has yet to carry out
         self._trimmer = HeapTrimmer()
         self._driver = driver or EngineThread()
         self._worker_done = self._driver.submit(self._worker)
@@ -144,25 +144,33 @@ class Scheduler:
         with self._cond:
             return self._cond.wait_for(lambda: not self._waiting and not self._active(), timeout)
 
-    def forget_live(self, timeout: float = 60.0) -> bool:
-        """Forget the state the slots' sequences hold (a cache flush: POST /v1/cache/flush), so that nothing
-        computed before the call is offered to later requests as live KV: every idle slot's sequence is cleared,
-        and every after-generation re-prefill (STORE) is dropped with its sequence, since it would store a state of
-        before the call. Requests being prefilled or decoded go on; what they compute and store from then on
-        counts as new. Carried out by the worker thread (the engine's only user) between two steps; waits at most
-        `timeout` seconds for it (a step is one prefill chunk or one decode step) and returns whether it was done."""
-        done = threading.Event()
+    def flush(self, timeout: float = 60.0) -> int:
+        """Drop every snapshot of the cache's local tiers and forget what the slots hold (POST /v1/cache/flush), so
+        that no request admitted afterwards reuses state computed before: every idle slot's sequence is cleared;
+        every after-generation re-prefill (STORE) is dropped with its sequence, since it would store a pre-flush
+        state; a request being prefilled or decoded goes on, but stores nothing more, its slot's live KV is offered
+        to no other request, and the slot is cleared when it leaves. Carried out by the worker thread (the engine's
+        only user) between two steps, so nothing is stored in between; returns how many entries went.
+
+        Raises OrchestratorError when the worker did not get to it within `timeout` seconds (a step is one prefill
+        chunk or one decode step: milliseconds to seconds), or when the server is shutting down; the flush may
+        still happen at the worker's next step."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._closed:
-                return False
-            self._forget.append(done)
+                raise OrchestratorError("the server is shutting down")
+            self._flushes.append(done)
             self._cond.notify_all()
-        return done.wait(timeout)
+        try:
+            return done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise OrchestratorError(f"the cache flush did not complete within {timeout:.0f} s: the worker is busy "
+                                    "with a long step; retry", code="flush_incomplete") from None
 
-    def _forget_slots(self) -> None:
-        """The worker's side of forget_live."""
+    def _flush(self) -> None:
+        """The worker's side of `flush`."""
         with self._cond:
-            pending, self._forget = self._forget, []
+            pending, self._flushes = self._flushes, []
         if not pending:
             return
         try:
@@ -171,10 +179,18 @@ class Scheduler:
                     self._release(slot.task)
                 if slot.task is None:
                     self.reuse.reset(slot)
-                    slot.key = ""
-        finally:  # a failure (logged by the worker) must not keep the caller waiting for its timeout
+                    slot.key, slot.stale = "", False
+                else:
+                    slot.stale = True  # cleared in _release
+                    slot.task.store = False
+            n = self.cache.clear()
+        except Exception as e:  # noqa: BLE001 - reported to the caller; the worker goes on
+            log.exception("cache flush failed")
             for done in pending:
-                done.set()
+                done.set_exception(e)
+            return
+        for done in pending:
+            done.set_result(n)
 
     @property
     def queue_length(self) -> int:
@@ -213,14 +229,14 @@ class Scheduler:
             if idle and self._fill_spare():
                 continue
             with self._cond:
-                while not self._closed and not self._waiting and not self._active() and not self._forget:
+                while not self._closed and not self._waiting and not self._active() and not self._flushes:
                     self._cond.notify_all()  # wake drain()
                     self._cond.wait(self._trimmer.interval_s)
                     self._trimmer.maybe_trim()
                 if self._closed:
                     break
             try:
-                self._forget_slots()
+                self._flush()
                 self._expire()
                 self._admit()
                 if not self._step():
@@ -233,9 +249,9 @@ class Scheduler:
                     self._fail(task, EngineError("internal error in the scheduler; see the server log"))
         with self._cond:
             pending, self._waiting = list(self._waiting), collections.deque()
-            forget, self._forget = self._forget, []
-        for done in forget:  # nothing is served any more: nothing to forget either
-            done.set()
+            flushes, self._flushes = self._flushes, []
+        for done in flushes:
+            done.set_exception(OrchestratorError("the server is shutting down"))
         for task in pending + self._active():
             self._fail(task, OrchestratorError("the server is shutting down"))
 
@@ -472,6 +488,9 @@ class Scheduler:
         if slot is not None and slot.task is t:
             slot.task = None
             slot.last_used = time.perf_counter()
+            if slot.stale:  # it served across a flush: what it holds was computed before
+                self.reuse.reset(slot)
+                slot.key, slot.stale = "", False
         t.phase = Phase.DONE
         with self._cond:
             self._cond.notify_all()

@@ -295,8 +295,11 @@ def test_must_wait_looks_at_what_an_earlier_request_is_about_to_store():
     earlier = Task(job(SYSTEM + TAILS[0], [len(SYSTEM)]), lambda ev: None, threading.Event(), 0, 0)
     later = Task(job(SYSTEM + TAILS[1], [len(SYSTEM)]), lambda ev: None, threading.Event(), 1, 0)
     assert reuse.must_wait(later, [earlier])  # queued: its positions are planned by the same builder
-    earlier.phase, earlier.positions = Phase.PREFILL, [len(SYSTEM), len(SYSTEM) + 6]
+    earlier.phase, earlier.positions, earlier.store = Phase.PREFILL, [len(SYSTEM), len(SYSTEM) + 6], True
     assert reuse.must_wait(later, [earlier])
+    earlier.store = False  # admitted before a cache flush: it stores nothing, so nothing to wait for
+    assert not reuse.must_wait(later, [earlier])
+    earlier.store = True
     earlier.positions = [len(SYSTEM) + 6]  # the shared boundary is stored already (or was skipped)
     assert not reuse.must_wait(later, [earlier])
     earlier.phase = Phase.DECODE  # nothing more to store on the shared part
@@ -632,9 +635,8 @@ def test_a_flush_forgets_the_slots_live_kv_too(make):
     cache.clear()  # the stored entries only: a KV-only model still restores from the slot's live KV
     assert s.run(job(a)).cached_tokens == len(a) - MS
     s.drain()
-    cache.clear()
-    assert s.forget_live()
-    assert eng.pos_max(0) == -1 and s.slots[0].live == []
+    assert s.flush() > 0
+    assert eng.pos_max(0) == -1 and s.slots[0].live == [] and len(cache.entries()) == 0
     again = same_as_cold(s, a)
     assert (again.cached_tokens, again.restore_source) == (0, "none")
 
@@ -651,13 +653,47 @@ def test_a_flush_drops_an_after_generation_re_prefill_and_its_sequence(make):
 
     s.submit(job(prompt, [len(SYSTEM)], max_tokens=40), sink)
     assert done.wait(30)
-    flushed = concurrent.futures.ThreadPoolExecutor(1).submit(s.forget_live)
-    eng.resume()  # that chunk ends; the worker forgets before the next one
-    assert flushed.result(30)
+    flushed = concurrent.futures.ThreadPoolExecutor(1).submit(s.flush)
+    eng.resume()  # that chunk ends; the worker flushes before the next one
+    assert flushed.result(30) > 0
     s.drain()
     assert s.slots[0].task is None and eng.pos_max(0) == -1
-    assert all(n < len(prompt) for k, n in kinds_at(cache) if k == str(KV))  # the answer's state never stored
-    same_as_cold(s, prompt, [len(SYSTEM)], max_tokens=40)
+    assert cache.entries() == []  # the answer's state never stored, nor anything after the flush
+    again = same_as_cold(s, prompt, [len(SYSTEM)], max_tokens=40)
+    assert again.cached_tokens == 0
+
+
+def test_a_request_in_flight_across_a_flush_goes_on_but_stores_and_lends_nothing(make):
+    eng, cache, s = make(hybrid=False, n_slots=2)
+    a = SYSTEM + TAILS[0]
+    same_as_cold(s, a)
+    started, results = threading.Event(), {}
+
+    def sink_for(name):
+        def sink(ev: Event) -> None:
+            if ev.kind == EventKind.TEXT and name == "first" and not started.is_set():
+                eng.pause()  # decoding: the worker stops at its next step
+                started.set()
+            elif ev.kind == EventKind.DONE:
+                results[name] = ev.result
+        return sink
+
+    s.submit(job(a, max_tokens=20), sink_for("first"))  # restores its prefix (live KV or the stored entry)
+    assert started.wait(30)
+    busy = next(sl for sl in s.slots if sl.task is not None)
+    flushed = concurrent.futures.ThreadPoolExecutor(1).submit(s.flush)
+    while not s._flushes:  # queued before the worker goes on: it flushes, then admits the second request
+        time.sleep(0.001)
+    s.submit(job(a), sink_for("second"))
+    eng.resume()
+    assert flushed.result(30) > 0
+    assert s.drain(30)
+    assert results["second"].cached_tokens == 0  # the busy slot's live KV, from before the flush, is not lent
+    assert busy.live == [] and not busy.stale and eng.pos_max(busy.seq) == -1  # cleared when its task left
+    first = len(a) + len(results["first"].completion_tokens)
+    assert all(n < first for k, n in kinds_at(cache) if k == str(KV))  # nothing of the first one's answer stored
+    cold = s.run(job(a, max_tokens=20, use_cache=False))
+    assert results["first"].completion_tokens == cold.completion_tokens  # it went on as its cold run
 
 
 def test_a_restore_llama_cpp_refuses_drops_the_entries_and_the_request_continues_as_a_miss(make, caplog):
