@@ -318,9 +318,9 @@ class Reuse:
         return plans
 
     def reset(self, slot: Slot) -> None:
-        """Clear the slot's sequence: it offers nothing to reuse."""
+        """Clear the slot's sequence: it offers nothing to reuse (and holds nothing of before a flush)."""
         self.engine.clear(slot.seq)
-        slot.live = []
+        slot.live, slot.stale = [], False
 
     # ------------------------------------------------------------------ store
 

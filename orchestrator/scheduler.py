@@ -178,8 +178,7 @@ class Scheduler:
                 if slot.task is not None and slot.task.phase == Phase.STORE:
                     self._release(slot.task)
                 if slot.task is None:
-                    self.reuse.reset(slot)
-                    slot.key, slot.stale = "", False
+                    self._forget(slot)
                 else:
                     slot.stale = True  # cleared in _release
                     slot.task.store = False
@@ -483,14 +482,18 @@ class Scheduler:
             if c.phase == Phase.FORK:
                 self._fail(c, err)
 
+    def _forget(self, slot: Slot) -> None:
+        """A flush reached this free slot: clear its sequence and its prompt_cache_key affinity."""
+        self.reuse.reset(slot)
+        slot.key = ""
+
     def _release(self, t: Task) -> None:
         slot = t.slot
         if slot is not None and slot.task is t:
             slot.task = None
             slot.last_used = time.perf_counter()
             if slot.stale:  # it served across a flush: what it holds was computed before
-                self.reuse.reset(slot)
-                slot.key, slot.stale = "", False
+                self._forget(slot)
         t.phase = Phase.DONE
         with self._cond:
             self._cond.notify_all()
