@@ -72,10 +72,6 @@ class MessagesRequest:
     options: GenerationOptions | None  # None for count_tokens
     cache_breakpoints: tuple[tuple[int, int], ...] = ()
 
-    @property
-    def parse_tools(self) -> bool:
-        return self.tools is not None
-
 
 def _cache_control(block: dict, p: str) -> bool:
     """Whether `block` carries a valid cache_control mark; raises for an invalid one."""

@@ -35,7 +35,6 @@ from orchestrator.config import Config
 from orchestrator.errors import (Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled, Unauthorized,
                                  UnsupportedMediaType)
 from orchestrator.output.grammar import Constraint
-from orchestrator.output.parsing import make_stream_parser, parse_output
 from orchestrator.prompt.builder import Prompt
 from orchestrator.runtime import Runtime
 from orchestrator.request import Event, Job, Result
@@ -309,7 +308,7 @@ class Api:
         prompt = await self._chat_prompt(req)
         constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
         job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
-            req.messages, req.tools, req.template_kwargs, prompt, req.parse_tools), constraint)
+            req.messages, req.tools, req.template_kwargs, prompt), constraint)
         events, cancel = self._submit(job)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
@@ -324,14 +323,8 @@ class Api:
 
     def _chat_choice(self, r: Result, prompt: Prompt, req) -> dict:
         """One entry of a chat completion's `choices`: the message parsed from choice r.index's text."""
-        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format,
-                           req.tools)
-        message = {"role": "assistant", "content": out.content}
-        if out.reasoning is not None:
-            message["reasoning_content"] = out.reasoning
-        if out.tool_calls:
-            message["tool_calls"] = out.tool_calls
-        return {"index": r.index, "message": message, "finish_reason": "tool_calls" if out.tool_calls else
+        out = prompt.reply.parse(r.text)
+        return {"index": r.index, "message": prompt.reply.message(out), "finish_reason": "tool_calls" if out.tool_calls else
                 r.finish_reason, "logprobs": None if r.logprobs is None else logprobs.chat(r.logprobs, self.rt.piece)}
 
     def _chat_stream(self, events: asyncio.Queue, cancel: threading.Event, cid: str, created: int,
@@ -342,8 +335,7 @@ class Api:
         the usage of all choices, as OpenAI sends them, and the `timings` a non-streamed body has (llama-server
         sends its own in the last chunk)."""
         n = req.options.n
-        parsers = [make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format,
-                                      req.tools) for _ in range(n)]
+        parsers = [prompt.reply.stream() for _ in range(n)]
         keys = {"reasoning": "reasoning_content", "content": "content"}
         with_usage = req.options.include_usage
         held: list[list] = [[] for _ in range(n)]  # per choice: logprobs of tokens whose text no chunk carried yet
@@ -448,7 +440,7 @@ class Api:
     async def messages(self, request: Request):
         req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
         job = self._job(prompt, req.options, restorable_after=self.rt.prompts.restorable_after(
-            req.messages, req.tools, req.template_kwargs, prompt, req.parse_tools))
+            req.messages, req.tools, req.template_kwargs, prompt))
         events, cancel = self._submit(job)
         mid = f"msg_{uuid.uuid4().hex}"
         if req.options.stream:
@@ -456,7 +448,7 @@ class Api:
                                      media_type="text/event-stream")
         r = (await self._collect(request, events, cancel))[0]
         self._log("messages", [r])
-        out = parse_output(r.text, prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
+        out = prompt.reply.parse(r.text)
         reason, sequence = self._stop_reason(r, bool(out.tool_calls), req.options.stop)
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
@@ -479,7 +471,7 @@ class Api:
         message_start carries the prompt's length as input_tokens and null cache figures, which are known only
         at the end: message_delta carries the final input_tokens, cache_read_input_tokens and
         cache_creation_input_tokens (the Anthropic clients take them from there)."""
-        parser = make_stream_parser(prompt.opens_reasoning, req.parse_tools, self.rt.prompts.output_format)
+        parser = prompt.reply.stream()
         block = {"index": -1, "type": None}
 
         def event(name: str, data: dict) -> str:

@@ -112,7 +112,6 @@ class ChatRequest:
     tools: list[dict] | None
     template_kwargs: dict[str, Any]
     options: GenerationOptions
-    parse_tools: bool = True
     prompt_cache_key: str = ""  # OpenAI's; the scheduler may route requests with the same key together
     cache_breakpoints: tuple[tuple[int, int], ...] = ()  # (message index, content characters before it)
     late_system: int | None = None  # index in the request of a system message after the leading ones
@@ -529,7 +528,7 @@ def parse_chat(body: Any, cfg: Config | None = None) -> ChatRequest:
     messages, breakpoints, late_system = conversation(body.get("messages"), cfg.max_messages)
     options = dataclasses.replace(_options(body, cfg), logprobs=_chat_logprobs(body))
     return ChatRequest(messages=messages, tools=tools, template_kwargs=dict(kwargs),
-                       options=options, parse_tools=tools is not None, prompt_cache_key=key or "",
+                       options=options, prompt_cache_key=key or "",
                        cache_breakpoints=breakpoints, late_system=late_system, structure=structure)
 
 

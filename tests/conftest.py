@@ -7,6 +7,7 @@ ORCHESTRATOR_TEST_MODEL=path runs the model-level tests against another GGUF (e.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import socket
@@ -23,7 +24,7 @@ import uvicorn
 from orchestrator.config import Config
 from orchestrator.engine import SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.request import Job, Result
+from orchestrator.request import Event, Job, Result
 from server.app import create_app
 
 
@@ -166,3 +167,45 @@ def live_server(runtime):
 def client(live_server):
     with httpx.Client(base_url=live_server.url, timeout=300) as c:
         yield c
+
+
+def scripted(runtime, monkeypatch, text: str) -> None:
+    """Make the model 'say' `text` (the random-weight model never writes a tool call): the server parses it as it
+    would the real output."""
+    submit = runtime.scheduler.submit
+
+    def fake(job, sink, *args):
+        sent = []
+
+        def wrap(ev: Event) -> None:
+            if ev.kind == "text" or (ev.kind == "done" and not sent):
+                if not sent:
+                    sent.append(True)
+                    sink(Event("text", text=text))
+                if ev.kind == "text":
+                    return
+            if ev.kind == "done":
+                ev = Event("done", result=dataclasses.replace(ev.result, text=text))
+            sink(ev)
+
+        return submit(job, wrap, *args)
+
+    monkeypatch.setattr(runtime.scheduler, "submit", fake)
+
+
+AGENTS_DIR = Path(__file__).parent / "agents"
+
+
+@pytest.fixture(scope="session")
+def agent_bin() -> Path:
+    """The bin folder of the agent CLIs at the versions tests/agents/package-lock.json pins (Claude Code, Codex,
+    pi), installed on first use with `npm ci` (about 35 s and 1 GB; Node.js 20 and npm from the machine)."""
+    stamp = AGENTS_DIR / "node_modules" / ".installed-lock"
+    lock = (AGENTS_DIR / "package-lock.json").read_bytes()
+    if not stamp.exists() or stamp.read_bytes() != lock:
+        import subprocess
+
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=AGENTS_DIR, check=True,
+                       timeout=600)
+        stamp.write_bytes(lock)
+    return AGENTS_DIR / "node_modules" / ".bin"

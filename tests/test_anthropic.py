@@ -5,7 +5,6 @@ with the same request run cold (the extension field cache_prompt: false)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import anthropic
@@ -13,9 +12,10 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.request import Event
 from server.anthropic import parse_messages
 from server.schemas import parse_chat
+
+from .conftest import scripted
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence and cite the shelf. " * 3
 TOOLS = [{"name": "find_book", "description": "Find a book in the catalogue",
@@ -132,30 +132,6 @@ def test_tool_results_in_any_order_bind_by_id_and_share_the_openai_prefix(claude
     assert total(warm.usage) == len(ab.tokens) and warm.usage.cache_read_input_tokens > len(ab.tokens) - 16
     assert warm.content == cold.content
     assert warm.content[0].text == first.choices[0].message.content
-
-
-def scripted(runtime, monkeypatch, text: str) -> None:
-    """Make the model 'say' `text` (the random-weight model never writes a tool call): the server parses it as it
-    would the real output."""
-    submit = runtime.scheduler.submit
-
-    def fake(job, sink, *args):
-        sent = []
-
-        def wrap(ev: Event) -> None:
-            if ev.kind == "text" or (ev.kind == "done" and not sent):
-                if not sent:
-                    sent.append(True)
-                    sink(Event("text", text=text))
-                if ev.kind == "text":
-                    return
-            if ev.kind == "done":
-                ev = Event("done", result=dataclasses.replace(ev.result, text=text))
-            sink(ev)
-
-        return submit(job, wrap, *args)
-
-    monkeypatch.setattr(runtime.scheduler, "submit", fake)
 
 
 CALL = "<tool_call>\n<function=find_book>\n<parameter=title>\nDune\n</parameter>\n</function>\n</tool_call>"

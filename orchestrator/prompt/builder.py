@@ -9,7 +9,6 @@ are tokenized as they are.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from .control import ControlTexts, protected_texts, split_cuts, strip_cuts
 from ..engine import Engine
 from ..errors import InvalidRequest
 from ..output.formats import OutputFormat, detect_format
-from ..output.parsing import parse_output
+from ..output.reply import Reply
 from .template import ChatTemplate, templates_dir
 
 
@@ -29,7 +28,7 @@ class Prompt:
     """A rendered prompt. tokens: n_prompt ids; boundaries: offsets in tokens; text: the rendered text.
 
     opens_reasoning: the generation prompt ends inside an open <think> block, so generated text starts as
-    reasoning (Qwen3.5 with thinking on). render_s, tokenize_s, boundaries_s: where building it took its time
+    reasoning (Qwen3.5 with thinking on). reply: the shaper that reads the completion (output/reply.py). render_s, tokenize_s, boundaries_s: where building it took its time
     (the request's time breakdown, with the scheduler's).
     """
 
@@ -41,6 +40,7 @@ class Prompt:
     tokenize_s: float = 0.0  # seconds spent tokenizing the rendered text
     boundaries_s: float = 0.0  # seconds spent finding the boundaries (probe renders and their tokens)
     snapshot_min_gap: int = 0  # tokens: message ends closer than that to another stop are left out
+    reply: Reply | None = None  # how the completion of a chat prompt is read (None: a plain-text prompt)
 
     def snapshot_positions(self) -> list[int]:
         """Where the prefill stops to save a snapshot (Boundaries.positions); [] for a plain-text prompt."""
@@ -126,7 +126,7 @@ class PromptBuilder:
         return self.output_format.template_messages(messages), tools, template_kwargs
 
     def restorable_after(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any],
-                         prompt: Prompt, parse_tools: bool = True) -> Callable[[Sequence[int]], bool]:
+                         prompt: Prompt) -> Callable[[Sequence[int]], bool]:
         """A predicate for the scheduler's after-generation state: given the generated token ids (with the
         end-of-turn token when generation stopped on one), whether the request that most likely follows starts
         with `prompt`'s tokens and exactly those ids, so that the state after them can be restored.
@@ -143,13 +143,9 @@ class PromptBuilder:
                 eog = list(generated[-1:]) if generated and self.engine.is_eog(generated[-1]) else []
                 body = list(generated[: len(generated) - len(eog)])
                 text = b"".join(self.engine.piece(t) for t in body).decode("utf-8", "replace")
-                out = parse_output(text, prompt.opens_reasoning, parse_tools, self.output_format, tools)
-                answer: dict[str, Any] = {"role": "assistant", "content": out.content}
-                if out.reasoning is not None:
-                    answer["reasoning_content"] = out.reasoning
+                out = prompt.reply.parse(text)
+                answer = prompt.reply.message(out, object_arguments=True)
                 if out.tool_calls:
-                    answer["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(
-                        c["function"]["arguments"]))) for c in out.tool_calls]
                     probes = [{"role": "tool", "tool_call_id": c["id"], "content": "\ue000result"}
                               for c in out.tool_calls]
                 else:
@@ -170,6 +166,7 @@ class PromptBuilder:
         `breakpoints`: the caller's cache breakpoints as (message index, characters of its content before it).
         """
         t0 = time.perf_counter()
+        raw_tools = tools  # the reply is read against the request's own tools, not their escaped copies
         esc = self.controls
         if esc:  # content is data: see control.py
             breakpoints = [(i, esc.escaped_offset(messages[i].get("content") or "", c)) for i, c in breakpoints]
@@ -185,7 +182,7 @@ class PromptBuilder:
         opens = tail.endswith("<think>") and "</think>" not in tail[tail.rfind("<think>"):]
         return Prompt(text=text, tokens=tokens, boundaries=bounds, opens_reasoning=opens, render_s=t1 - t0,
                       tokenize_s=t2 - t1, boundaries_s=time.perf_counter() - t2,
-                      snapshot_min_gap=self.snapshot_min_gap)
+                      snapshot_min_gap=self.snapshot_min_gap, reply=Reply(self.output_format, raw_tools, opens))
 
     def completion(self, text: str) -> Prompt:
         """A plain-text prompt (/v1/completions): no template, no boundaries."""
