@@ -107,9 +107,10 @@ class StateKind(ABC):
         prefill stops to store an entry."""
 
     @abstractmethod
-    def rewind_limit(self, n_prompt: int, min_segment: int) -> int:
-        """After generation: the deepest prompt position a sequence may be brought back to (from its own KV and
-        stored checkpoints) to re-prefill from."""
+    def rewind_limit(self, n_prompt: int, max_hit: int) -> int:
+        """After generation: the deepest prompt position (tokens) a sequence may be brought back to, from its own
+        KV and stored checkpoints, to re-prefill from; `max_hit` is the prompt's last restorable position
+        (Reuse.max_hit)."""
 
     # ------------------------------------------------------------------ save and restore (the engine)
 
@@ -162,7 +163,7 @@ class KVState(StateKind):
     def snapshot_positions(self, candidates):
         return []  # a KV entry restores any prefix: nothing to store mid-prompt
 
-    def rewind_limit(self, n_prompt, min_segment):
+    def rewind_limit(self, n_prompt, max_hit):
         return n_prompt  # the prompt's KV, computed by prefill, truncates to its end exactly
 
     def save(self, io, seq, kinds):
@@ -263,10 +264,10 @@ class HybridState(StateKind):
     def snapshot_positions(self, candidates):
         return list(candidates)
 
-    def rewind_limit(self, n_prompt, min_segment):
+    def rewind_limit(self, n_prompt, max_hit):
         # The generated tokens were decoded one at a time, which a prefill does not reproduce: back to the
-        # deepest checkpoint from which at least min_segment tokens are prefilled (the repeat point, as a rule).
-        return n_prompt - min_segment
+        # deepest checkpoint a request could restore (the repeat point, as a rule).
+        return max_hit
 
     def save(self, io, seq, kinds):
         if KV not in kinds:

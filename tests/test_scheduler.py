@@ -295,12 +295,12 @@ def test_must_wait_looks_at_what_an_earlier_request_is_about_to_store():
     earlier = Task(job(SYSTEM + TAILS[0], [len(SYSTEM)]), lambda ev: None, threading.Event(), 0, 0)
     later = Task(job(SYSTEM + TAILS[1], [len(SYSTEM)]), lambda ev: None, threading.Event(), 1, 0)
     assert reuse.must_wait(later, [earlier])  # queued: its positions are planned by the same builder
-    earlier.phase, earlier.positions, earlier.store = Phase.PREFILL, [len(SYSTEM), len(SYSTEM) + 6], True
+    earlier.phase, earlier.reuse.positions, earlier.reuse.store = Phase.PREFILL, [len(SYSTEM), len(SYSTEM) + 6], True
     assert reuse.must_wait(later, [earlier])
-    earlier.store = False  # admitted before a cache flush: it stores nothing, so nothing to wait for
+    earlier.reuse.store = False  # admitted before a cache flush: it stores nothing, so nothing to wait for
     assert not reuse.must_wait(later, [earlier])
-    earlier.store = True
-    earlier.positions = [len(SYSTEM) + 6]  # the shared boundary is stored already (or was skipped)
+    earlier.reuse.store = True
+    earlier.reuse.positions = [len(SYSTEM) + 6]  # the shared boundary is stored already (or was skipped)
     assert not reuse.must_wait(later, [earlier])
     earlier.phase = Phase.DECODE  # nothing more to store on the shared part
     assert not reuse.must_wait(later, [earlier])
@@ -682,7 +682,7 @@ def test_a_request_in_flight_across_a_flush_goes_on_but_stores_and_lends_nothing
     assert started.wait(30)
     busy = next(sl for sl in s.slots if sl.task is not None)
     flushed = concurrent.futures.ThreadPoolExecutor(1).submit(s.flush)
-    while not s._flushes:  # queued before the worker goes on: it flushes, then admits the second request
+    while not s.reuse.flushes:  # queued before the worker goes on: it flushes, then admits the second request
         time.sleep(0.001)
     s.submit(job(a), sink_for("second"))
     eng.resume()
