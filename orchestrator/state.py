@@ -2,9 +2,9 @@
 
 llama.cpp answers what the memory of a model is (`llama_model_is_recurrent`, `llama_model_is_hybrid`,
 `llama_model_n_swa`); `state_kind()` turns the answers into one of these classes, once, when the engine loads the
-model. Nothing else in the server branches on the kind of model: the cache asks its state kind how deep a stored
-entry restores and what a new entry supersedes, the engine asks it how to configure the context, and the reuse
-rules ask it where to stop a prefill, how to save, restore and rewind a sequence.
+model. Nothing else in the server branches on the kind of model: the cache reads which entry kinds it is stored
+as (and plans from what those kinds can do: cache/rules.py), the engine asks it how to configure the context,
+and the reuse rules ask it where to stop a prefill, how to save, restore and rewind a sequence.
 
     kind        models                                  entry kinds          a restore of position p needs
     KVState     attention only; sliding window served   KV                   a KV entry (or the live KV) that
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Callable, Collection, Iterable, Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
-from .cache.radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
+from .cache.radix import CHECKPOINT, KV, EntryKind
 from .errors import EngineError
 
 HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and PARTIAL_ONLY states
@@ -64,7 +64,8 @@ class StateIO(Protocol):
 
 
 class StateKind(ABC):
-    """The rules of one state layout. Stateless apart from what `probe` measures; shared by engine and cache."""
+    """The rules of one state layout. Stateless apart from what `probe` measures; shared by engine, cache and
+    reuse rules."""
 
     name: str
     entry_kinds: frozenset[EntryKind]  # the kinds of entries this state is stored as
@@ -81,23 +82,6 @@ class StateKind(ABC):
     def describe(self) -> dict:
         """For /v1/cache/stats: the kind, and whether stored entries are the parts of one full save."""
         return {"state_kind": self.name, "split_layout": False}
-
-    # ------------------------------------------------------------------ planning (the cache)
-
-    @abstractmethod
-    def match(self, tree: RadixTree, tokens: Sequence[int], max_tokens: int,
-              live: int) -> tuple[int, int | None, int | None]:
-        """How deep stored entries restore `tokens`: (p, checkpoint id, kv id) for the deepest restorable
-        p <= max_tokens; kv id None when the live sequence's KV (its first `live` tokens, computed by prefill)
-        serves. (0, None, None) when nothing restores."""
-
-    @abstractmethod
-    def superseded(self, tree: RadixTree, tokens: Sequence[int], kv_ids: Iterable[int],
-                   is_boundary: Callable[[int], bool]) -> list[int]:
-        """Entries that a new KV entry for `tokens` makes redundant, among the KV entries `kv_ids` of the same
-        tree (and the checkpoints that only they made restorable), each once, in the order to drop them.
-        `is_boundary(id)`: whether a checkpoint was taken at a template boundary or interval (the others end a
-        request)."""
 
     # ------------------------------------------------------------------ prefill and rewind (the reuse rules)
 
@@ -144,21 +128,6 @@ class KVState(StateKind):
         # than a cold run's and the attention sums round differently: seeded sampling diverged after a few tokens
         # on Gemma 3 270M. With a full cache nothing is evicted and the layout is the cold run's.
         self.swa_full = swa_full
-
-    def match(self, tree, tokens, max_tokens, live):
-        depth, kv_id = tree.deepest_kv(tokens, max_tokens)
-        if min(live, max_tokens) >= depth:
-            return min(live, max_tokens), None, None
-        return depth, None, kv_id
-
-    def superseded(self, tree, tokens, kv_ids, is_boundary):
-        # Another branch stays restorable at every token of its own: only KV on the same path is covered.
-        gone = []
-        for eid in kv_ids:
-            other = tree.tokens_of(eid)
-            if common_len(other, tokens) == len(other):
-                gone.append(eid)
-        return gone
 
     def snapshot_positions(self, candidates):
         return []  # a KV entry restores any prefix: nothing to store mid-prompt
@@ -233,33 +202,6 @@ class HybridState(StateKind):
 
     def describe(self) -> dict:
         return {"state_kind": self.name, "split_layout": bool(self.split_layout)}
-
-    def match(self, tree, tokens, max_tokens, live):
-        for node in reversed(tree.path(tokens, max_tokens)):
-            if node.checkpoint is None:
-                continue
-            if node.depth <= live:
-                return node.depth, node.checkpoint, None
-            kv_id = node.kv if node.kv is not None else tree.kv_covering(tokens, node.depth)
-            if kv_id is not None:
-                return node.depth, node.checkpoint, kv_id
-        return 0, None, None
-
-    def superseded(self, tree, tokens, kv_ids, is_boundary):
-        """KV is prefix-closed, so a KV entry on the same path is covered outright. A KV entry E on another branch
-        is superseded when every *boundary* checkpoint on E's path lies on the shared part: what E alone covers is
-        then only the end of a previous request (its end-of-prompt and generated tokens, which the next prompt
-        typically renders differently). E goes, with the end checkpoints in its tail, which no KV would cover any
-        more; should that branch come back, it is prefilled from its last boundary checkpoint."""
-        gone: dict[int, None] = {}  # ordered, once each: two dropped branches may share an end checkpoint
-        for eid in kv_ids:
-            other = tree.tokens_of(eid)
-            branch = common_len(other, tokens)
-            tail = [n.checkpoint for n in tree.path(other) if n.depth > branch and n.checkpoint is not None]
-            if any(is_boundary(c) for c in tail):
-                continue
-            gone.update(dict.fromkeys(tail + [eid]))
-        return list(gone)
 
     def snapshot_positions(self, candidates):
         return list(candidates)
