@@ -215,9 +215,14 @@ class Reuse:
         (the module docstring)."""
         return n_tokens - self.min_segment
 
+    def exact(self, n_tokens: int) -> bool:
+        """Whether a prefill segment of `n_tokens` computes what the same tokens inside a longer one do (at least
+        min_segment: the module docstring), so the state after it may be stored or restored."""
+        return n_tokens >= self.min_segment
+
     def stores(self, job: Job) -> bool:
         """Whether a job stores snapshots: a cache run whose prompt is not itself a too-short ubatch."""
-        return job.use_cache and len(job.prompt_tokens) >= self.min_segment
+        return job.use_cache and self.exact(len(job.prompt_tokens))
 
     def snapshot_positions(self, job: Job, start: int = 0) -> list[int]:
         """Where the prefill of `job` from token offset `start` stops, ascending: the `spaced_stops` of its
@@ -232,7 +237,7 @@ class Reuse:
         candidates = {*spaced_stops(job.boundaries, n, self.min_gap, self.checkpoint_interval), self.max_hit(n)}
         kept, pos = [], start
         for b in self.state.snapshot_positions(sorted(candidates)):
-            if b - pos >= self.min_segment and b <= self.max_hit(n):
+            if self.exact(b - pos) and b <= self.max_hit(n):
                 kept.append(b)
                 pos = b
         return kept
@@ -291,7 +296,7 @@ class Reuse:
         it is already, so the prompt's checkpoints stay restorable after a new request replaces the slot's
         sequence. A save of the KV (bytes: Engine.state_size), not a prefill."""
         self.after_stats.preempted += 1
-        if task.slot.live and task.reuse.pos >= self.min_segment:
+        if task.slot.live and self.exact(task.reuse.pos):
             task.reuse.saved += self._store(task, task.reuse.work[: task.reuse.pos], (KV,), boundary=False)
 
     def must_wait(self, task: Task, earlier: Iterable[Task]) -> bool:
@@ -446,7 +451,7 @@ class Reuse:
         if task.phase == Phase.STORE:
             self.after_stats.tokens += end - task.reuse.pos
             self.after_stats.seconds += seconds
-        task.slot.live = task.reuse.work[:end] if len(task.reuse.work) >= self.min_segment else []
+        task.slot.live = task.reuse.work[:end] if self.exact(len(task.reuse.work)) else []
         task.reuse.pos = end
         if task.reuse.positions and end == task.reuse.positions[0]:
             task.reuse.positions.pop(0)
@@ -488,7 +493,7 @@ class Reuse:
             start = self._rewind(task)
             if not start:
                 return False
-            if 0 < len(work) - start < self.min_segment:  # too few generated tokens for an exact prefill
+            if 0 < len(work) - start and not self.exact(len(work) - start):  # too few for an exact prefill
                 work = task.tokens
         except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
             log.warning("after-generation snapshot failed", exc_info=True)
