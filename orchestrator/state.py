@@ -233,9 +233,8 @@ class HybridState(StateKind):
     def restore(self, io, seq, n_tokens, kv, checkpoint):
         # Order matters on a hybrid memory: the KV, then the checkpoint, then the truncation, which fails before
         # the checkpoint is loaded (the recurrent state cannot be cut back). Each entry is a loadable state and
-        # is read where it lies (bytes): a 2,000-token KV entry and its checkpoint (43 MiB on the 0.8b) restored at
-        # 3.8 GiB/s (26% of memcpy) when first copied together into one buffer, 7.2-7.5 GiB/s (43-46%) loaded one
-        # after the other, on a 2-core EPYC (bench/bench_restore.py).
+        # is read where it lies (bytes), not first copied together into one buffer: faster, as measured in
+        # bench/results/2026-12-01/restore/README.md (`python bench/bench_restore.py`; the copy, commit b30508e).
         if kv is not None:
             io.load_state(seq, kv, partial=False, clear=True)
         io.load_state(seq, checkpoint, partial=True, clear=False)

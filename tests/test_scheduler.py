@@ -190,6 +190,31 @@ def test_interval_checkpoints_keep_min_gap_before_the_next_boundary():
     assert gapped == [4, 14, 24, 34, 49, 59, 69, 75, 85, 95, 105, 109]
 
 
+def test_the_gap_is_applied_once_in_reuse_to_the_raw_message_ends_and_to_interval_checkpoints():
+    from orchestrator.prompt.boundaries import Boundaries
+
+    eng = FakeEngine(exact_from=MS)
+    eng.calibrate(MS)
+    cache = SnapshotCache([RamTier(1 << 20)], state=eng.state)
+    j = job(range(1, 201), boundaries=Boundaries(tools_end=None, system_end=10, message_ends=(10, 30, 40, 60)))
+    # no gap: every message end, interval checkpoints every 25 after 60 (the stretches before are shorter)
+    assert Reuse(eng, cache, [Slot(0)], checkpoint_interval=25).snapshot_positions(j) == [
+        10, 30, 40, 60, 85, 110, 135, 160, 185, 196]
+    # a gap of 15: the message end 30 goes (10 from 40, taken first: from the last end backwards), and so does
+    # the interval checkpoint 35 of the stretch 10..40 (5 before 40); 185, 15 before the prompt's end, stays
+    gapped = Reuse(eng, cache, [Slot(0)], checkpoint_interval=25, min_gap=15).snapshot_positions(j)
+    assert gapped == [10, 40, 60, 85, 110, 135, 160, 185, 196]
+
+
+def test_one_chunk_end_rule_for_the_engine_and_the_scheduler():
+    from orchestrator.engine import chunk_end, chunk_sizes
+
+    assert chunk_end(0, 100, 32, 512, MS) == 32
+    assert chunk_end(0, 34, 32, 512, MS) == 34  # 2 left would be too short: the stretch fits one ubatch
+    assert chunk_end(0, 514, 512, 512, MS) == 510  # it does not: stop MS before the target instead
+    assert chunk_sizes(515, 512, 8) == [(0, 507), (507, 8)]
+
+
 def test_a_failing_spare_allocation_drops_the_spares_and_the_worker_serves_on(make, caplog):
     eng, cache, s = make(n_slots=1)
     eng.fill_error = MemoryError("no memory for a spare")
