@@ -56,7 +56,8 @@ class Scheduler:
             llama_decode calls, since calls from a second thread are slower (engine.EngineThread); None: a new one.
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
-    thread-safe (the server wraps asyncio's call_soon_threadsafe). A failing job gets an ERROR event only.
+    thread-safe (the server wraps asyncio's call_soon_threadsafe). A failing job gets an ERROR event (`_fail`); the
+    worker goes on.
     """
 
     def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
