@@ -21,10 +21,11 @@ Reuse is the only writer of a task's `TaskReuse` (task.reuse) and of a slot's li
 Why every stored state is exact (cached runs equal cold runs bit for bit): with the engine's settings (flash
 attention off; "Numerics" in engine.py) any split of a prefill into ubatches of at least `min_segment` tokens
 (measured at start, calibration.py) gives bit-identical states and logits, but shorter ubatches, and a token
-computed alone (as in decoding), do not. Hence two rules, each written once:
+computed alone (as in decoding), do not. Hence these rules, each written once:
 
-    last restorable position of an n-token prompt = n - min_segment          (`max_hit`)
-    no prefill chunk leaves a remainder shorter than min_segment before a stop (`chunk_end`, engine.chunk_end)
+    a prefill segment may be stored or restored after if it has >= min_segment tokens    (`exact`)
+    last restorable position of an n-token prompt = n - min_segment                       (`max_hit`)
+    no prefill chunk leaves a remainder shorter than min_segment before a stop   (`chunk_end`, engine.chunk_end)
 
 (vLLM's max_cache_hit_length, which is n - 1 there). Every request stores a checkpoint exactly at max_hit, its
 *repeat point*, so a byte-identical repeat prefills only min_segment tokens; snapshot positions closer than
