@@ -17,7 +17,8 @@ picks it and it spills: it is written to every local lower tier that takes it (t
 the fastest of them that holds it; a later hit is promoted back to the hot tier. Lower tiers evict on their
 own and report it (`on_evict`): the entry falls back to the next tier that holds it, and the index forgets
 what no tier holds. A failing lower tier is a miss, never an error: lower tiers are called through
-`GuardedTier` (tiers.py), which logs an exception once and answers as a miss or a refused put. Thread-safe: one lock guards the tree and the tiers.
+`GuardedTier` (tiers.py), which logs an exception once and answers as a miss or a refused put. Thread-safe: one
+lock guards the tree and the tiers.
 
 Shared tiers (`SharedTier`: the remote tier, which other replicas write to and read from) are used otherwise:
 
