@@ -243,6 +243,11 @@ class Reuse:
                 pos = b
         return kept
 
+    def chunk_size(self, tokens: int) -> int:
+        """A prefill chunk setting (--prefill-chunk) as used: at least 2 * min_segment tokens, so that the chunks
+        `chunk_end` cuts are exact, and at most n_batch (llama_decode's limit)."""
+        return min(max(tokens, 2 * self.min_segment), self.engine.n_batch)
+
     def chunk_end(self, task: Task, chunk: int) -> int:
         """Where the task's next prefill chunk of at most `chunk` tokens ends: at its next snapshot position or
         the end of its work, never leaving less than min_segment before it (engine.chunk_end)."""

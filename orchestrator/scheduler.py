@@ -75,8 +75,8 @@ class Scheduler:
         self.checkpoint_interval = checkpoint_interval
         self.queue_size = queue_size
         self.timeout_s = timeout_s
-        self.prefill_chunk = min(max(prefill_chunk, 2 * self.min_segment), engine.n_batch)
-        self.prefill_chunk_alone = min(max(prefill_chunk_alone or engine.n_batch, self.prefill_chunk), engine.n_batch)
+        self.prefill_chunk = self.reuse.chunk_size(prefill_chunk)
+        self.prefill_chunk_alone = max(self.reuse.chunk_size(prefill_chunk_alone or engine.n_batch), self.prefill_chunk)
         self.batch_decode = batch_decode
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = threading.Condition()
