@@ -5,7 +5,9 @@ OpenAI-style bodies on the OpenAI routes:
     {"error": {"message": "...", "type": "invalid_request_error", "param": "messages[2].role", "code": null}}
 
 `code` is an OrchestratorError's own code (null if it has none); for a request no route matches it is
-`not_found` (404) or `method_not_allowed` (405), the code /metrics counts it under. Anthropic's shape on the Anthropic route (/v1/messages):
+`not_found` (404) or `method_not_allowed` (405), the code /metrics counts it under.
+
+Anthropic's shape on the Anthropic route (/v1/messages):
 
     {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
 
