@@ -111,3 +111,27 @@ def test_ab_variants_are_orchestrators_with_their_flags_and_are_written_with_the
     write_ab(out, [gap], [{"rep": 1}], {"single": {}}, reps=1)
     assert json.loads(out.read_text()) == {"reps": 1, "systems": {"orchestrator-gap": ["--snapshot-min-gap", "0"]},
                                             "rows": [{"rep": 1}], "summary": {"single": {}}}
+
+
+@pytest.mark.parametrize("name", ["side-by-side", "prefill", "slots", "ab-decode", "decode-thread", "save",
+                                  "restore", "boundaries", "memory", "prefix", "cluster", "soak"])
+def test_every_bench_subcommand_parses_its_help(name, capsys):
+    from bench.__main__ import COMMANDS, main
+
+    assert name in COMMANDS
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert e.value.code == 0 and usage.startswith("usage: python -m bench ") and name in usage
+
+
+def test_bench_without_a_subcommand_is_the_side_by_side_one_and_lists_the_others(capsys):
+    from bench.__main__ import COMMANDS, main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m bench [side-by-side]")
+    assert main(["--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(COMMANDS)
+    assert main(["prefil"]) == 2 and "no subcommand 'prefil'" in capsys.readouterr().err
