@@ -19,7 +19,7 @@ replica that served it and where its prefix came from (`x-orchestrator-replica`,
 live, ram, disk, remote or none).
 
 `Cluster` (start, stop and restart of each part) and `run_fleet` are what tests/test_cluster.py and
-bench/bench_cluster.py use.
+bench/cluster.py (`python -m bench cluster`) use.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ request's prompt text (its messages plus the generation prompt):
 
 Cost (the renders are each linear in the conversation): two to five renders for each append check (the whole
 conversation, the first message and the last `window` messages), three per distinct tools list (memoised):
-bounded, where checking every message was quadratic (bench/bench_boundaries.py). Earlier messages get no
+bounded, where checking every message was quadratic (`python -m bench boundaries`). Earlier messages get no
 boundary: a request that extends an earlier one restores that request's snapshots, so only its new messages
 need boundaries. A template that raises for a probe (e.g. Gemma 2 requires alternating roles) just skips that probe;
 if no probe renders at all, there are no boundaries.
@@ -79,7 +79,7 @@ class Boundaries:
         taken from the last one backwards (the recent ones are where a template rewrites history and where a
         conversation forks). Each stop costs a llama_decode call of its own and a state save: on the 0.8b on 2
         cores about 40 ms; a cold 20-message conversation of 85-token messages took 1.11x llama-server's time
-        with a stop at each of its last six message ends, 1.04x with a 256-token gap (bench/ab_cold.py).
+        with a stop at each of its last six message ends, 1.04x with a 256-token gap (bench/results/2026-12-01/quiet/).
         """
         def inside(p: int | None) -> bool:
             return p is not None and 0 < p < n_prompt
