@@ -1,8 +1,8 @@
 """Aggregate decode throughput, orchestrator against llama-server -np 4, interleaved A/B (issue 12, item 5).
 
-    python bench/ab_decode.py                      # synthetic qwen3.5-0.8b, 2 threads, 1 and 4 busy slots
-    python bench/ab_decode.py --gen 128 --reps 5 --variant "batched=--decode-batching on"
-    python bench/ab_decode.py --busy 1 --context 4000 --ctx 12288   # decode after a 4,000-token prompt
+    python -m bench ab-decode                      # synthetic qwen3.5-0.8b, 2 threads, 1 and 4 busy slots
+    python -m bench ab-decode --gen 128 --reps 5 --variant "batched=--decode-batching on"
+    python -m bench ab-decode --busy 1 --context 4000 --ctx 12288   # decode after a 4,000-token prompt
 
 For each number of busy slots N (--busy, default 1,4), each system gets N streamed requests at once: short
 distinct prompts (about 40 tokens, new every repetition so no cache is involved), greedy, --gen tokens each.
@@ -28,17 +28,14 @@ import sys
 import threading
 import time
 import uuid
-from datetime import date
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.client import request_body, send  # noqa: E402
-from bench.run import default_model  # noqa: E402
-from bench.systems import SYSTEMS, System, launch, orchestrator_variants, write_ab  # noqa: E402
+from bench.common import RESULTS, results_dir
+from bench.client import request_body, send
+from bench.run import default_model
+from bench.systems import SYSTEMS, System, launch, orchestrator_variants, write_ab
 
 
 WORDS = ("the sea at night is dark and the light of the moon falls on the water while a ship moves slowly "
@@ -103,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         systems += orchestrator_variants(a.variant)
     except ValueError as e:
         ap.error(str(e))
-    log_dir = ROOT / "bench" / "results" / "logs"
+    log_dir = RESULTS / "logs"
     running, rows = [], []
     try:
         for i, s in enumerate(systems):
@@ -135,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             m = summary[str(n)][s.name]
             print(f"busy {n}: {s.name:24} {m['median_tok_s']:6.2f} tok/s (median of {a.reps}, "
                   f"{m['min']:.2f}..{m['max']:.2f}), {m['median_tok_s'] / peer:.2f}x llama-server")
-    out = a.out or ROOT / "bench" / "results" / str(date.today()) / "ab_decode.json"
+    out = a.out or results_dir() / "ab_decode.json"
     write_ab(out, systems, rows, summary, model=str(model), threads=a.threads, gen=a.gen, reps=a.reps, omp=a.omp,
              context=a.context)
     return 0

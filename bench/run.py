@@ -1,6 +1,6 @@
 """Side-by-side benchmark (issue 5): orchestrator vs llama-server vs llama-cpp-python's server on W1/W2/W3.
 
-    python -m bench                    # default scale (about 30-40 min on 2 cores), all systems and workloads
+    python -m bench                    # (= python -m bench side-by-side) default scale (about 30-40 min on 2 cores), all systems and workloads
     python -m bench --quick            # a smoke run of every code path (a few minutes)
     python -m bench --compass          # the default, with W3 at 8 agents x 6 turns (issue 12)
     python -m bench --full             # the issue's full W3 scale (8 agents x 6 turns, 200-1,500-token results)
@@ -36,15 +36,13 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench import report  # noqa: E402
-from bench.client import request_body, send  # noqa: E402
-from bench.render import Renderer  # noqa: E402
-from bench import agentloop  # noqa: E402
-from bench.scenarios import Req, Scale, chat, w1, w2, w3, w4  # noqa: E402
-from bench.systems import (LLAMA_SERVER, SYSTEMS, RssSampler, Running, before_system, cold_variant,  # noqa: E402
+from bench import report
+from bench.client import request_body, send
+from bench.common import ROOT
+from bench.render import Renderer
+from bench import agentloop
+from bench.scenarios import Req, Scale, chat, w1, w2, w3, w4
+from bench.systems import (LLAMA_SERVER, SYSTEMS, RssSampler, Running, before_system, cold_variant,
                            launch, omp_policy, orchestrator_variants)
 
 LOOPS = ("W4", "CHAT")
@@ -172,7 +170,8 @@ def cold_selection(reqs: list[Req], mode: str) -> list[Req]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench [side-by-side]", description=__doc__.splitlines()[0],
+                                 epilog="The other benchmarks: python -m bench --list.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_const", dest="scale_name", const="quick", help="smoke-run scale")
     g.add_argument("--compass", action="store_const", dest="scale_name", const="compass",
@@ -291,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             "systems": [s.name for s in loop_systems[w]], "reps": args.loop_reps, "tool_choice": args.tool_choice,
             "cold": args.loop_cold, "before": str(args.before) if args.before else None,
             "description": loop_description(lp, args)}
-    from bench.systems import command  # noqa: E402 - only for recording the exact command lines
+    from bench.systems import command  # only for recording the exact command lines
     for w in workloads:
         for s in systems + cold_groups:
             meta["commands"][f"{w} {s.name}" + (" (cold)" if s.cold else "")] = " ".join(

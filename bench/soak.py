@@ -13,7 +13,7 @@ bytes over time; needs the `bench` extra: matplotlib).
 An error is any response other than the expected one (200 for good requests, the expected 4xx for bad ones),
 any 5xx, and any exception other than the disconnects the soak causes itself.
 
-    python bench/soak.py --duration 600
+    python -m bench soak --duration 600
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "py_objects_after_warmup": probe_warm[0]["gc_objects"] if probe_warm else None,
         "py_objects_end": probe[-1]["gc_objects"] if probe else None,
         "cache_ram_bytes_max": max(r["ram_bytes"] for r in rows), "cache_disk_bytes_max": max(r["disk_bytes"] for r in rows),
-        "command": " ".join([sys.executable, "bench/soak.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join([sys.executable, "-m", "bench", "soak", *(argv if argv is not None else sys.argv[1:])]),
     }
     with open(out / "samples.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

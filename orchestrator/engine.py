@@ -454,7 +454,7 @@ class Engine:
         one pass over the state. A bytearray copied into bytes by the RAM tier was two: 32 ms instead of 17 ms
         for a 19 MiB checkpoint of the 0.8b on a 2-core EPYC, at every stop of a prefill; most of the 17 is page
         faults of new memory, so a checkpoint goes into a spare written while idle when there is one (`spares`,
-        `keep_spares`): 2 ms (`python bench/bench_save.py`). Size: for Qwen3.5-0.8B about 19 MiB of recurrent
+        `keep_spares`): 2 ms (`python -m bench save`). Size: for Qwen3.5-0.8B about 19 MiB of recurrent
         state plus about 12 KiB of KV per token held. Raises EngineError when llama.cpp writes nothing.
         """
         if self._new_bytes is None:  # not CPython: through the kept buffer, then one copy into bytes
@@ -520,7 +520,7 @@ class Engine:
         engine keeps, growing to the largest state loaded so far (at most one slot's full state): llama.cpp reads
         one contiguous buffer, and one kept buffer spares the page faults of new memory (a 43 MiB state read
         back from the disk tier restored at 1.3 GiB/s joined into new memory, 2.6 GiB/s through the kept buffer;
-        bench/bench_restore.py). Raises EngineError (sequence cleared) when llama.cpp refuses it. How the parts
+        `python -m bench restore`). Raises EngineError (sequence cleared) when llama.cpp refuses it. How the parts
         of a state are combined is the state kind's business (`self.state.restore`)."""
         if clear:
             self.clear(seq)
@@ -610,7 +610,7 @@ class EngineThread:
     llama.cpp's CPU backend computes each graph on an OpenMP team (libgomp) of the thread that calls
     llama_decode. Calls from two threads slowed every call: on the 0.8b with 2 threads, one-token decode steps
     took 35 ms instead of 23 once calibration had decoded on the main thread and the scheduler decoded on its
-    own (`python bench/bench_decode_thread.py`). So the server loads and calibrates the model on this thread and
+    own (`python -m bench decode-thread`). So the server loads and calibrates the model on this thread and
     then runs the scheduler's worker loop on it (`Runtime.start`). A daemon, like the worker thread it replaces:
     a process that never closes its runtime still exits.
     """

@@ -4,7 +4,10 @@ OpenAI-style bodies on the OpenAI routes:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "messages[2].role", "code": null}}
 
-and Anthropic's shape on the Anthropic route (/v1/messages):
+`code` is an OrchestratorError's own code (null if it has none); for a request no route matches it is
+`not_found` (404) or `method_not_allowed` (405), the code /metrics counts it under.
+
+Anthropic's shape on the Anthropic route (/v1/messages):
 
     {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
 
@@ -32,6 +35,11 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
+def _http_code(exc: HTTPException) -> str:
+    """The code of an error Starlette raised (no route matches, wrong method): in the body and in the counter."""
+    return _HTTP_CODES.get(exc.status_code, "http_error")
+
+
 class NotFound(OrchestratorError):
     """A resource that does not exist, e.g. GET /v1/models/{id} with another id (HTTP 404)."""
 
@@ -49,7 +57,7 @@ def error_payload(exc: Exception) -> tuple[dict, int]:
         return error_body(exc.message, exc.type, exc.param, exc.code), exc.status
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_body(str(exc.detail), kind), exc.status_code
+        return error_body(str(exc.detail), kind, code=_http_code(exc)), exc.status_code
     log.exception("unhandled error", exc_info=exc)
     return error_body(f"internal error: {exc}", "server_error"), 500
 
@@ -67,7 +75,7 @@ def error_status(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, OrchestratorError):
         return exc.status, exc.code or exc.type
     if isinstance(exc, HTTPException):
-        return exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error")
+        return exc.status_code, _http_code(exc)
     return 500, "server_error"
 
 

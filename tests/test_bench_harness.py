@@ -4,6 +4,8 @@ No servers, no model, no timing assertions (figures depend on the machine).
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +113,54 @@ def test_ab_variants_are_orchestrators_with_their_flags_and_are_written_with_the
     write_ab(out, [gap], [{"rep": 1}], {"single": {}}, reps=1)
     assert json.loads(out.read_text()) == {"reps": 1, "systems": {"orchestrator-gap": ["--snapshot-min-gap", "0"]},
                                             "rows": [{"rep": 1}], "summary": {"single": {}}}
+
+
+@pytest.mark.parametrize("name", ["side-by-side", "prefill", "slots", "ab-decode", "decode-thread", "save",
+                                  "restore", "boundaries", "memory", "prefix", "cluster", "soak"])
+def test_every_bench_subcommand_parses_its_help(name, capsys):
+    from bench.__main__ import COMMANDS, main
+
+    assert name in COMMANDS
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert e.value.code == 0 and usage.startswith("usage: python -m bench ") and name in usage
+
+
+def test_bench_without_a_subcommand_is_the_side_by_side_one_and_lists_the_others(capsys):
+    from bench.__main__ import COMMANDS, main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m bench [side-by-side]")
+    assert main(["--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(COMMANDS)
+    assert main(["prefil"]) == 2 and "no subcommand 'prefil'" in capsys.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def test_every_results_path_the_docs_cite_exists():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(RESULTS.rglob("README.md"))]
+    cited = {(doc.relative_to(ROOT), m.group(0)) for doc in docs
+             for m in re.finditer(r"bench/results/[\w./-]*\w", doc.read_text())}
+    assert len(cited) > 20
+    assert [(doc, path) for doc, path in sorted(cited) if not (ROOT / path).exists()] == []
+
+
+def test_every_results_folder_has_a_readme_and_a_row_in_the_index():
+    """A run's folder (<date>/ or <date>/<run>/) has its own README; a folder inside a run (one variant of it, its
+    logs) may be described by the run's README instead, by name."""
+    index = (RESULTS / "README.md").read_text()
+    for folder in sorted({p.parent for p in RESULTS.rglob("*") if p.is_file() and p.name != "README.md"}):
+        if folder == RESULTS:
+            continue
+        rel = folder.relative_to(RESULTS).as_posix()
+        if rel.count("/") <= 1:
+            assert (folder / "README.md").is_file(), f"bench/results/{rel}/ has no README.md"
+            assert f"]({rel}/)" in index, f"bench/results/README.md has no row for {rel}/"
+        elif not (folder / "README.md").is_file():
+            assert f"{folder.name}/" in (folder.parent / "README.md").read_text(), f"nothing describes {rel}/"

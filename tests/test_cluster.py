@@ -8,29 +8,18 @@ Bounded in time (each start and wait has a limit); no timing assertions.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import signal
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .conftest import cluster_example
+
 NEAR = 8  # "through the end of the previous turn": at most this many tokens short of the previous prompt's end
 
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("cluster_example", ROOT / "examples" / "cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-C = load_example()
+C = cluster_example()
 
 
 @pytest.fixture()

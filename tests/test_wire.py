@@ -264,6 +264,17 @@ def test_refused_requests_are_counted_by_route_status_and_code_and_logged(client
     assert len(refusals) == 5 and "status=400 code=context_length_exceeded" in refusals[1]
 
 
+def test_unmatched_route_and_method_name_their_code_in_the_body_as_the_counter_does(client, live_server):
+    before = errors(live_server.url)
+    r = client.get("/v1/no-such-route")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    after = errors(live_server.url)
+    for code, status in (("not_found", "404"), ("method_not_allowed", "405")):
+        assert after.get(("unmatched", status, code), 0) - before.get(("unmatched", status, code), 0) == 1
+
+
 def test_429_504_and_client_disconnects_are_counted(start, tiny_model):
     rt = start(parallel=1, queue_size=1, timeout=2.0)
     srv = LiveServer(rt)

@@ -1,7 +1,7 @@
 """Time to first token with and without a shared system+tools prefix, and the cost of taking snapshots.
 
-    python bench/bench_prefix.py                       # synthetic qwen3.5-0.8b (built once), 2 threads
-    python bench/bench_prefix.py --model my.gguf --threads 4 --repeats 5
+    python -m bench prefix                       # synthetic qwen3.5-0.8b (built once), 2 threads
+    python -m bench prefix --model my.gguf --threads 4 --repeats 5
 
 Measures, in one process, alternating so that machine drift hits every variant alike:
   * cold TTFT: a prompt of a ~2,000-token system+tools prefix and a user line, nothing cached;
@@ -15,20 +15,17 @@ Writes bench/results/<date>/prefix.json and prints a table. Not a test: figures 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
-from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orchestrator.config import Config  # noqa: E402
-from orchestrator.engine import SamplingParams  # noqa: E402
-from orchestrator.runtime import Runtime  # noqa: E402
-from orchestrator.request import Job  # noqa: E402
-
-from bench.workloads import agent_system_prompt, agent_tools  # noqa: E402
+from bench.common import add_model_args, results_dir, write_json
+from bench.workloads import agent_system_prompt, agent_tools
+from orchestrator.config import Config
+from orchestrator.engine import SamplingParams
+from orchestrator.runtime import Runtime
+from orchestrator.request import Job
 
 TAILS = [
     "Please look at the failing test in tests/test_cache.py and tell me which assertion fails and why it fails now.",
@@ -38,15 +35,14 @@ TAILS = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--system-tokens", type=int, default=1500,
                     help="system text size; with the tools block the shared prefix is about 2,000 tokens")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / str(date.today()))
-    a = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=results_dir())
+    a = ap.parse_args(argv)
 
     rt = Runtime.start(Config(model=a.model, ctx_size=8192, batch_size=512, threads=a.threads, cache_ram_mib=4096))
     system = agent_system_prompt(rt.engine.tokenize, a.system_tokens)
@@ -87,18 +83,17 @@ def main() -> None:
         # time spent saving snapshots over the rest of the cold request's time to first token
         "snapshot_overhead": statistics.median(r["snapshot_overhead"] for r in rows),
         "prefill_with_vs_without_snapshots": med["cold_prefill_with_snapshots_s"] / med["cold_prefill_no_cache_s"] - 1,
-        "snapshot_bytes_per_cold_request": cache_stats.ram_bytes, "rows": rows,
+        "snapshot_bytes_per_cold_request": cache_stats.ram_bytes, "rows": rows, "load_average": os.getloadavg(),
     }
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "prefix.json").write_text(json.dumps(summary, indent=2))
     print("\n| model | prompt tokens | cached on warm | cold TTFT | warm TTFT | speedup | snapshot overhead |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {summary['model']} | {summary['prompt_tokens']} | {summary['warm_cached_tokens']} | "
           f"{med['cold_ttft_s']:.3f} s | {med['warm_ttft_s']:.3f} s | {summary['ttft_speedup']:.1f}x | "
           f"{summary['snapshot_overhead']:+.1%} ({summary['prefill_with_vs_without_snapshots']:+.1%} A/B) |")
-    print(f"written to {a.out / 'prefix.json'}")
+    write_json(a.out / "prefix.json", summary)
     rt.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Bytes held by the snapshot cache for a long agent conversation, against whole-state snapshots.
 
-    python bench/bench_memory.py                     # synthetic qwen3.5-0.8b, 20 messages, ~8,000 tokens
+    python -m bench memory                     # synthetic qwen3.5-0.8b, 20 messages, ~8,000 tokens
 
 Runs a 20-message conversation (about 400 tokens a message) turn by turn through the scheduler with a large RAM
 budget, then compares the bytes the cache holds (recurrent checkpoints at every boundary, KV only where a
@@ -13,33 +13,30 @@ Writes bench/results/<date>/memory.json.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import random
 import sys
-from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orchestrator.config import MiB, Config  # noqa: E402
-from orchestrator.engine import SamplingParams  # noqa: E402
-from orchestrator.cache.radix import CHECKPOINT, KV  # noqa: E402
-from orchestrator.runtime import Runtime  # noqa: E402
-from orchestrator.request import Job  # noqa: E402
-from orchestrator.reuse import spaced_stops  # noqa: E402
+from bench.common import add_model_args, results_dir, write_json
+from orchestrator.config import MiB, Config
+from orchestrator.engine import SamplingParams
+from orchestrator.cache.radix import CHECKPOINT, KV
+from orchestrator.runtime import Runtime
+from orchestrator.request import Job
+from orchestrator.reuse import spaced_stops
 
 WORDS = ("the cache holds a snapshot of the recurrent state at every message boundary so that a later request "
          "restores it and prefills only the rest of its prompt while the server keeps serving other agents").split()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--messages", type=int, default=20)
     ap.add_argument("--words", type=int, default=380, help="words per message (about 400 tokens)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / str(date.today()))
-    a = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=results_dir())
+    a = ap.parse_args(argv)
     rng = random.Random(0)
     msgs = [{"role": "system", "content": "You are an agent. " + " ".join(rng.choice(WORDS) for _ in range(a.words))}]
     for i in range(a.messages - 1):
@@ -91,9 +88,7 @@ def main() -> None:
                          "save_ms_per_8k": n * save_ms,
                          "avg_reprefill_s_on_divergence": interval / 2 / r1["prefill_tokens_per_s"]})
     out = {"model": "synthetic qwen3.5-0.8b" if a.model is None else str(a.model), "by_interval": results,
-           "interval_tradeoff": tradeoff}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "memory.json").write_text(json.dumps(out, indent=2))
+           "interval_tradeoff": tradeoff, "load_average": os.getloadavg()}
     print(f"\n{r0['conversation_tokens']} tokens, {r0['boundaries']} boundaries; checkpoint {r0['checkpoint_bytes'] / MiB:.1f}"
           f" MiB, KV {r0['kv_bytes_per_token'] / 1024:.1f} KiB/token")
     print("| checkpoint interval | bytes held | whole states at every boundary | ratio |")
@@ -106,7 +101,9 @@ def main() -> None:
     for t in tradeoff:
         print(f"| {t['interval']} | {t['checkpoints_per_8k']} | {t['mib_per_8k']:.0f} | {t['save_ms_per_8k']:.0f} | "
               f"{t['avg_reprefill_s_on_divergence']:.2f} s |")
+    write_json(a.out / "memory.json", out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

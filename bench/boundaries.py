@@ -1,23 +1,25 @@
 """Boundary detection time against conversation length (template rendering only, no model).
 
-    python bench/bench_boundaries.py [--template templates/qwen3.5.jinja] [--messages 100 800]
+    python -m bench boundaries [--template templates/qwen3.5.jinja] [--messages 100 800]
 
 Builds an agent-style conversation (system, tools, then user / assistant tool call / tool result turns) of N
 messages and times BoundaryDetector.char_boundaries on it (median of 3, seconds): cold (a fresh detector) and
 warm (the detector saw the same conversation without its last two messages, as in an agent loop).
+Writes bench/results/<date>/boundaries.json. Not a test: figures depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
 
+from bench.common import ROOT, results_dir, write_json
 from orchestrator.prompt.boundaries import BoundaryDetector
 from orchestrator.prompt.template import ChatTemplate
 
-ROOT = Path(__file__).resolve().parent.parent
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
 
@@ -35,12 +37,14 @@ def conversation(n: int) -> list[dict]:
     return msgs[:n]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--template", default=str(ROOT / "templates" / "qwen3.5.jinja"))
     ap.add_argument("--messages", type=int, nargs="+", default=[100, 800])
-    a = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
     tpl = ChatTemplate.from_file(Path(a.template))
+    rows = []
     for n in a.messages:
         msgs = conversation(n)
         if msgs[-1]["role"] == "assistant":
@@ -60,7 +64,12 @@ def main() -> None:
         found = sum(1 for e in out.message_ends if e is not None)
         print(f"{len(msgs)} messages, {len(text)} chars: cold {statistics.median(cold):.3f} s, "
               f"warm {statistics.median(warm):.3f} s ({found} message ends found)")
+        rows.append({"messages": len(msgs), "chars": len(text), "cold_s": cold, "warm_s": warm,
+                     "message_ends_found": found})
+    write_json(a.out or results_dir() / "boundaries.json",
+               {"template": a.template, "rows": rows, "load_average": os.getloadavg()})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

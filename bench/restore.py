@@ -1,7 +1,7 @@
 """Restore at the floor: snapshot restore speed against this machine's memcpy bandwidth (issue 12, item 6).
 
-    python bench/bench_restore.py                  # synthetic qwen3.5-0.8b, 2 threads, a 2,000-token prefix
-    python bench/bench_restore.py --model my.gguf --tokens 4000 --reps 9
+    python -m bench restore                  # synthetic qwen3.5-0.8b, 2 threads, a 2,000-token prefix
+    python -m bench restore --model my.gguf --tokens 4000 --reps 9
 
 In one process, interleaved, medians of --reps:
   * memcpy: numpy copy of a 256 MiB buffer into a buffer already written (the bandwidth floor, GiB/s; the
@@ -17,7 +17,7 @@ In one process, interleaved, medians of --reps:
   * and checks that the restored sequence's next logits equal the cold ones (bit-identical).
 Targets (issue 12): RAM restore ≥ 50% of memcpy bandwidth, disk restore ≥ 1 GiB/s, warm TTFT ≤ the model.
 llama.cpp copies a restore into its tensors with memcpy, so glibc's non-temporal threshold decides its speed:
-`GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 python bench/bench_restore.py` measures the
+`GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 python -m bench restore` measures the
 same with non-temporal stores from 1 MiB (x86-64 glibc; the tunable is read at process start).
 Writes bench/results/<date>/restore.json. Not a test: figures depend on the machine.
 """
@@ -25,25 +25,19 @@ Writes bench/results/<date>/restore.json. Not a test: figures depend on the mach
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator import calibration  # noqa: E402
-from orchestrator.cache.disk import DiskTier  # noqa: E402
-from orchestrator.cache.radix import EntryKind  # noqa: E402
-from orchestrator.config import Config  # noqa: E402
-from orchestrator.engine import Engine  # noqa: E402
-from orchestrator.runtime import model_file_digest, resolve_model  # noqa: E402
+from bench.common import add_model_args, filler_tokens, load_engine, results_dir, write_json
+from orchestrator.cache.disk import DiskTier
+from orchestrator.cache.radix import EntryKind
 
 MiB = 1 << 20
 
@@ -56,22 +50,17 @@ def timed(fn) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=2000, help="prefix restored")
     ap.add_argument("--tail", type=int, default=32, help="tokens prefilled after the restore")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
 
-    cfg = Config(model=a.model, threads=a.threads)
-    path = resolve_model(cfg)
-    engine = Engine(path, n_ctx=max(4096, a.tokens + a.tail + 64), n_batch=512, n_threads=a.threads, n_seq_max=2)
-    calibration.calibrate(engine, calibration.CalibrationFile(cfg.calibration_file, model_file_digest(path), 512,
-                                                              False), "off")
+    path, engine = load_engine(a.model, a.threads, max(4096, a.tokens + a.tail + 64), n_seq_max=2,
+                               calibrate="off")
     kind = engine.state
-    words = " ".join(f"w{i % 997} item{i}" for i in range(a.tokens + a.tail))
-    tokens = engine.tokenize(words)[: a.tokens + a.tail]
+    tokens = filler_tokens(engine, a.tokens + a.tail)
     prefix, tail = tokens[: a.tokens], tokens[a.tokens:]
 
     # The prefix prefilled once, cold (its rate is the model's cold rate), and its entries saved.
@@ -149,11 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"disk restore      {summary['disk_GiBps']:6.2f} GiB/s (page cache; target >= 1 GiB/s)")
     print(f"warm TTFT         {med['warm_ttft_s'] * 1e3:6.1f} ms vs model {model_s * 1e3:.1f} ms "
           f"= {summary['warm_vs_model']:.2f} (target <= 1.0: 1.2 x (bytes / memcpy + {len(tail)} tokens / cold rate))")
-    out = a.out or Path(__file__).resolve().parent / "results" / str(date.today()) / "restore.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(path), "threads": a.threads, "reps": a.reps, "rows": rows,
-                               "summary": summary}, indent=2))
-    print(f"wrote {out}")
+    write_json(a.out or results_dir() / "restore.json",
+               {"model": str(path), "threads": a.threads, "reps": a.reps, "rows": rows, "summary": summary})
     return 0
 
 

@@ -1,7 +1,7 @@
 """One-token decode step time by which threads call llama_decode (why engine.EngineThread exists).
 
-    python bench/bench_decode_thread.py             # synthetic qwen3.5-0.8b, 2 threads
-    python bench/bench_decode_thread.py --model my.gguf --steps 60
+    python -m bench decode-thread             # synthetic qwen3.5-0.8b, 2 threads
+    python -m bench decode-thread --model my.gguf --steps 60
 
 Three runs of --steps one-token decode steps after a 20-token prompt, each in a fresh process (a libgomp team,
 once made for a thread, lasts as long as the thread), median step time:
@@ -23,20 +23,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import ROOT, add_model_args, load_engine
 
 
 def load(model: Path | None, threads: int):
-    from orchestrator import calibration
-    from orchestrator.config import Config
-    from orchestrator.engine import Engine
-    from orchestrator.runtime import model_file_digest, resolve_model
-    cfg = Config(model=model, threads=threads)
-    path = resolve_model(cfg)
-    engine = Engine(path, n_ctx=4096, n_batch=512, n_threads=threads, n_seq_max=4)
-    calibration.calibrate(engine, calibration.CalibrationFile(cfg.calibration_file, model_file_digest(path), 512,
-                                                              False), "auto")
-    return engine
+    return load_engine(model, threads, 4096, n_seq_max=4, calibrate="auto")[1]
 
 
 def steps(engine, n: int) -> float:
@@ -67,8 +58,7 @@ def one(mode: str, model: Path | None, threads: int, n: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--mode", choices=["main", "one-thread", "two-threads"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -76,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         print(one(a.mode, a.model, a.threads, a.steps))
         return 0
     for mode in ("main", "one-thread", "two-threads"):
-        cmd = [sys.executable, __file__, "--mode", mode, "--threads", str(a.threads), "--steps", str(a.steps)]
+        cmd = [sys.executable, "-m", "bench", "decode-thread", "--mode", mode, "--threads", str(a.threads), "--steps", str(a.steps)]
         if a.model:
             cmd += ["--model", str(a.model)]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
         s = float(res.stdout.strip().splitlines()[-1])
         print(f"{mode:12} {s * 1e3:6.1f} ms per one-token step ({1 / s:.1f} tokens/s)")
     return 0

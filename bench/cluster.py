@@ -1,7 +1,7 @@
 """Fleet over replicas: prefilled tokens and summed TTFT per routing policy, with and without the Redis tier.
 
-    python bench/bench_cluster.py                       # the tiny synthetic model
-    python bench/bench_cluster.py --model qwen3.5-0.8b  # the synthetic 0.8B shape (slow on 2 cores)
+    python -m bench cluster                       # the tiny synthetic model
+    python -m bench cluster --model qwen3.5-0.8b  # the synthetic 0.8B shape (slow on 2 cores)
 
 8 agents x 4 turns sharing a 2,000-token tools block (examples/cluster.py's `Fleet`: each turn appends a tool
 call and its result), over 2 replicas of one slot and one thread each, behind SMG, for: round-robin, round-robin
@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
-from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.common import ROOT, results_dir, write_json
 
 
 def load_cluster():
@@ -97,15 +94,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny", help="a GGUF path or a synthetic preset name (default tiny)")
     ap.add_argument("--agents", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--tools-tokens", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / date.today().isoformat())
-    a = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=results_dir())
+    a = ap.parse_args(argv)
     model = Path(a.model)
     if not model.is_file():
         from orchestrator.models.synth import ensure_model
@@ -114,8 +111,7 @@ def main() -> int:
     out = run(model, a.agents, a.turns, a.tools_tokens, a.max_tokens)
     rows = summary(out)
     out["summary"] = rows
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "cluster.json").write_text(json.dumps(out, indent=1))
+    write_json(a.out / "cluster.json", out)
     print(f"{'configuration':<26} {'prefilled':>10} {'x oracle':>9} {'sum TTFT s':>11} {'from Redis':>11} "
           f"{'!= cold':>8}")
     for r in rows:

@@ -1,7 +1,7 @@
 """Cold prefill speed by chunk size and ubatch: what `--prefill-chunk` and `--batch-size` cost (issue 12, item 2).
 
-    python bench/bench_prefill.py                        # synthetic qwen3.5-0.8b, 2 threads, 2,000 tokens
-    python bench/bench_prefill.py --model my.gguf --tokens 4000 --reps 7
+    python -m bench prefill                        # synthetic qwen3.5-0.8b, 2 threads, 2,000 tokens
+    python -m bench prefill --model my.gguf --tokens 4000 --reps 7
 
 One process, one prompt of --tokens tokens, prefilled cold (sequence cleared) in every configuration, the
 configurations interleaved in a new random order each repetition (the machine is shared and noisy):
@@ -19,23 +19,18 @@ configuration, relative to the fastest. Writes bench/results/<date>/prefill.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator import calibration  # noqa: E402
-from orchestrator.config import Config  # noqa: E402
-from orchestrator.engine import Engine  # noqa: E402
-from orchestrator.runtime import model_file_digest, resolve_model  # noqa: E402
+from bench.common import add_model_args, filler_tokens, load_engine, results_dir, write_json
+from orchestrator.engine import Engine
 
 
 def prefill(engine: Engine, tokens: list[int], chunk: int, stops: list[int]) -> tuple[float, float, np.ndarray]:
@@ -57,8 +52,7 @@ def prefill(engine: Engine, tokens: list[int], chunk: int, stops: list[int]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--split", type=int, default=100, help="tokens between stops of the 'split' rows")
@@ -67,17 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
 
-    cfg = Config(model=a.model, threads=a.threads)
-    path = resolve_model(cfg)
-    digest = model_file_digest(path)
     engines = {}
     for nb in (int(x) for x in a.batches.split(",")):
-        e = Engine(path, n_ctx=max(4096, a.tokens + 64), n_batch=nb, n_threads=a.threads)
-        calibration.calibrate(e, calibration.CalibrationFile(cfg.calibration_file, digest, nb, False), "off")
-        engines[nb] = e
-    any_engine = next(iter(engines.values()))
-    words = " ".join(f"w{i % 997} item{i}" for i in range(a.tokens))
-    tokens = any_engine.tokenize(words)[: a.tokens]
+        path, engines[nb] = load_engine(a.model, a.threads, max(4096, a.tokens + 64), nb, calibrate="off")
+    tokens = filler_tokens(next(iter(engines.values())), a.tokens)
     configs = [(nb, c, False) for nb in engines for c in (int(x) for x in a.chunks.split(",")) if c <= nb]
     configs += [(nb, nb, True) for nb in engines]
     times: dict[str, list[float]] = {}
@@ -110,12 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, m in sorted(cmed.items(), key=lambda kv: kv[1]):
         print(f"{k:36} {med[k]:7.2f} {len(tokens) / med[k]:6.1f} {med[k] / best:7.3f} "
               f"{min(times[k]):5.1f}..{max(times[k]):<5.1f} {m:7.2f} {m / cbest:7.3f}")
-    out = a.out or Path(__file__).resolve().parent / "results" / str(date.today()) / "prefill.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(path), "tokens": len(tokens), "threads": a.threads, "reps": a.reps,
-                               "seconds": times, "cpu_seconds": cpu_times, "median_s": med, "median_cpu_s": cmed,
-                               "load_average": os.getloadavg()}, indent=2))
-    print(f"wrote {out}")
+    write_json(a.out or results_dir() / "prefill.json",
+               {"model": str(path), "tokens": len(tokens), "threads": a.threads, "reps": a.reps, "seconds": times,
+                "cpu_seconds": cpu_times, "median_s": med, "median_cpu_s": cmed, "load_average": os.getloadavg()})
     return 0
 
 

@@ -1,7 +1,7 @@
 """Parallel slots: aggregate decode throughput, TTFT next to a long prefill, and memory per slot.
 
-    python bench/bench_slots.py                  # synthetic qwen3.5-0.8b (built once), 2 threads
-    python bench/bench_slots.py --model my.gguf --threads 4 --long-tokens 4000
+    python -m bench slots                  # synthetic qwen3.5-0.8b (built once), 2 threads
+    python -m bench slots --model my.gguf --threads 4 --long-tokens 4000
 
 Measures, in one process:
   * decode throughput: N requests (N = 1, 2, 4) with short distinct prompts generating --gen tokens each at
@@ -21,24 +21,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import json
 import statistics
-import sys
 import threading
 import time
-from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orchestrator import calibration  # noqa: E402
-from orchestrator.cache.snapshots import SnapshotCache  # noqa: E402
-from orchestrator.engine import Engine  # noqa: E402
-from orchestrator.runtime import resolve_model  # noqa: E402
-from orchestrator.config import Config  # noqa: E402
-from orchestrator.request import Job  # noqa: E402
-from orchestrator.scheduler import Scheduler  # noqa: E402
-from orchestrator.cache.tiers import RamTier  # noqa: E402
+from bench.common import add_model_args, results_dir, write_json
+from orchestrator import calibration
+from orchestrator.cache.snapshots import SnapshotCache
+from orchestrator.engine import Engine
+from orchestrator.runtime import resolve_model
+from orchestrator.config import Config
+from orchestrator.request import Job
+from orchestrator.scheduler import Scheduler
+from orchestrator.cache.tiers import RamTier
 
 MiB = 1 << 20
 
@@ -146,10 +144,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--gen", type=int, default=48, help="tokens generated per request in the throughput runs")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the throughput runs (median)")
     ap.add_argument("--long-tokens", type=int, default=4000)
@@ -158,8 +155,8 @@ def main() -> None:
     ap.add_argument("--parts", default="memory,throughput,ttft",
                     help="which measurements to run; the others are kept from an earlier slots.json")
     ap.add_argument("--ctx-size", type=int, default=8192)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / str(date.today()))
-    a = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=results_dir())
+    a = ap.parse_args(argv)
     path = resolve_model(dataclasses.replace(Config(), model=a.model))
 
     parts = set(a.parts.split(","))
@@ -198,13 +195,12 @@ def main() -> None:
             print(ttft[-1], flush=True)
         result["ttft_next_to_long_prefill"] = ttft
     engine.close()
-    a.out.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(json.dumps(result, indent=2))
     for key in ("memory", "throughput", "ttft_next_to_long_prefill"):
         if result.get(key):
             print("\n" + table(result[key]))
-    print(f"\nwrote {out_file}")
+    write_json(out_file, result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

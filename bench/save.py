@@ -1,7 +1,7 @@
 """What one snapshot save costs on the prefill's critical path (issue 12, item 2: snapshot overhead <= 2%).
 
-    python bench/bench_save.py                  # synthetic qwen3.5-0.8b, 2 threads, 600 tokens held
-    python bench/bench_save.py --model my.gguf --tokens 2000 --reps 15
+    python -m bench save                  # synthetic qwen3.5-0.8b, 2 threads, 600 tokens held
+    python -m bench save --model my.gguf --tokens 2000 --reps 15
 
 A prefill stops at every snapshot position and saves a checkpoint (the recurrent state, fixed size) before it
 goes on; the RAM tier then keeps it. In one process, interleaved, medians of --reps, each kept alive like a cache
@@ -17,40 +17,32 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import llama_cpp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from orchestrator.cache.radix import EntryKind  # noqa: E402
-from orchestrator.cache.tiers import RamTier  # noqa: E402
-from orchestrator.config import Config  # noqa: E402
-from orchestrator.engine import PARTIAL, Engine  # noqa: E402
-from orchestrator.runtime import resolve_model  # noqa: E402
+from bench.common import add_model_args, filler_tokens, load_engine, results_dir, write_json
+from orchestrator.cache.radix import EntryKind
+from orchestrator.cache.tiers import RamTier
+from orchestrator.engine import PARTIAL
 
 MiB = 1 << 20
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=600, help="tokens the sequence holds when saved")
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
 
-    path = resolve_model(Config(model=a.model, threads=a.threads))
-    engine = Engine(path, n_ctx=max(4096, a.tokens + 64), n_batch=512, n_threads=a.threads)
-    words = " ".join(f"w{i % 997} item{i}" for i in range(a.tokens))
-    engine.decode(0, engine.tokenize(words)[: a.tokens], 0, want_logits=False)
+    path, engine = load_engine(a.model, a.threads, max(4096, a.tokens + 64))
+    engine.decode(0, filler_tokens(engine, a.tokens), 0, want_logits=False)
     ram = RamTier(1 << 40)
     kept: list = []
     size = llama_cpp.llama_state_seq_get_size_ext(engine.ctx, 0, PARTIAL)
@@ -96,12 +88,10 @@ def main(argv: list[str] | None = None) -> int:
           f"load {os.getloadavg()[0]:.1f}")
     for k, v in med.items():
         print(f"{k:11} {v:7.2f} ms (min {min(rows[k]) * 1e3:.2f})")
-    out = a.out or Path(__file__).resolve().parent / "results" / str(date.today()) / "save.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(path), "threads": a.threads, "tokens": a.tokens, "reps": a.reps,
-                               "checkpoint_bytes": size, "full_bytes": full, "median_ms": med,
-                               "rows_s": rows, "load_average": os.getloadavg()[0]}, indent=2))
-    print(f"wrote {out}")
+    write_json(a.out or results_dir() / "save.json",
+               {"model": str(path), "threads": a.threads, "tokens": a.tokens, "reps": a.reps,
+                "checkpoint_bytes": size, "full_bytes": full, "median_ms": med, "rows_s": rows,
+                "load_average": os.getloadavg()[0]})
     return 0
 
 
