@@ -19,7 +19,8 @@
 # kept). Results land in $OUT (device tool) or bench/results/<date>/gpu/ here; copy them there and commit.
 #
 # Environment: OUT (results dir), JOBS (compile jobs; default nproc), PYTHON (default python3), CARRY
-# (default build/cuda-carry), DRY_OUT (dry run's results dir).
+# (default build/cuda-carry), DRY_OUT (dry run's results dir), LLAMA_SDIST (prepare: an already downloaded
+# llama_cpp_python-0.3.36.tar.gz instead of pip download).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
@@ -42,12 +43,14 @@ prepare() {
   local sdist="$carry/llama_cpp_python-$version.tar.gz" tmp
   if [ ! -f "$sdist" ]; then
     tmp="$(mktemp -d)"
-    "$py" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$tmp"
+    if [ -n "${LLAMA_SDIST:-}" ]; then cp "$LLAMA_SDIST" "$tmp/"; else
+      "$py" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$tmp"; fi
     tar -xzf "$tmp/llama_cpp_python-$version.tar.gz" -C "$tmp"
-    # What a CUDA build of the Python package never reads (the build was tried with these left out: dry run)
+    # What a build of the Python package never reads (checked below: the trimmed tree configures)
     rm -rf "$tmp/llama_cpp_python-$version/.git" "$tmp/llama_cpp_python-$version/vendor/llama.cpp/models"/*.gguf* \
       "$tmp/llama_cpp_python-$version/vendor/llama.cpp/docs" "$tmp/llama_cpp_python-$version/vendor/llama.cpp/media" \
       "$tmp/llama_cpp_python-$version/vendor/llama.cpp/tools/server/public"
+    cmake -S "$tmp/llama_cpp_python-$version" -B "$tmp/configure" -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF >/dev/null
     tar -czf "$sdist" -C "$tmp" "llama_cpp_python-$version"
     rm -rf "$tmp"
   fi
@@ -112,9 +115,9 @@ measure() {
   if [ "$dry" = 1 ]; then
     step device_check "$py" "$here/device_check.py" --dry-run --out "$out"
   else
-    step device_check "$py" "$here/device_check.py" --preset tiny --preset tiny-q4 --out "$out"
+    step device_check "$py" "$here/device_check.py" --preset tiny --preset tiny-q4 --tools --out "$out"
     step device_check "$py" "$here/device_check.py" --preset qwen3.5-0.8b --speed --prefix-tokens 2000 \
-      --prompts 20 --decode-steps 64 --out "$out"
+      --tools --prompts 20 --decode-steps 64 --out "$out"
     step test_correctness "$py" -m pytest -q -p no:cacheprovider tests/test_correctness.py
   fi
   log "done: $out"

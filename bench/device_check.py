@@ -7,7 +7,8 @@ in seconds, tests/test_device_check.py). Per preset, with every layer offloaded 
   layout          the backend and devices (orchestrator/devices.Offload), llama_print_system_info
   calibration     min_segment (calibration.measure_min_segment) and batch invariance at 4 slots (2 in a dry run)
                   (calibration.check_batch_invariance), as the server measures them at start
-  shared_prefix   a W1-style run through the whole runtime: N chats sharing a system prompt and tools, each run
+  shared_prefix   a W1-style run through the whole runtime: N chats sharing a system prompt (and with --tools two
+                  tool schemas), each run
                   with the cache (restoring the shared prefix) and cold; cached_tokens, max |Δ first-step logit|,
                   greedy-token agreement (max_tokens each), TTFT warm and cold
   save_restore    llama_state_seq_get/set_data_ext of a `--prefix-tokens` sequence: ms and MiB/s (median of 5)
@@ -86,7 +87,7 @@ def check_shared_prefix(path: Path, a) -> dict:
     rt = Runtime.start(cfg)
     try:
         system = agent_system_prompt(rt.engine.tokenize, a.prefix_tokens)
-        tools = agent_tools()
+        tools = agent_tools() if a.tools else None
         rows = []
         for i in range(a.prompts):
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": question(i)}]
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=50, help="chats of the shared-prefix run")
     p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per chat")
     p.add_argument("--prefix-tokens", type=int, default=256, help="shared system prompt / saved prefix, tokens")
+    p.add_argument("--tools", action="store_true", help="the shared prefix also holds two tool schemas (~600 tokens)")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--speed", action="store_true", help="also the speed section")
     p.add_argument("--sections", default="calibration,shared_prefix,save_restore,cross_layout",
