@@ -25,6 +25,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
+from .devices import Offload
 from .engine import Engine
 from .errors import EngineError
 
@@ -136,11 +137,15 @@ def prefill_rate(engine: Engine, n_tokens: int = 256) -> float:
 class CalibrationFile:
     """The measured min_segment of a model on this machine, kept in a small JSON file so that a restart does not
     measure again. Keyed by the model file (`model_file_digest`), the llama-cpp-python version, the CPU's
-    instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), n_batch and weight
-    repacking. No file (None) or an unreadable one: measure every time."""
+    instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), n_batch, weight
+    repacking and the offload layout (`Offload.key`: backend, devices, layers and KV placement; a CPU
+    measurement is never reused for a GPU). No file (None), an unreadable one, or no layout: measure every
+    time."""
 
-    def __init__(self, file: Path | None, file_digest: bytes, n_batch: int, extra_bufts: bool) -> None:
-        self.file = file
+    def __init__(self, file: Path | None, file_digest: bytes, n_batch: int, extra_bufts: bool,
+                 offload: Offload | None = None) -> None:
+        self.file = file if offload is not None else None  # no layout, no way to tell it from another's
+        offload_key = offload.key() if offload is not None else None
         h = hashlib.blake2b(digest_size=16)
         h.update(file_digest)
         cpu = ""
@@ -149,7 +154,7 @@ class CalibrationFile:
                         if ln.startswith(("flags", "Features"))), "")
         except OSError:
             self.file = None  # no way to tell this CPU from another: do not trust a stored value
-        for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts):
+        for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts, offload_key):
             h.update(repr(part).encode())
         self.key = h.hexdigest()
 

@@ -1,7 +1,7 @@
 """Command line: `serve` (the OpenAI-compatible server) and `synth-model` (random-weight Qwen3.5 GGUFs).
 
 Flags use llama-server's spelling where one exists (--host, --port, --ctx-size, --threads, --batch-size,
---cache-ram, --alias, --chat-template-file).
+--cache-ram, --alias, --chat-template-file, -ngl/--n-gpu-layers, --device, --main-gpu, --no-kv-offload).
 """
 
 from __future__ import annotations
@@ -84,6 +84,24 @@ def _existing_file(text: str) -> Path:
     return path
 
 
+def _gpu_layers(text: str) -> int:
+    """llama-server's -ngl value: a number of layers, or "auto" / "all" (both -1: every layer)."""
+    if text in ("auto", "all"):
+        return -1
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, 'auto' or 'all', got {value}")
+    return value
+
+
+def _device_list(text: str) -> tuple[str, ...]:
+    """llama-server's --device value: comma-separated ggml device names, or "none"."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or ("none" in names and len(names) > 1):
+        raise argparse.ArgumentTypeError(f"must be device names separated by commas, or 'none', got {text!r}")
+    return names
+
+
 def _serve_parser(sub) -> None:
     d = Config()
     p = sub.add_parser("serve", help="start the OpenAI-compatible server")
@@ -150,6 +168,16 @@ def _serve_parser(sub) -> None:
                    help=f"completion budget when a request sets none (default {d.max_tokens_default})")
     p.add_argument("--use-extra-bufts", action="store_true",
                    help="enable llama.cpp CPU weight repacking (crashes Q4_K_M prefill on some CPUs; off by default)")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=_gpu_layers, default=d.n_gpu_layers, metavar="N",
+                   help="layers to offload to the GPU devices: a number, or auto / all (default: all, which is "
+                        "none on a CPU-only build; the startup log and /health name the backend and devices)")
+    p.add_argument("-dev", "--device", type=_device_list, default=d.devices, metavar="DEV1,DEV2",
+                   help="ggml devices to offload to, e.g. Vulkan0 or CUDA0,CUDA1; none = no offload (default: "
+                        "every GPU, else the integrated GPUs, as llama.cpp chooses)")
+    p.add_argument("-mg", "--main-gpu", type=_non_negative, default=d.main_gpu, metavar="INDEX",
+                   help="offload to that one of the devices only (llama-server's -sm none -mg INDEX; default: all)")
+    p.add_argument("-nkvo", "--no-kv-offload", action="store_true",
+                   help="keep the KV cache and attention on the host while layers are offloaded")
     p.add_argument("--api-key", type=_api_key, default=os.environ.get("ORCHESTRATOR_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health, and enable cache "
                         "administration (default: $ORCHESTRATOR_API_KEY; none = no authentication, no "
@@ -180,7 +208,8 @@ def _config(a: argparse.Namespace) -> Config:
                  api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
                  max_tokens_limit=a.max_tokens_limit, parse_special_in_content=a.parse_special_in_content,
                  cache_remote=a.cache_remote, cache_remote_queue_mib=a.cache_remote_queue,
-                 cache_remote_timeout=a.cache_remote_timeout, replica_name=a.replica_name)
+                 cache_remote_timeout=a.cache_remote_timeout, replica_name=a.replica_name,
+                 n_gpu_layers=a.n_gpu_layers, devices=a.device, main_gpu=a.main_gpu, kv_offload=not a.no_kv_offload)
     if a.cache_ram is not None:
         cfg.cache_ram_mib = a.cache_ram
     cfg.cache_enabled = not a.no_cache and cfg.cache_ram_mib > 0

@@ -50,6 +50,12 @@ class Config:
     chat_template: Path | None = None  # override the template stored in the GGUF
     max_tokens_default: int = 512  # completion budget when a request gives none
     use_extra_bufts: bool = False  # llama.cpp CPU weight repacking; see "CPU weight repacking" in engine.py
+    # Offload (orchestrator/devices.py). Layers on the GPU/iGPU devices; -1: all of them, which is none on a
+    # CPU-only build (llama-server's default, without its --fit memory fitting).
+    n_gpu_layers: int = -1
+    devices: tuple[str, ...] | None = None  # ggml device names to offload to; ("none",): none; None: llama.cpp's choice
+    main_gpu: int | None = None  # only this index of those devices (llama-server's -sm none -mg N); None: all
+    kv_offload: bool = True  # KV cache and attention on the device of their layer (False: --no-kv-offload)
     parallel: int = 4  # slots: requests served at once (sequences of one llama.cpp context)
     queue_size: int = 64  # requests waiting for a slot before new ones get HTTP 429
     timeout: float = 600.0  # seconds a request may take from arrival to its last token (0 = no limit)

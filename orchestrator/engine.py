@@ -1,4 +1,5 @@
-"""The only module that talks to llama.cpp (through llama-cpp-python's low-level ctypes API).
+"""The only module that talks to llama.cpp (through llama-cpp-python's low-level ctypes API; devices.py reads
+ggml's device registry for it).
 
 One `Engine` owns a model, a context and a reusable `llama_batch`. It tokenizes, prefills in chunks of at most
 n_batch tokens (llama_decode aborts the process on more), decodes one token at a time, samples with llama.cpp's
@@ -43,6 +44,7 @@ import llama_cpp
 import numpy as np
 
 from .buffers import SpareBuffers, address, bytes_writer
+from .devices import Offload, device_array, select_devices
 from .errors import EngineError, InvalidRequest, ModelLoadError
 from .state import StateKind, state_kind
 
@@ -207,14 +209,24 @@ class Engine:
         n_threads: CPU threads for decode and prefill.
         use_extra_bufts: llama.cpp CPU weight repacking (see the module docstring; off by default).
         flash_attn: use flash attention (off by default: see "Numerics" in the module docstring).
-    Raises ModelLoadError when the file is missing or llama.cpp cannot load it.
+        n_gpu_layers: layers offloaded to the devices (llama_model_params.n_gpu_layers; < 0: all of them, which
+            is none on a CPU-only build: llama-server's default).
+        devices: ggml device names to offload to (["none"]: none; None: llama.cpp's default choice);
+        main_gpu: keep only that index of them (devices.select_devices).
+        kv_offload: KV cache and attention on the device of their layer (llama_context_params.offload_kqv).
+    Raises ModelLoadError when the file is missing, a device is unknown, or llama.cpp cannot load it.
+
+    `offload` is the resulting layout (devices.Offload); `model_params` and `context_params` the llama.cpp
+    parameters the model and context were created with.
 
     Until `calibrate` is called with the measured facts (calibration.py), min_segment is 2 (no one-token
     chunks) and batch_invariant False.
     """
 
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
-                 use_extra_bufts: bool = False, n_seq_max: int = 1, flash_attn: bool = False) -> None:
+                 use_extra_bufts: bool = False, n_seq_max: int = 1, flash_attn: bool = False,
+                 n_gpu_layers: int = -1, devices: Sequence[str] | None = None, main_gpu: int | None = None,
+                 kv_offload: bool = True) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -225,6 +237,11 @@ class Engine:
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.use_extra_bufts = use_extra_bufts
+        mparams.n_gpu_layers = n_gpu_layers
+        offload_to = select_devices(devices, main_gpu)
+        self._devices = device_array(offload_to)  # explicit, so that `offload` names what llama.cpp uses
+        mparams.devices = ctypes.addressof(self._devices)
+        self.model_params = mparams
         self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {model_path} (not a GGUF, or an unsupported "
@@ -240,6 +257,7 @@ class Engine:
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
+        cparams.offload_kqv = kv_offload
         # What the state is made of decides how it is saved, restored and rewound (state.py), and for sliding-window
         # models the cache layout (swa_full).
         self.state: StateKind = state_kind(bool(llama_cpp.llama_model_is_recurrent(self.model)),
@@ -248,6 +266,7 @@ class Engine:
         cparams.swa_full = self.state.swa_full
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.context_params = cparams
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
@@ -261,6 +280,10 @@ class Engine:
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
         self.flash_attn = flash_attn
+        self.offload = Offload.of(offload_to, n_gpu_layers, llama_cpp.llama_model_n_layer(self.model), kv_offload)
+        if not offload_to and n_gpu_layers > 0:
+            log.warning("-ngl %d: no offload device (%s), every layer runs on the CPU", n_gpu_layers,
+                        "--device none" if devices else "a CPU-only llama.cpp build")
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._scratch = bytearray()  # the kept buffer of load_state (states given in parts) and save_state_view
         self._view: memoryview | None = None  # the view save_state_view returned last (load_state reads it in place)

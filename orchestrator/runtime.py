@@ -60,10 +60,16 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
     version, and the context parameters that shape the state layout: n_ctx, sequences, flash attention, and the
     layout of saved entries (`StateKind.layout`). A changed model file (even touched, or copied without -p) therefore empties
     the disk tier, which costs only misses.
+
+    It also covers where the state was computed (`devices.Offload.key`: backend and device, layer split, KV
+    placement, the CPU's kernel features): llama.cpp's state bytes do not depend on the device, so a state
+    computed on one loads under another, but continuing from it there is not what a cold prefill there computes
+    (bench/results/2026-12-01/vulkan/README.md), so it is not portable across layouts.
     """
     h = hashlib.blake2b(digest_size=32)
     h.update(file_digest if file_digest is not None else model_file_digest(model_path))
-    for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.state.layout):
+    for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.state.layout,
+                 engine.offload.key()):
         h.update(repr(part).encode())
     return h.digest()
 
@@ -108,11 +114,14 @@ class Runtime:
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
-                        use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel)
+                        use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
+                        devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload)
+        log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
-            cfg.calibration_file, file_digest, cfg.batch_size, cfg.use_extra_bufts), cfg.decode_batching)
-        log.info("prefill ubatches of %d tokens or more are bit-identical to larger ones on this model and CPU "
-                 "(min_segment)", facts.min_segment)
+            cfg.calibration_file, file_digest, cfg.batch_size, cfg.use_extra_bufts, engine.offload),
+            cfg.decode_batching)
+        log.info("prefill ubatches of %d tokens or more are bit-identical to larger ones on this model and %s "
+                 "(min_segment)", facts.min_segment, engine.offload.backend)
         info = engine.info
         log.info("model %s: %s, arch %s, %.0f MiB, %d params, n_ctx %d per slot, n_batch %d, %d threads",
                  path, info.name, info.architecture, info.size_bytes / MiB, info.n_params, engine.n_ctx,
@@ -225,9 +234,10 @@ class Runtime:
         return self.scheduler.flush()
 
     def health(self) -> dict:
-        """Slots, queue and cache figures for /health."""
+        """Slots, queue and cache figures for /health, and the backend and devices computing the model."""
         s = self.cache.stats()
-        return {"slots": len(self.scheduler.slots), "slots_busy": self.scheduler.slots_busy,
+        return {"backend": self.engine.offload.backend, "devices": self.engine.offload.device_names,
+                "slots": len(self.scheduler.slots), "slots_busy": self.scheduler.slots_busy,
                 "queue_length": self.scheduler.queue_length,
                 "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
                           "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}}
