@@ -94,7 +94,7 @@ def check_shared_prefix(path: Path, a) -> dict:
             prompt = rt.prompts.chat(msgs, tools, {})
             runs = {}
             for use_cache in (True, False):
-                job = Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
+                job = Job(prompt_tokens=prompt.tokens, boundaries=prompt.boundaries,
                           max_tokens=a.max_tokens, sampling=SamplingParams(temperature=0.0), use_cache=use_cache,
                           want_logits=True)
                 runs[use_cache] = rt.scheduler.run(job)
