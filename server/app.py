@@ -593,10 +593,10 @@ class Api:
         output: list[dict] = []  # finished items
         cur: dict = {"item": None, "text": ""}  # the open reasoning or message item
 
-        def event(name: str, **data) -> str:
-            body = dict(type=name, sequence_number=seq[0], **data)
+        def event(kind: str, **data) -> str:
+            body = dict(type=kind, sequence_number=seq[0], **data)
             seq[0] += 1
-            return f"event: {name}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         def part(kind: str, text: str) -> dict:
             return responses.output_text(text) if kind == "message" else {"type": "reasoning_text", "text": text}
