@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,7 +224,8 @@ def _reasoning_text(item: dict, p: str) -> str:
     return "\n\n".join(s["text"] for s in parts)
 
 
-def _call_name(item: dict, p: str, kind: str, names: dict[str, ToolName]) -> str:
+def _call_name(item: dict, p: str) -> str:
+    """A call item's tool name as the prompt has it (<namespace>.<name> for a namespaced tool)."""
     name = _id(item, "name", p)
     ns = item.get("namespace")
     if ns is not None and not isinstance(ns, str):
@@ -231,7 +233,7 @@ def _call_name(item: dict, p: str, kind: str, names: dict[str, ToolName]) -> str
     return f"{ns}{SEP}{name}" if ns else name
 
 
-def _convert(body: dict, names: dict[str, ToolName], max_messages: int) -> _Turns:
+def _convert(body: dict, max_messages: int) -> _Turns:
     turns = _Turns()
     instructions = body.get("instructions")
     if instructions is not None:
@@ -264,7 +266,7 @@ def _convert(body: dict, names: dict[str, ToolName], max_messages: int) -> _Turn
             turns.assistant(p, "reasoning")["reasoning_content"] = _reasoning_text(item, p)
         elif kind in ("function_call", "custom_tool_call"):
             call_id = _id(item, "call_id", p)
-            name = _call_name(item, p, kind, names)
+            name = _call_name(item, p)
             if kind == "function_call":
                 args = item.get("arguments", "{}")
                 if not isinstance(args, str):
@@ -287,17 +289,17 @@ def _convert(body: dict, names: dict[str, ToolName], max_messages: int) -> _Turn
     return turns
 
 
+_REF = re.compile(r"messages\[(\d+)\](\.tool_calls\[\d+\])?(\.function)?")
+
+
 def _translate(e: InvalidRequest, turns: _Turns) -> InvalidRequest:
     """An error about the translated messages (messages[k]...), renamed to the input path item k came from."""
-    import re
-
     def path(m: re.Match) -> str:
         k = int(m[1])
         return turns.origin[k] if k < len(turns.origin) else m[0]
 
-    ref = re.compile(r"messages\[(\d+)\](\.tool_calls\[\d+\])?(\.function)?")
-    param = ref.sub(path, e.param, count=1).replace(".tool_call_id", ".call_id") if e.param else e.param
-    return InvalidRequest(ref.sub(path, e.message), param=param, code=e.code)
+    param = _REF.sub(path, e.param, count=1).replace(".tool_call_id", ".call_id") if e.param else e.param
+    return InvalidRequest(_REF.sub(path, e.message), param=param, code=e.code)
 
 
 # ------------------------------------------------------------------ tools
@@ -483,7 +485,7 @@ def parse_responses(body: Any, cfg: Config | None = None) -> ResponsesRequest:
                           parallel_tool_calls=body.get("parallel_tool_calls") is not False)
     thinking = _reasoning(body.get("reasoning"))
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
-    turns = _convert(body, names, cfg.max_messages)
+    turns = _convert(body, cfg.max_messages)
     try:
         messages, breakpoints, late = conversation(turns.conv, len(turns.conv))
     except InvalidRequest as e:
