@@ -112,6 +112,21 @@ def test_items_render_as_the_chat_route_renders_the_same_conversation(runtime):
     assert again.messages[1]["reasoning_content"] == "short"
 
 
+def test_output_items_group_into_assistant_turns():
+    """reasoning, message and calls of one turn are one assistant message; a second message, or reasoning after
+    the turn's output, starts the next one."""
+    said = lambda text: {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+    think = lambda text: {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "find_book", "arguments": "{}"}
+    req = parse_responses({"model": "m", "tools": [TOOL], "input": [
+        {"role": "user", "content": "a"}, think("r1"), said("one"), said("two"), think("r2"), call,
+        {"type": "function_call_output", "call_id": "c1", "output": "x"}]})
+    assert [(m["role"], m.get("content"), m.get("reasoning_content"), len(m.get("tool_calls", [])))
+            for m in req.messages] == [("user", "a", None, 0), ("assistant", "one", "r1", 0),
+                                       ("assistant", "two", None, 0), ("assistant", "", "r2", 1),
+                                       ("tool", "x", None, 0)]
+
+
 def test_a_string_input_hosted_tools_and_custom_tools():
     req = parse_responses({"model": "m", "input": "hello", "tools": [
         {"type": "web_search"}, {"type": "local_shell"}, {"type": "file_search", "vector_store_ids": ["v"]},
