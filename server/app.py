@@ -1,7 +1,8 @@
 """Starlette app: OpenAI-compatible routes over an orchestrator `Runtime`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages and /v1/messages/count_tokens
-(Anthropic's Messages API, server/anthropic.py), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
+(Anthropic's Messages API, server/anthropic.py), POST /v1/responses (OpenAI's Responses API, stateless:
+server/responses.py), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
 (Prometheus), GET /v1/cache/stats (JSON), POST /v1/cache/flush (administration), GET /openapi.json.
 Request-level extensions: `cache_prompt` (false = cold run, the cache is neither read nor written),
 `cache_salt` (tenant isolation) and `chat_template_kwargs` (e.g. {"enable_thinking": false}). Responses add
@@ -35,6 +36,7 @@ from orchestrator.config import Config
 from orchestrator.errors import (Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled, Unauthorized,
                                  UnsupportedMediaType)
 from orchestrator.output.grammar import Constraint
+from orchestrator.output.parsing import ParsedOutput
 from orchestrator.prompt.builder import Prompt
 from orchestrator.runtime import Runtime
 from orchestrator.request import Event, Job, Result
@@ -46,6 +48,8 @@ from .openapi import openapi_schema
 from . import anthropic
 from .anthropic import MessagesRequest, parse_messages
 from . import logprobs
+from . import responses
+from .responses import ResponsesRequest, parse_responses
 from .schemas import GenerationOptions, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
@@ -541,6 +545,153 @@ class Api:
         _req, prompt = await self._messages_prompt(request, anthropic.COUNT_TOKENS)
         return JSONResponse({"input_tokens": len(prompt.tokens)})
 
+    # ------------------------------------------------------------------ OpenAI Responses API
+
+    async def responses(self, request: Request):
+        cfg = self.rt.config
+        req = parse_responses(await _json_body(request, cfg.max_body_bytes), cfg)
+        if req.late_system is not None and not await self._renders_late_system():
+            raise InvalidRequest(
+                f"'{req.late_system}' is a system (or developer) message after the start of the conversation, and "
+                f"this model's chat template ({self.rt.prompts.output_format.name} family) takes system messages "
+                f"only at the start; leading system and developer messages (and 'instructions') are merged into "
+                f"one. Put its text in the first one, or send it as a user message", param=f"{req.late_system}.role")
+        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
+                                         req.cache_breakpoints)
+        constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
+        job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
+            req.messages, req.tools, req.template_kwargs, prompt), constraint)
+        events, cancel = self._submit(job)
+        rid, created = responses.new_id("resp"), int(time.time())
+        if req.options.stream:
+            return StreamingResponse(self._responses_stream(events, cancel, rid, created, prompt, req),
+                                     media_type="text/event-stream")
+        r = (await self._collect(request, events, cancel))[0]
+        self._log("responses", [r])
+        out = prompt.reply.parse(r.text)
+        return JSONResponse(dict(responses.response_object(
+            rid, created, self.rt.model_id, req, responses.output_items(out, req.names), responses.status(r, out),
+            self._responses_usage(r, out)), timings=_timings(r)), headers=_tier_header(r))
+
+    def _responses_usage(self, r: Result, out) -> dict:
+        reasoning = len(self.rt.engine.tokenize(out.reasoning, parse_special=False)) if out.reasoning else 0
+        return responses.usage(r, reasoning)
+
+    def _responses_stream(self, events: asyncio.Queue, cancel: threading.Event, rid: str, created: int,
+                          prompt: Prompt, req: ResponsesRequest) -> AsyncIterator[str]:
+        """The Responses API's events, each `event: <type>` with its JSON (`type`, `sequence_number`):
+        response.created and response.in_progress; per output item response.output_item.added, its part
+        (response.content_part.added, the deltas: response.reasoning_text.delta or response.output_text.delta,
+        their .done, response.content_part.done) and response.output_item.done (reasoning, then message; function
+        calls at the end, each with one response.function_call_arguments.delta and .done, or
+        response.custom_tool_call_input.delta and .done); then response.completed (or response.incomplete when
+        generation hit max_output_tokens) carrying the whole response and its usage; response.failed if the job
+        fails."""
+        parser = prompt.reply.stream()
+        model = self.rt.model_id
+        seq = [0]
+        output: list[dict] = []  # finished items
+        cur: dict = {"item": None, "text": ""}  # the open reasoning or message item
+
+        def event(kind: str, **data) -> str:
+            body = dict(type=kind, sequence_number=seq[0], **data)
+            seq[0] += 1
+            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def part(kind: str, text: str) -> dict:
+            return responses.output_text(text) if kind == "message" else {"type": "reasoning_text", "text": text}
+
+        def close() -> list[str]:
+            item = cur["item"]
+            if item is None:
+                return []
+            cur["item"] = None
+            i, kind, text = len(output), item["type"], cur["text"]
+            ref = {"item_id": item["id"], "output_index": i, "content_index": 0}
+            done = responses.message_item(text, item["id"]) if kind == "message" \
+                else responses.reasoning_item(text, item["id"])
+            output.append(done)
+            if kind == "message":
+                lines = [event("response.output_text.done", **ref, text=text, logprobs=[])]
+            else:
+                lines = [event("response.reasoning_text.done", **ref, text=text)]
+            return lines + [event("response.content_part.done", **ref, part=part(kind, text)),
+                            event("response.output_item.done", output_index=i, item=done)]
+
+        def open_item(kind: str) -> list[str]:
+            lines = close()
+            item_id = responses.new_id("msg" if kind == "message" else "rs")
+            item = responses.message_item(None, item_id, "in_progress") if kind == "message" \
+                else dict(responses.reasoning_item("", item_id, "in_progress"), content=[])
+            cur["item"], cur["text"] = item, ""
+            i = len(output)
+            return lines + [event("response.output_item.added", output_index=i, item=item),
+                            event("response.content_part.added", item_id=item_id, output_index=i, content_index=0,
+                                  part=part(kind, ""))]
+
+        def pieces(items) -> list[str]:
+            lines = []
+            for kind, text in items:
+                want = "reasoning" if kind == "reasoning" else "message"
+                if cur["item"] is None or cur["item"]["type"] != want:
+                    lines += open_item(want)
+                cur["text"] += text
+                ref = {"item_id": cur["item"]["id"], "output_index": len(output), "content_index": 0}
+                if want == "message":
+                    lines.append(event("response.output_text.delta", **ref, delta=text, logprobs=[]))
+                else:
+                    lines.append(event("response.reasoning_text.delta", **ref, delta=text))
+            return lines
+
+        def on_done(r: Result) -> list[str]:
+            rest, calls = parser.finish()
+            lines = pieces(rest) + close()
+            for call in calls:
+                item = responses.call_item(call, req.names, responses.new_id("fc"))
+                i = len(output)
+                ref = {"item_id": item["id"], "output_index": i}
+                if item["type"] == "custom_tool_call":
+                    lines += [event("response.output_item.added", output_index=i,
+                                    item=dict(item, input="", status="in_progress")),
+                              event("response.custom_tool_call_input.delta", **ref, delta=item["input"]),
+                              event("response.custom_tool_call_input.done", **ref, input=item["input"])]
+                else:
+                    lines += [event("response.output_item.added", output_index=i,
+                                    item=dict(item, arguments="", status="in_progress")),
+                              event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
+                              event("response.function_call_arguments.done", **ref, name=item["name"],
+                                    arguments=item["arguments"])]
+                output.append(item)
+                lines.append(event("response.output_item.done", output_index=i, item=item))
+            out = ParsedOutput(content="".join(x["content"][0]["text"] for x in output if x["type"] == "message"
+                                               and x["content"]),
+                               reasoning="".join(x["content"][0]["text"] for x in output if x["type"] == "reasoning"
+                                                 and x["content"]) or None, tool_calls=calls)
+            state = responses.status(r, out)
+            final = responses.response_object(rid, created, model, req, output, state, self._responses_usage(r, out))
+            name = "response.completed" if state == "completed" else "response.incomplete"
+            return lines + [event(name, response=dict(final, timings=_timings(r)))]
+
+        def on_error(e: Exception) -> list[str]:
+            err = error_payload(e)[0]["error"]
+            failed = responses.response_object(rid, created, model, req, output, "failed", None)
+            failed["error"] = {"code": err.get("code") or err.get("type"), "message": err["message"]}
+            return close() + [event("response.failed", response=failed)]
+
+        async def gen() -> AsyncIterator[str]:
+            start = responses.response_object(rid, created, model, req, [], "in_progress", None)
+            yield event("response.created", response=start)
+            yield event("response.in_progress", response=start)
+            inner = self._stream(events, cancel, "/v1/responses", "responses-stream",
+                                 lambda ev: pieces(parser.push(ev.text)), on_done, on_error)
+            try:
+                async for line in inner:
+                    yield line
+            finally:
+                await inner.aclose()
+
+        return gen()
+
     # ------------------------------------------------------------------ models, metrics, cache, health
 
     def _model_card(self) -> dict:
@@ -592,6 +743,7 @@ def create_app(runtime: Runtime) -> Starlette:
         route("/v1/completions", api.completions, "POST"),
         route("/v1/messages", api.messages, "POST", flavor=ANTHROPIC),
         route("/v1/messages/count_tokens", api.count_tokens, "POST", flavor=ANTHROPIC),
+        route("/v1/responses", api.responses, "POST"),
         route("/v1/models", api.models, "GET"),
         route("/v1/models/{model_id:path}", api.model, "GET"),
         route("/health", api.health, "GET", public=True),

@@ -1,8 +1,8 @@
 """The OpenAPI 3.1 description of the server's routes, served at /openapi.json.
 
 Hand-written, with the request limits of the running server's Config (max_tokens, messages). The request
-properties are exactly server/schemas.py's FIELDS and, for the Anthropic routes, server/anthropic.py's FIELDS
-(tests/test_openapi.py checks it), and
+properties are exactly server/schemas.py's FIELDS and, for the Anthropic routes, server/anthropic.py's FIELDS,
+for /v1/responses server/responses.py's FIELDS (tests/test_openapi.py checks it), and
 `additionalProperties: false` says what the server does with anything else: 400.
 """
 
@@ -15,6 +15,7 @@ from orchestrator.config import Config
 from .anthropic import COUNT_TOKENS, MESSAGES
 from .anthropic import FIELDS as ANTHROPIC_FIELDS
 from .schemas import CHAT, COMPLETION, FIELDS, MAX_ID_CHARS, MAX_TOP_LOGPROBS
+from . import responses as responses_api
 
 _NULL = {"type": "null"}
 
@@ -184,6 +185,77 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
     }
 
 
+def _responses_request(cfg: Config) -> dict:
+    """The /v1/responses request: every field in server/responses.py's FIELDS (refused ones are left out, so
+    `additionalProperties: false` covers them)."""
+    text = {"type": "string"}
+    part = {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["input_text", "output_text", "text", "refusal"]}, "text": text, "refusal": text}}
+    content = {"anyOf": [text, {"type": "array", "items": part}]}
+    item = {"type": "object", "description": "message (type optional with a role), reasoning, function_call, "
+                                             "function_call_output, custom_tool_call, custom_tool_call_output",
+            "properties": {
+                "type": {"enum": ["message", "reasoning", "function_call", "function_call_output", "custom_tool_call",
+                                  "custom_tool_call_output"]},
+                "role": {"enum": ["system", "developer", "user", "assistant"]}, "content": content,
+                "call_id": {"type": "string", "minLength": 1}, "name": {"type": "string", "minLength": 1},
+                "namespace": text, "arguments": text, "input": text, "output": content,
+                "summary": {"type": "array", "items": {"type": "object"}}, "encrypted_content": _nullable(text)}}
+    function = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"enum": ["function", "custom"]}, "name": {"type": "string", "minLength": 1}, "description": text,
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}, "format": {"type": "object"}}}
+    tool = {"oneOf": [
+        function,
+        {"type": "object", "required": ["type", "name", "tools"], "properties": {
+            "type": {"const": "namespace"}, "name": {"type": "string", "minLength": 1}, "description": text,
+            "tools": {"type": "array", "items": function}}},
+        {"type": "object", "required": ["type"], "description": "hosted tools: accepted, not offered to the model",
+         "properties": {"type": {"enum": list(responses_api.HOSTED)}}}]}
+    effort = {"enum": list(responses_api.EFFORTS)}
+    summary = {"enum": ["auto", "concise", "detailed", "none"]}
+    fmt = {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]}, "name": text, "schema": {"type": "object"},
+        "strict": {"type": "boolean"}, "description": text}}
+    ident = {"type": "string", "maxLength": MAX_ID_CHARS}
+    props = {
+        "model": ident,
+        "input": {"anyOf": [text, {"type": "array", "minItems": 1, "maxItems": cfg.max_messages, "items": item}]},
+        "instructions": _nullable(text),
+        "tools": _nullable({"type": "array", "items": tool}),
+        "tool_choice": _nullable({"anyOf": [{"enum": ["auto", "none", "required"]}, {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"enum": ["function", "custom"]}, "name": text, "namespace": text}}]}),
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
+        "text": _nullable({"type": "object", "properties": {"format": fmt,
+                                                            "verbosity": {"enum": ["low", "medium", "high"]}}}),
+        "reasoning": _nullable({"type": "object", "properties": {"effort": _nullable(effort),
+                                                                 "summary": _nullable(summary),
+                                                                 "generate_summary": _nullable(summary)}}),
+        "max_output_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit}),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object"}),
+        "store": _nullable({"const": False, "description": "responses are not stored: true is refused"}),
+        "include": _nullable({"type": "array", "items": {"enum": list(responses_api.INCLUDE_NOTHING)}}),
+        "top_logprobs": _nullable({"const": 0}),
+        "truncation": _nullable({"enum": ["auto", "disabled"]}),
+        "prompt_cache_key": _nullable(ident),
+        "prompt_cache_retention": _nullable(text),
+        "max_tool_calls": _nullable({"type": "integer"}),
+        "service_tier": _nullable(text),
+        "metadata": _nullable({"type": "object"}),
+        "client_metadata": _nullable({"type": "object"}),
+        "user": _nullable(ident),
+        "safety_identifier": _nullable(ident),
+        "cache_prompt": {"type": "boolean", "description": "false: a cold run that neither reads nor writes the "
+                                                          "prefix cache"},
+        "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS,
+                       "description": "requests share cached prefixes only with the same salt"},
+    }
+    return {"type": "object", "required": ["input"], "additionalProperties": False, "properties": props}
+
+
 def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = (), error: str = "Error") -> dict:
     content = {"application/json": {"schema": ok}}
     if stream:
@@ -248,6 +320,18 @@ def openapi_schema(cfg: Config) -> dict:
                                                                "cache_creation_input_tokens",
                                                                "cache_read_input_tokens")}},
             "timings": {"type": "object"}}}
+    response_object = {
+        "type": "object", "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+            "status": {"enum": ["completed", "incomplete"]}, "model": {"type": "string"},
+            "output": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["reasoning", "message", "function_call", "custom_tool_call"]}}}},
+            "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"], "properties": {
+                "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+                "total_tokens": {"type": "integer"},
+                "input_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}},
+            "timings": {"type": "object"}}}
     anthropic_error = {"type": "object", "required": ["type", "error"], "properties": {
         "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
             "type": {"type": "string"}, "message": {"type": "string"}}}}}
@@ -279,7 +363,8 @@ def openapi_schema(cfg: Config) -> dict:
                         "CompletionRequest": _request(props, COMPLETION, ["prompt"]),
                         "AnthropicError": anthropic_error,
                         "MessagesRequest": anthropic_request(MESSAGES, ["model", "max_tokens", "messages"]),
-                        "CountTokensRequest": anthropic_request(COUNT_TOKENS, ["model", "messages"])}},
+                        "CountTokensRequest": anthropic_request(COUNT_TOKENS, ["model", "messages"]),
+                        "ResponsesRequest": _responses_request(cfg)}},
         "paths": {
             "/v1/chat/completions": {"post": {
                 "operationId": "createChatCompletion", "summary": "chat completion (stream: server-sent events)",
@@ -300,6 +385,12 @@ def openapi_schema(cfg: Config) -> dict:
                 "requestBody": body(_ref("CountTokensRequest")),
                 "responses": _responses({"type": "object", "required": ["input_tokens"], "properties": {
                     "input_tokens": {"type": "integer"}}}, extra=bad_body, error="AnthropicError")}},
+            "/v1/responses": {"post": {
+                "operationId": "createResponse",
+                "summary": "OpenAI's Responses API, stateless (stream: server-sent events response.created ... "
+                           "response.completed)",
+                "requestBody": body(_ref("ResponsesRequest")),
+                "responses": _responses(response_object, stream=True, extra=bad_body + (429, 504))}},
             "/v1/models": {"get": {
                 "operationId": "listModels", "summary": "the served model",
                 "responses": _responses({"type": "object", "required": ["object", "data"], "properties": {

@@ -87,6 +87,16 @@ DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
                                           'thinking off'),
 }
 
+def thinking_from_effort(value: Any) -> bool | None:
+    """The template's thinking switch (`enable_thinking`) for an OpenAI reasoning effort (chat's
+    `reasoning_effort`, Responses' `reasoning.effort`): None (not given) -> None, the template's default;
+    "none" or "minimal" -> False; "low", "medium", "high", "xhigh" -> True (the template has one switch, no
+    budget). Callers validate the value first."""
+    if value is None:
+        return None
+    return value not in ("none", "minimal")
+
+
 _STRING_FIELDS = ("model", "cache_salt", "prompt_cache_key", "user", "safety_identifier")
 
 

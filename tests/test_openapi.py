@@ -15,6 +15,7 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
 from server.openapi import openapi_schema
 from server.anthropic import COUNT_TOKENS, MESSAGES
 from server.anthropic import FIELDS as ANTHROPIC_FIELDS
+from server.responses import FIELDS as RESPONSES_FIELDS
 from server.schemas import CHAT, COMPLETION, FIELDS
 
 from .conftest import serving
@@ -39,6 +40,8 @@ def test_published_request_fields_are_exactly_the_accepted_ones(fuzz_server):
     for name, route in (("MessagesRequest", MESSAGES), ("CountTokensRequest", COUNT_TOKENS)):
         assert set(schemas[name]["properties"]) == {f for f, routes in ANTHROPIC_FIELDS.items() if route in routes}
         assert schemas[name]["additionalProperties"] is False
+    assert set(schemas["ResponsesRequest"]["properties"]) == set(RESPONSES_FIELDS)
+    assert schemas["ResponsesRequest"]["additionalProperties"] is False
     assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 4
     assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 4
     routes = {r.path.replace(":path", "") for r in srv.server.config.app.routes}
