@@ -75,7 +75,10 @@ class Boundaries:
 
         `min_gap` (tokens): a message end closer than that to another kept offset is left out, so a run of short
         messages does not stop the prefill at every one. The end of the tools block, the end of the system
-        message, the caller's breakpoints and the last message end are always kept; the other message ends are
+        message, the caller's breakpoints and the last two message ends are always kept: the last is where the
+        next turn continues, the one before it where the latest message starts, which is where a client that
+        rewrites its latest message diverges on the next turn (aider appends its instructions to the current
+        user message and sends that message back without them: bench/captures/aider/); the other message ends are
         taken from the last one backwards (the recent ones are where a template rewrites history and where a
         conversation forks). Each stop costs a llama_decode call of its own and a state save: on the 0.8b on 2
         cores about 40 ms; a cold 20-message conversation of 85-token messages took 1.11x llama-server's time
@@ -86,8 +89,8 @@ class Boundaries:
 
         ends = sorted({p for p in self.message_ends if inside(p)})
         kept = {p for p in (self.tools_end, self.system_end, *self.extra) if inside(p)}
-        if ends:
-            kept.add(ends.pop())
+        kept.update(ends[-2:])
+        del ends[-2:]
         for p in reversed(ends):
             if all(abs(p - k) >= min_gap for k in kept):
                 kept.add(p)
