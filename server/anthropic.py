@@ -163,7 +163,7 @@ def _thinking_text(block: dict, q: str) -> str:
         raise _bad(f"'{q}.signature' must be a string", f"{q}.signature")
     if not text and sig and sig.startswith(SIGNATURE_PREFIX):
         try:
-            return base64.urlsafe_b64decode(sig[len(SIGNATURE_PREFIX):].encode()).decode()
+            return base64.b64decode(sig[len(SIGNATURE_PREFIX):], altchars=b"-_", validate=True).decode()
         except (binascii.Error, ValueError, UnicodeDecodeError) as e:
             raise _bad(f"'{q}.signature' is not a signature this server made", f"{q}.signature") from e
     return text

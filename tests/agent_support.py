@@ -41,14 +41,16 @@ class Recorder:
 
 
 def counters(url: str) -> dict[str, float]:
-    """Totals from /metrics: refused or failed requests (all labels), prompt tokens, cached prompt tokens."""
+    """Totals from /metrics: refused or failed requests (all labels), prompt tokens, cached prompt tokens; and the
+    error counter's lines (route, status, code), for the message of a failed assertion."""
     text = httpx.get(url + "/metrics", timeout=30).text
 
     def total(name: str) -> float:
         return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
     return {"errors": total("orchestrator_request_errors_total"), "prompt": total("orchestrator_prompt_tokens_total"),
-            "cached": total("orchestrator_cached_tokens_total")}
+            "cached": total("orchestrator_cached_tokens_total"),
+            "error_lines": re.findall(r"^orchestrator_request_errors_total\{.*$", text, re.M)}
 
 
 def capture(client: str, name: str) -> dict:
