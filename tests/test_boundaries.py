@@ -229,11 +229,11 @@ def test_min_gap_thins_message_ends_from_the_last_one_backwards_and_keeps_the_st
     from orchestrator.prompt.boundaries import Boundaries
     b = Boundaries(tools_end=40, system_end=60, message_ends=(60, 100, 150, 200, 290, 300, 310), extra=(305,))
     assert b.positions(400) == [40, 60, 100, 150, 200, 290, 300, 305, 310]  # no gap: every offset
-    # 310 and 300 (the last two message ends: where the next turn continues and where the latest message
-    # starts), 305 (a breakpoint), 40 and 60 (tools, system) stay; 290 is within 100 tokens of 300; 200 is the
-    # first 100 below 300; 150 and 100 are within 100 of 200 or 60.
+    # 310 (the last message end), 305 (a breakpoint), 40 and 60 (tools, system) stay; 290 is within 100 tokens
+    # of 310 or 305; 200 is the first 100 below 305; 150 and 100 are within 100 of 200 or 60. Then 300, the end
+    # before the last (where the latest message starts), is added whatever the gap.
     assert b.positions(400, min_gap=100) == [40, 60, 200, 300, 305, 310]
-    # a 310-token prompt: 310 is its end, never a position; 300 and 290 are then the last two inside it, and
-    # 200 is within 100 of 290
-    assert b.positions(310, min_gap=100) == [40, 60, 290, 300, 305]
+    # a 310-token prompt: 310 is its end, never a position; 300 is then the last message end inside it, and 290
+    # the one before it
+    assert b.positions(310, min_gap=100) == [40, 60, 200, 290, 300, 305]
     assert Boundaries(None, None, (None, 50, None)).positions(400, min_gap=1000) == [50]

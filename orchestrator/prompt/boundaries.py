@@ -89,11 +89,13 @@ class Boundaries:
 
         ends = sorted({p for p in self.message_ends if inside(p)})
         kept = {p for p in (self.tools_end, self.system_end, *self.extra) if inside(p)}
-        kept.update(ends[-2:])
-        del ends[-2:]
+        if ends:
+            kept.add(ends.pop())
         for p in reversed(ends):
             if all(abs(p - k) >= min_gap for k in kept):
                 kept.add(p)
+        if ends:  # the one before the last, after the thinning so that it does not move the others
+            kept.add(ends[-1])
         return sorted(kept)
 
 
