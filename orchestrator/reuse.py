@@ -66,8 +66,8 @@ def spaced_stops(boundaries: Boundaries | Sequence[int] | None, n_prompt: int, m
     """Where the prefill of an n_prompt-token prompt may stop to store a checkpoint, ascending, before the state
     kind's and min_segment's filters (`Reuse.snapshot_positions`); `min_gap` and `interval` in tokens.
 
-    boundaries: the template's (`Boundaries`: tools end, system end, breakpoints and the last message end are
-    kept; an earlier message end closer than `min_gap` to a kept stop is left out, taken from the last one
+    boundaries: the template's (`Boundaries`: tools end, system end, breakpoints, the last message end and the
+    latest message's start are kept; an earlier message end closer than `min_gap` to a kept stop is left out, taken from the last one
     backwards, where templates rewrite history and conversations fork), or token offsets, all kept. Then, with
     `interval`, a checkpoint every `interval` tokens inside any longer stretch between two stops (or the prompt's
     end), counted from the stop before it (two prompts that share that stop and diverge inside the long
@@ -80,13 +80,15 @@ def spaced_stops(boundaries: Boundaries | Sequence[int] | None, n_prompt: int, m
         stop?        yes          yes    yes     no                         yes                 yes
     """
     if isinstance(boundaries, Boundaries):
-        fixed, optional = boundaries.split(n_prompt)
+        fixed, optional, latest_start = boundaries.split(n_prompt)
     else:
-        fixed, optional = sorted({b for b in boundaries or () if 0 < b < n_prompt}), []
+        fixed, optional, latest_start = sorted({b for b in boundaries or () if 0 < b < n_prompt}), [], None
     kept = set(fixed)
     for p in reversed(optional):
         if all(abs(p - k) >= min_gap for k in kept):
             kept.add(p)
+    if latest_start is not None:  # after the thinning: it moves no other stop (Boundaries.split)
+        kept.add(latest_start)
     bounds = sorted(kept)
     stops = set(bounds)
     if interval:

@@ -14,7 +14,15 @@ content blocks and stream events:
   thinking block) where the assistant message ends. On a tool definition it is accepted and needs nothing: the
   tools block always ends at a snapshot boundary.
 * `thinking` {"type": "enabled" | "adaptive"} renders the template with thinking on; absent or "disabled", off
-  (`enable_thinking`, as Anthropic's default is no thinking).
+  (`enable_thinking`, as Anthropic's default is no thinking); `output_config.effort` "none"/"minimal" turns it
+  off (server/schemas.py thinking_from_effort). Answered thinking blocks carry a `signature` that holds their
+  text, so a block sent back without it (`display: "omitted"`) renders the same.
+* What Claude Code 2.1.x sends (bench/captures/claude-code/): its billing line (system[0], a hash that changes
+  per session) is left out of the prompt; a message with role "system" is rendered where it stands (as a user
+  turn where the template takes no later system message: server/app.py); tools with `defer_loading` are not
+  rendered, a `tool_reference` block renders the referenced tool's definition; `context_management`'s
+  clear_thinking_20251015 edit is applied as Anthropic documents it.
+* The top-level fields' policy (honoured, hint, refused) is FIELDS (server/fields.py).
 
 Usage: `cache_read_input_tokens` is the prompt tokens restored from the cache; `cache_creation_input_tokens`
 the prompt tokens this request prefilled while storing snapshots (all the uncached ones: the state is stored at
@@ -24,6 +32,8 @@ neither read from nor written to the cache). The three add up to the prompt.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from dataclasses import dataclass
@@ -34,33 +44,49 @@ from orchestrator.errors import InvalidRequest
 from orchestrator.output.parsing import ParsedOutput
 from orchestrator.request import Result
 
-from .schemas import MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, conversation
+from . import fields
+from .fields import HINT, HONOURED, REFUSED, Rule
+from .schemas import MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, conversation, thinking_from_effort
 
 MESSAGES, COUNT_TOKENS = "messages", "count_tokens"
 
-# Accepted top-level fields -> the routes that accept them (/v1/messages, /v1/messages/count_tokens); anything
-# else is refused by name. cache_prompt and cache_salt are this server's extensions, as on the OpenAI routes.
-FIELDS: dict[str, tuple[str, ...]] = {
-    "model": (MESSAGES, COUNT_TOKENS),
-    "messages": (MESSAGES, COUNT_TOKENS),
-    "system": (MESSAGES, COUNT_TOKENS),
-    "tools": (MESSAGES, COUNT_TOKENS),
-    "tool_choice": (MESSAGES, COUNT_TOKENS),
-    "thinking": (MESSAGES, COUNT_TOKENS),
-    "cache_control": (MESSAGES, COUNT_TOKENS),  # automatic caching: the conversation's end is always a boundary
-    "max_tokens": (MESSAGES,),
-    "stop_sequences": (MESSAGES,),
-    "stream": (MESSAGES,),
-    "temperature": (MESSAGES,),
-    "top_p": (MESSAGES,),
-    "top_k": (MESSAGES,),
-    "metadata": (MESSAGES,),
-    "service_tier": (MESSAGES,),
-    "cache_prompt": (MESSAGES,),
-    "cache_salt": (MESSAGES,),
+# The field policy of both routes (server/fields.py): field -> Rule(kind, routes, note). cache_prompt and
+# cache_salt are this server's extensions, as on the OpenAI routes. The README's table is server.fields.markdown
+# of it (tests/test_fields.py).
+_BOTH = (MESSAGES, COUNT_TOKENS)
+FIELDS: dict[str, Rule] = {
+    "model": Rule(HONOURED, _BOTH, "any string: the one model served answers"),
+    "messages": Rule(HONOURED, _BOTH, "roles user, assistant and system (see Claude Code)"),
+    "system": Rule(HONOURED, _BOTH, "a string or text blocks; a block starting `x-anthropic-billing-header:` is "
+                                    "dropped"),
+    "tools": Rule(HONOURED, _BOTH, "client tools; `defer_loading: true` ones are left out of the prompt"),
+    "tool_choice": Rule(HONOURED, _BOTH, '"none" drops the tools; "auto", "any", "tool" leave the choice to the '
+                                         "model"),
+    "thinking": Rule(HONOURED, _BOTH, 'enabled/adaptive: thinking on; disabled or absent: off; `display: '
+                                      '"omitted"` answers thinking blocks with their signature only'),
+    "output_config": Rule(HONOURED, _BOTH, '`effort`: "low" and above keep thinking as `thinking` says; '
+                                           "`format` is refused"),
+    "context_management": Rule(HONOURED, _BOTH, "`clear_thinking_20251015` edits are applied; "
+                                                "`clear_tool_uses_20250919` is refused"),
+    "cache_control": Rule(HONOURED, _BOTH, "automatic caching: the conversation's end is always a boundary"),
+    "max_tokens": Rule(HONOURED, (MESSAGES,), "required; thinking counts against it"),
+    "stop_sequences": Rule(HONOURED, (MESSAGES,), "up to 16 strings"),
+    "stream": Rule(HONOURED, (MESSAGES,), "Anthropic's events"),
+    "temperature": Rule(HONOURED, (MESSAGES,), "0 to 1"),
+    "top_p": Rule(HONOURED, (MESSAGES,), "0 to 1"),
+    "top_k": Rule(HONOURED, (MESSAGES,), "0 or more"),
+    "cache_prompt": Rule(HONOURED, (MESSAGES,), "an extension: false is a cold run"),
+    "cache_salt": Rule(HONOURED, (MESSAGES,), "an extension: requests share snapshots only with the same salt"),
+    "metadata": Rule(HINT, _BOTH, "an object (Claude Code's user_id)"),
+    "service_tier": Rule(HINT, (MESSAGES,), "one tier serves every request"),
+    "container": Rule(REFUSED, _BOTH, "this server runs no code-execution containers"),
+    "mcp_servers": Rule(REFUSED, _BOTH, "this server connects to no MCP servers (run them in the client)"),
 }
+BILLING_LINE = "x-anthropic-billing-header:"  # Claude Code's system[0]; its hash changes with the first message
+SIGNATURE_PREFIX = "orchestrator1."  # a thinking block's signature from this server: the thinking, base64url
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 THINKING = ("enabled", "adaptive", "disabled")
+THINKING_DISPLAY = ("summarized", "omitted")
 _MARK = {"mode": "explicit"}  # the breakpoint mark server/schemas.py reads on a text part
 
 
@@ -71,6 +97,8 @@ class MessagesRequest:
     template_kwargs: dict[str, Any]
     options: GenerationOptions | None  # None for count_tokens
     cache_breakpoints: tuple[tuple[int, int], ...] = ()
+    late_system: int | None = None  # index in `messages`' source of a system message after the leading ones
+    omit_thinking: bool = False  # thinking.display "omitted": thinking blocks carry their signature only
 
 
 def _cache_control(block: dict, p: str) -> bool:
@@ -119,7 +147,47 @@ def _text_blocks(content: Any, p: str) -> list[dict]:
     return parts
 
 
-def _user(m: dict, p: str, blocks: list, conv: list[dict], origin: list) -> None:
+def signature(thinking: str) -> str:
+    """The signature of a thinking block this server answers: the thinking itself, so that a client that
+    receives only the signature (`display: "omitted"`) and sends the block back gets the same prompt."""
+    return SIGNATURE_PREFIX + base64.urlsafe_b64encode(thinking.encode()).decode()
+
+
+def _thinking_text(block: dict, q: str) -> str:
+    """A thinking block's text: its `thinking`, or, when that is empty, what this server's signature holds (an
+    omitted display); another provider's signature is opaque and adds nothing."""
+    text, sig = block.get("thinking"), block.get("signature")
+    if not isinstance(text, str):
+        raise _bad(f"'{q}.thinking' must be a string", f"{q}.thinking")
+    if sig is not None and not isinstance(sig, str):
+        raise _bad(f"'{q}.signature' must be a string", f"{q}.signature")
+    if not text and sig and sig.startswith(SIGNATURE_PREFIX):
+        try:
+            return base64.b64decode(sig[len(SIGNATURE_PREFIX):], altchars=b"-_", validate=True).decode()
+        except (binascii.Error, ValueError, UnicodeDecodeError) as e:
+            raise _bad(f"'{q}.signature' is not a signature this server made", f"{q}.signature") from e
+    return text
+
+
+def _result_parts(content: Any, q: str, deferred: dict[str, dict]) -> list[dict]:
+    """A tool_result's content -> text parts. A `tool_reference` block (the answer of a tool search) is the
+    referenced deferred tool's definition, as JSON text: the tool is "loaded" where the search answered, so the
+    tools block at the start of the prompt stays the same from turn to turn."""
+    if not isinstance(content, list):
+        return _text_blocks(content, q)
+    blocks = []
+    for j, block in enumerate(content):
+        if isinstance(block, dict) and block.get("type") == "tool_reference":
+            name = block.get("tool_name")
+            if not isinstance(name, str) or name not in deferred:
+                r = f"{q}[{j}].tool_name"
+                raise _bad(f"'{r}' {json.dumps(name)[:60]} is not a tool with defer_loading in 'tools'", r)
+            block = {"type": "text", "text": json.dumps(deferred[name], ensure_ascii=False)}
+        blocks.append(block)
+    return _text_blocks(blocks, q)
+
+
+def _user(m: dict, p: str, blocks: list, conv: list[dict], origin: list, deferred: dict[str, dict]) -> None:
     texts = []
     for j, block in enumerate(blocks):
         q = f"{p}.content[{j}]"
@@ -133,7 +201,7 @@ def _user(m: dict, p: str, blocks: list, conv: list[dict], origin: list) -> None
             if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
                 raise _bad(f"'{q}.is_error' must be true or false", f"{q}.is_error")
             content = block.get("content")
-            parts = [] if content is None else _text_blocks(content, f"{q}.content")
+            parts = [] if content is None else _result_parts(content, f"{q}.content", deferred)
             if _cache_control(block, q):
                 parts.append({"type": "text", "text": "", "prompt_cache_breakpoint": _MARK})
             conv.append({"role": "tool", "tool_call_id": tool_use_id, "content": parts})
@@ -146,7 +214,7 @@ def _user(m: dict, p: str, blocks: list, conv: list[dict], origin: list) -> None
         origin.append((p, []))
 
 
-def _assistant(m: dict, p: str, blocks: list, conv: list[dict], origin: list) -> None:
+def _assistant(m: dict, p: str, blocks: list, conv: list[dict], origin: list, keep_thinking: bool) -> None:
     parts: list[dict] = []
     reasoning: list[str] = []
     calls: list[dict] = []
@@ -158,9 +226,9 @@ def _assistant(m: dict, p: str, blocks: list, conv: list[dict], origin: list) ->
         if kind == "text":
             parts.append(_text_part(block, q))
         elif kind == "thinking":
-            if not isinstance(block.get("thinking"), str):
-                raise _bad(f"'{q}.thinking' must be a string", f"{q}.thinking")
-            reasoning.append(block["thinking"])
+            text = _thinking_text(block, q)
+            if keep_thinking:  # else cleared by a clear_thinking_20251015 edit
+                reasoning.append(text)
             mark_end |= _cache_control(block, q)
         elif kind == "redacted_thinking":  # encrypted by another provider: nothing to render
             mark_end |= _cache_control(block, q)
@@ -189,13 +257,37 @@ def _assistant(m: dict, p: str, blocks: list, conv: list[dict], origin: list) ->
     origin.append((p, call_paths))
 
 
-def _convert(body: dict, max_messages: int) -> tuple[list[dict], list[tuple[str, list[str]]]]:
-    """(OpenAI-style messages, the Anthropic path each came from, with the paths of its tool_use blocks)."""
+def _system_parts(system: Any) -> list[dict]:
+    """`system` -> text parts, without Claude Code's billing line (`x-anthropic-billing-header: cc_version=…;
+    cc_entrypoint=…; cch=…;`, system[0]): a line for Anthropic's billing, not for the model, whose hash changes
+    with the session's first message (captured: bench/captures/claude-code/) and would end every prefix shared
+    between sessions right after the tools."""
+    parts = _text_blocks(system, "system")
+    return [part for part in parts if not part["text"].startswith(BILLING_LINE)]
+
+
+def _thinking_turns(raw: list, keep: int | None) -> set[int]:
+    """The indices of the assistant messages whose thinking is kept: all (keep None), or the last `keep` of
+    those that carry thinking blocks (a clear_thinking_20251015 edit)."""
+    with_thinking = [i for i, m in enumerate(raw) if isinstance(m, dict) and m.get("role") == "assistant"
+                     and isinstance(m.get("content"), list)
+                     and any(isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking")
+                             for b in m["content"])]
+    if keep is None:
+        return set(range(len(raw)))
+    return set(with_thinking[len(with_thinking) - keep:]) if keep else set()
+
+
+def _convert(body: dict, max_messages: int, keep_thinking: int | None, deferred: dict[str, dict]
+             ) -> tuple[list[dict], list[tuple[str, list[str]]]]:
+    """(OpenAI-style messages, the Anthropic path each came from, with the paths of its tool_use blocks).
+    keep_thinking: the number of most recent assistant turns with thinking whose thinking is rendered (None:
+    all); deferred: the tools with defer_loading, by name, for tool_reference blocks."""
     conv: list[dict] = []
     origin: list[tuple[str, list[str]]] = []
     system = body.get("system")
     if system is not None:
-        conv.append({"role": "system", "content": _text_blocks(system, "system")})
+        conv.append({"role": "system", "content": _system_parts(system)})
         origin.append(("system", []))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -203,13 +295,15 @@ def _convert(body: dict, max_messages: int) -> tuple[list[dict], list[tuple[str,
     if len(raw) > max_messages:
         raise _bad(f"'messages' holds {len(raw)} messages; this server accepts at most {max_messages} "
                    f"(--max-messages)", "messages")
+    kept = _thinking_turns(raw, keep_thinking)
     for i, m in enumerate(raw):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(f"'{p}' must be an object", p)
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise _bad(f"'{p}.role' must be \"user\" or \"assistant\"; got {json.dumps(role)[:40]}", f"{p}.role")
+        if role not in ("user", "assistant", "system"):
+            raise _bad(f"'{p}.role' must be \"user\", \"assistant\" or \"system\"; got {json.dumps(role)[:40]}",
+                       f"{p}.role")
         content = m.get("content")
         if isinstance(content, str):
             blocks = [{"type": "text", "text": content}]
@@ -217,12 +311,61 @@ def _convert(body: dict, max_messages: int) -> tuple[list[dict], list[tuple[str,
             blocks = content
         else:
             raise _bad(f"'{p}.content' must be a string or a non-empty list of content blocks", f"{p}.content")
-        (_user if role == "user" else _assistant)(m, p, blocks, conv, origin)
+        if role == "system":  # Claude Code's environment (messages[1]); rendered by server/app.py's rule
+            conv.append({"role": "system", "content": _text_blocks(blocks, f"{p}.content")})
+            origin.append((p, []))
+        elif role == "user":
+            _user(m, p, blocks, conv, origin, deferred)
+        else:
+            _assistant(m, p, blocks, conv, origin, i in kept)
     if raw[-1]["role"] == "assistant":
         p = f"messages[{len(raw) - 1}].role"
         raise _bad(f"'{p}': the last message must be a user message; continuing a partial assistant message "
                    f"(prefill) is not supported", p)
     return conv, origin
+
+
+def _context_management(raw: Any) -> int | None:
+    """context_management -> how many of the latest assistant turns with thinking keep it (None: all), as
+    Anthropic documents the edits (platform.claude.com/docs/en/build-with-claude/context-editing):
+    clear_thinking_20251015 with `keep` "all" or {"type": "thinking_turns", "value": N} (default 1).
+    clear_tool_uses_20250919 is refused: this server does not clear tool results for the client."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("edits", []), list) or set(raw) - {"edits"}:
+        raise _bad("'context_management' must be {\"edits\": [...]}", "context_management")
+    keep: int | None = None
+    for j, edit in enumerate(raw.get("edits", [])):
+        q = f"context_management.edits[{j}]"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind == "clear_thinking_20251015":
+            value = edit.get("keep", {"type": "thinking_turns", "value": 1})
+            if value == "all":
+                continue
+            n = value.get("value") if isinstance(value, dict) and value.get("type") == "thinking_turns" else None
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise _bad(f"'{q}.keep' must be \"all\" or {{\"type\": \"thinking_turns\", \"value\": N}}",
+                           f"{q}.keep")
+            keep = n if keep is None else min(keep, n)
+        elif kind == "clear_tool_uses_20250919":
+            raise _bad(f"'{q}.type' clear_tool_uses_20250919 is not supported: this server does not clear old tool "
+                       f"results (the client can leave them out of the messages)", f"{q}.type")
+        else:
+            raise _bad(f"'{q}.type' must be clear_thinking_20251015; got {json.dumps(kind)[:60]}", f"{q}.type")
+    return keep
+
+
+def _output_config(raw: Any) -> bool | None:
+    """output_config -> the thinking switch its `effort` asks for (server/schemas.py thinking_from_effort), or
+    None. `format` (structured output) is refused: the grammar is not wired to this route."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _bad("'output_config' must be an object", "output_config")
+    for key in raw:
+        if key != "effort" and raw[key] is not None:
+            raise _bad(f"'output_config.{str(key)[:40]}' is not supported: only effort is", f"output_config.{key}")
+    return thinking_from_effort(raw.get("effort"), "output_config.effort")
 
 
 _REF = re.compile(r"messages\[(\d+)\](\.tool_calls\[(\d+)\])?")
@@ -243,12 +386,16 @@ def _translate(e: InvalidRequest, origin: list[tuple[str, list[str]]]) -> Invali
     return InvalidRequest(_REF.sub(sub, e.message), param=param, code=e.code)
 
 
-def _tools(raw: Any) -> list[dict] | None:
+def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict]]:
+    """(the OpenAI-style tools to render, the tools with `defer_loading: true` by name). Deferred tools are not
+    rendered, as Anthropic's tool search documents ("not loaded into context" until a search references them,
+    see _result_parts): Claude Code sends a placeholder that way ("never call this tool")."""
     if raw is None:
-        return None
+        return None, {}
     if not isinstance(raw, list):
         raise _bad("'tools' must be a list", "tools")
-    out = []
+    out: list[dict] = []
+    deferred: dict[str, dict] = {}
     for j, t in enumerate(raw):
         q = f"tools[{j}]"
         if not isinstance(t, dict):
@@ -267,8 +414,13 @@ def _tools(raw: Any) -> list[dict] | None:
         if t.get("description") is not None:
             fn["description"] = t["description"]
         fn["parameters"] = t["input_schema"]
-        out.append({"type": "function", "function": fn})
-    return out or None
+        if t.get("defer_loading") is not None and not isinstance(t["defer_loading"], bool):
+            raise _bad(f"'{q}.defer_loading' must be true or false", f"{q}.defer_loading")
+        if t.get("defer_loading"):
+            deferred[t["name"]] = fn
+        else:
+            out.append({"type": "function", "function": fn})
+    return out or None, deferred
 
 
 def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
@@ -288,17 +440,20 @@ def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
     return raw["type"]
 
 
-def _thinking(raw: Any) -> bool:
+def _thinking(raw: Any) -> tuple[bool, bool]:
+    """(thinking on?, display omitted?)."""
     if raw is None:
-        return False
+        return False, False
     if not isinstance(raw, dict) or raw.get("type") not in THINKING:
         raise _bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} or "
                    "{\"type\": \"disabled\"}", "thinking")
+    if raw.get("display") not in (None,) + THINKING_DISPLAY:
+        raise _bad("'thinking.display' must be \"summarized\" or \"omitted\"", "thinking.display")
     if raw["type"] == "enabled":
         budget = raw.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise _bad("'thinking.budget_tokens' must be a positive integer", "thinking.budget_tokens")
-    return raw["type"] != "disabled"
+    return raw["type"] != "disabled", raw.get("display") == "omitted"
 
 
 def _generation(body: dict, cfg: Config) -> GenerationOptions:
@@ -325,36 +480,36 @@ def parse_messages(body: Any, cfg: Config | None = None, route: str = MESSAGES) 
     cfg = cfg or Config(cache_ram_mib=0)
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
-    for key in body:
-        if route not in FIELDS.get(key, ()):
-            where = "/v1/messages" if route == MESSAGES else "/v1/messages/count_tokens"
-            raise _bad(f"unrecognized request argument supplied: {str(key)[:80]!r} is not supported by {where}",
-                       str(key)[:80])
+    fields.check(body, FIELDS, route, "/v1/messages" if route == MESSAGES else "/v1/messages/count_tokens")
     model = body.get("model")
     if not isinstance(model, str) or len(model) > MAX_ID_CHARS:
         raise _bad(f"'model' must be a string of at most {MAX_ID_CHARS} characters", "model")
     _cache_control(body, "")  # a valid mark only: the end of the last message is always a boundary
     options = _generation(body, cfg) if route == MESSAGES else None
-    tools = _tools(body.get("tools"))
+    tools, deferred = _tools(body.get("tools"))
     if _tool_choice(body.get("tool_choice"), tools) == "none":
         tools = None
-    kwargs = {"enable_thinking": _thinking(body.get("thinking"))}
-    conv, origin = _convert(body, cfg.max_messages)
+    thinking, omit = _thinking(body.get("thinking"))
+    effort = _output_config(body.get("output_config"))  # an effort can only turn thinking off, never on
+    kwargs = {"enable_thinking": thinking and effort is not False}
+    conv, origin = _convert(body, cfg.max_messages, _context_management(body.get("context_management")), deferred)
     try:
-        messages, breakpoints, _late = conversation(conv, len(conv))
+        messages, breakpoints, late = conversation(conv, len(conv))
     except InvalidRequest as e:
         raise _translate(e, origin) from e
     return MessagesRequest(messages=messages, tools=tools, template_kwargs=kwargs, options=options,
-                           cache_breakpoints=breakpoints)
+                           cache_breakpoints=breakpoints, late_system=late, omit_thinking=omit)
 
 
 # ------------------------------------------------------------------ answers
 
-def content_blocks(out: ParsedOutput) -> list[dict]:
-    """A parsed completion as Anthropic content blocks: thinking, text, then one tool_use per call."""
+def content_blocks(out: ParsedOutput, omit_thinking: bool = False) -> list[dict]:
+    """A parsed completion as Anthropic content blocks: thinking (its text left out with omit_thinking, the
+    signature holding it either way), text, then one tool_use per call."""
     blocks: list[dict] = []
     if out.reasoning:
-        blocks.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+        blocks.append({"type": "thinking", "thinking": "" if omit_thinking else out.reasoning,
+                       "signature": signature(out.reasoning)})
     if out.content:
         blocks.append({"type": "text", "text": out.content})
     blocks += [tool_use(c) for c in out.tool_calls]

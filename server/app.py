@@ -50,7 +50,7 @@ from .anthropic import MessagesRequest, parse_messages
 from . import logprobs
 from . import responses
 from .responses import ResponsesRequest, parse_responses
-from .schemas import GenerationOptions, parse_chat, parse_completion
+from .schemas import GenerationOptions, late_system_as_user, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
 REPLICA_HEADER = "x-orchestrator-replica"  # on every response: which replica served it (--replica-name)
@@ -279,14 +279,11 @@ class Api:
         return gen()
 
     async def _chat_prompt(self, req) -> Prompt:
+        """The prompt of a ChatRequest, MessagesRequest or ResponsesRequest. A system message after the leading ones is passed to
+        the template where the template renders it, and is a user message where it stands elsewhere
+        (server/schemas.py late_system_as_user); req.messages is updated, for restorable_after."""
         if req.late_system is not None and not await self._renders_late_system():
-            i = req.late_system
-            raise InvalidRequest(
-                f"'messages[{i}]' is a system (or developer) message after the start of the conversation, and this "
-                f"model's chat template ({self.rt.prompts.output_format.name} family) takes system messages only at "
-                f"the start (it refuses or drops a later one); leading system and developer messages are merged "
-                f"into one. Put its text in the first system message, or send it as a user message",
-                param=f"messages[{i}].role")
+            req.messages = late_system_as_user(req.messages)
         return await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
                                        req.cache_breakpoints)
 
@@ -437,9 +434,7 @@ class Api:
     async def _messages_prompt(self, request: Request, route: str) -> tuple[MessagesRequest, Prompt]:
         cfg = self.rt.config
         req = parse_messages(await _json_body(request, cfg.max_body_bytes), cfg, route)
-        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
-                                         req.cache_breakpoints)
-        return req, prompt
+        return req, await self._chat_prompt(req)
 
     async def messages(self, request: Request):
         req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
@@ -456,7 +451,7 @@ class Api:
         reason, sequence = self._stop_reason(r, bool(out.tool_calls), req.options.stop)
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
-            "content": anthropic.content_blocks(out), "stop_reason": reason, "stop_sequence": sequence,
+            "content": anthropic.content_blocks(out, req.omit_thinking), "stop_reason": reason, "stop_sequence": sequence,
             "usage": anthropic.usage(r), "timings": _timings(r)}, headers=_tier_header(r))
 
     def _stop_reason(self, r: Result, has_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
@@ -477,6 +472,7 @@ class Api:
         cache_creation_input_tokens (the Anthropic clients take them from there)."""
         parser = prompt.reply.stream()
         block = {"index": -1, "type": None}
+        thinking: list[str] = []  # the open thinking block's text, for its signature
 
         def event(name: str, data: dict) -> str:
             return f"event: {name}\ndata: {json.dumps(dict(type=name, **data), ensure_ascii=False)}\n\n"
@@ -484,8 +480,13 @@ class Api:
         def close() -> list[str]:
             if block["type"] is None:
                 return []
+            out = []
+            if block["type"] == "thinking":  # as Anthropic: the signature is the block's last delta
+                out.append(event("content_block_delta", {"index": block["index"], "delta": {
+                    "type": "signature_delta", "signature": anthropic.signature("".join(thinking))}}))
+                thinking.clear()
             block["type"] = None
-            return [event("content_block_stop", {"index": block["index"]})]
+            return out + [event("content_block_stop", {"index": block["index"]})]
 
         def start(content_block: dict) -> list[str]:
             out = close()
@@ -499,6 +500,9 @@ class Api:
                 if kind == "reasoning":
                     if block["type"] != "thinking":
                         out += start({"type": "thinking", "thinking": "", "signature": ""})
+                    thinking.append(text)
+                    if req.omit_thinking:  # display "omitted": the text travels in the signature only
+                        continue
                     delta = {"type": "thinking_delta", "thinking": text}
                 else:
                     if block["type"] != "text":
@@ -550,14 +554,7 @@ class Api:
     async def responses(self, request: Request):
         cfg = self.rt.config
         req = parse_responses(await _json_body(request, cfg.max_body_bytes), cfg)
-        if req.late_system is not None and not await self._renders_late_system():
-            raise InvalidRequest(
-                f"'{req.late_system}' is a system (or developer) message after the start of the conversation, and "
-                f"this model's chat template ({self.rt.prompts.output_format.name} family) takes system messages "
-                f"only at the start; leading system and developer messages (and 'instructions') are merged into "
-                f"one. Put its text in the first one, or send it as a user message", param=f"{req.late_system}.role")
-        prompt = await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
-                                         req.cache_breakpoints)
+        prompt = await self._chat_prompt(req)
         constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
         job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
             req.messages, req.tools, req.template_kwargs, prompt), constraint)

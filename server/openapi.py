@@ -14,7 +14,7 @@ from orchestrator.config import Config
 
 from .anthropic import COUNT_TOKENS, MESSAGES
 from .anthropic import FIELDS as ANTHROPIC_FIELDS
-from .schemas import CHAT, COMPLETION, FIELDS, MAX_ID_CHARS, MAX_TOP_LOGPROBS
+from .schemas import CHAT, COMPLETION, EFFORT_OFF, EFFORT_ON, FIELDS, MAX_ID_CHARS, MAX_TOP_LOGPROBS
 from . import responses as responses_api
 
 _NULL = {"type": "null"}
@@ -114,9 +114,11 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "frequency_penalty": _nullable({"const": 0}),
         "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
         "suffix": _nullable({"const": ""}),
-        "store": _nullable({"const": False}),
-        "service_tier": _nullable({"enum": ["auto", "default"]}),
-        "reasoning_effort": _NULL,
+        # hints: accepted and ignored (server/fields.py)
+        "store": _nullable({"type": "boolean", "description": "a hint: nothing is stored"}),
+        "service_tier": _nullable({"type": "string", "description": "a hint: one tier serves every request"}),
+        "reasoning_effort": _nullable({"enum": list(EFFORT_OFF + EFFORT_ON),
+                                       "description": "none/minimal: thinking off; low and above: on"}),
     }
 
 
@@ -140,7 +142,9 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
         "type": {"const": "tool_use"}, "id": {"type": "string", "minLength": 1},
         "name": {"type": "string", "minLength": 1}, "input": {"type": "object"}, "cache_control": cache_control}}
     thinking = {"type": "object", "required": ["type", "thinking"], "properties": {
-        "type": {"const": "thinking"}, "thinking": {"type": "string"}, "signature": {"type": "string"},
+        "type": {"const": "thinking"}, "thinking": {"type": "string"},
+        "signature": {"type": "string", "description": "this server's signature holds the thinking: a block sent "
+                                                       "back with empty thinking and it renders the same"},
         "cache_control": cache_control}}
     redacted = {"type": "object", "required": ["type"], "properties": {
         "type": {"const": "redacted_thinking"}, "data": {"type": "string"}}}
@@ -152,10 +156,14 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
         {"type": "object", "required": ["role", "content"], "properties": {
             "role": {"const": "user"}, "content": blocks(text, tool_result)}},
         {"type": "object", "required": ["role", "content"], "description": "not the last message (no prefill)",
-         "properties": {"role": {"const": "assistant"}, "content": blocks(text, tool_use, thinking, redacted)}}]}
+         "properties": {"role": {"const": "assistant"}, "content": blocks(text, tool_use, thinking, redacted)}},
+        {"type": "object", "required": ["role", "content"], "description": "Claude Code's environment: rendered "
+         "where it stands (a user turn where the template takes no later system message)",
+         "properties": {"role": {"const": "system"}, "content": texts}}]}
     tool = {"type": "object", "required": ["name", "input_schema"], "properties": {
         "type": {"const": "custom"}, "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
-        "input_schema": {"type": "object"}, "cache_control": cache_control}}
+        "input_schema": {"type": "object"}, "cache_control": cache_control,
+        "defer_loading": {"type": "boolean", "description": "true: left out of the prompt"}}}
     return {
         "model": {"type": "string", "maxLength": MAX_ID_CHARS},
         "messages": {"type": "array", "minItems": 1, "maxItems": cfg.max_messages, "items": message},
@@ -169,7 +177,17 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
         "thinking": {"oneOf": [
             {"type": "object", "required": ["type", "budget_tokens"], "properties": {
                 "type": {"const": "enabled"}, "budget_tokens": {"type": "integer", "minimum": 1}}},
-            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["adaptive", "disabled"]}}}]},
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["adaptive", "disabled"]},
+                                                                    "display": {"enum": ["summarized", "omitted"]}}}]},
+        "output_config": {"type": "object", "additionalProperties": False, "properties": {
+            "effort": {"enum": list(EFFORT_OFF + EFFORT_ON)}}},
+        "context_management": {"type": "object", "additionalProperties": False, "properties": {
+            "edits": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+                "type": {"const": "clear_thinking_20251015"},
+                "keep": {"anyOf": [{"const": "all"}, {"type": "object", "required": ["type", "value"], "properties": {
+                    "type": {"const": "thinking_turns"}, "value": {"type": "integer", "minimum": 0}}}]}}}}}},
+        "container": {"type": "null", "description": "refused: no code-execution containers"},
+        "mcp_servers": {"type": "null", "description": "refused: no MCP servers"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit},
         "stop_sequences": {"type": "array", "maxItems": 16, "items": {"type": "string"}},
         "stream": {"type": "boolean"},
@@ -177,7 +195,7 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
         "top_k": {"type": "integer", "minimum": 0, "maximum": 1 << 20},
         "metadata": {"type": "object"},
-        "service_tier": {"enum": ["auto", "standard_only"]},
+        "service_tier": {"enum": ["auto", "standard_only"], "description": "a hint"},
         "cache_prompt": {"type": "boolean", "description": "false: a cold run that neither reads nor writes the "
                                                           "prefix cache"},
         "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS,
@@ -211,7 +229,7 @@ def _responses_request(cfg: Config) -> dict:
             "tools": {"type": "array", "items": function}}},
         {"type": "object", "required": ["type"], "description": "hosted tools: accepted, not offered to the model",
          "properties": {"type": {"enum": list(responses_api.HOSTED)}}}]}
-    effort = {"enum": list(responses_api.EFFORTS)}
+    effort = {"enum": list(EFFORT_OFF + EFFORT_ON)}
     summary = {"enum": ["auto", "concise", "detailed", "none"]}
     fmt = {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]}, "name": text, "schema": {"type": "object"},

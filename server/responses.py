@@ -114,7 +114,6 @@ HOSTED = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "
 INCLUDE_NOTHING = ("reasoning.encrypted_content", "web_search_call.results", "web_search_call.action.sources",
                    "file_search_call.results", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
                    "message.input_image.image_url")
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 SEP = "."  # <namespace>.<name>: a namespaced tool's name in the prompt
 
 
@@ -421,13 +420,11 @@ def _reasoning(raw: Any) -> bool | None:
         return None
     if not isinstance(raw, dict):
         raise _bad("'reasoning' must be an object", "reasoning")
-    effort = raw.get("effort")
-    if effort is not None and effort not in EFFORTS:
-        raise _bad(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}", "reasoning.effort")
+    effort = raw.get("effort")  # validated by thinking_from_effort
     for key in ("summary", "generate_summary"):
         if raw.get(key) not in (None, "auto", "concise", "detailed", "none"):
             raise _bad(f"'reasoning.{key}' must be \"auto\", \"concise\", \"detailed\" or \"none\"", f"reasoning.{key}")
-    return thinking_from_effort(effort)
+    return thinking_from_effort(effort, "reasoning.effort")
 
 
 def _check_fields(body: dict) -> None:

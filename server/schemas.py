@@ -3,10 +3,10 @@
 Every problem raises InvalidRequest naming the field (`param`, e.g. "messages[3].tool_calls[0].function.arguments"),
 which server/errors.py turns into HTTP 400 with an OpenAI-style body.
 
-`FIELDS` is the one list of top-level request fields the server accepts; everything else is refused by name, so a
-client never believes a setting took effect when it did not. `DEFAULT_ONLY` lists accepted fields the server
-cannot honour beyond their default: they pass when they carry what OpenAI-compatible clients send by default
-(or null), and are refused otherwise (e.g. best_of=2, presence_penalty=0.5).
+`FIELDS` is the field policy of both endpoints (server/fields.py): every top-level field is honoured, accepted as
+a hint, accepted with its default value only (`DEFAULT_ONLY`: e.g. best_of=2, presence_penalty=0.5 are refused),
+or refused; a field in no table is refused by name, so a client never believes a setting took effect when it did
+not. `thinking_from_effort` maps a reasoning effort to the template's thinking switch, for every route.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from orchestrator.engine import SamplingParams
 from orchestrator.errors import InvalidRequest
 from orchestrator.output.grammar import Structure
 
+from . import fields
+from .fields import DEFAULT_ONLY as _DEFAULT_ONLY_KIND, HINT, HONOURED, Rule
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 MAX_ID_CHARS = 1024  # longest cache_salt / user / prompt_cache_key / safety_identifier accepted
@@ -29,72 +32,80 @@ MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's limit for top_log
 CHAT, COMPLETION = "chat", "completion"
 _BOTH = (CHAT, COMPLETION)
 
-# Accepted top-level request fields -> the endpoints that accept them. New request fields are added here (and
-# to server/openapi.py, which tests/test_openapi.py checks against this table).
-FIELDS: dict[str, tuple[str, ...]] = {
+# The field policy of both endpoints (server/fields.py): field -> Rule(kind, endpoints, note[, accepts]). New
+# request fields are added here (and to server/openapi.py, which tests/test_openapi.py checks against this table);
+# the README's tables are server.fields.markdown of it (tests/test_fields.py).
+_ANY_NUMBER_ZERO = lambda v: v == 0 and not isinstance(v, bool)  # noqa: E731
+FIELDS: dict[str, Rule] = {
     # what to run
-    "model": _BOTH,  # any string: one model is served
-    "messages": (CHAT,),
-    "tools": (CHAT,),
-    "tool_choice": (CHAT,),  # "auto" | "none" | "required" | {"type": "function", ...}; see _tool_choice
-    "parallel_tool_calls": (CHAT,),  # false: at most one tool call (a grammar enforces it)
-    "response_format": (CHAT,),  # text | json_object | json_schema (a grammar enforces it); see _response_format
-    "chat_template_kwargs": (CHAT,),
-    "prompt": (COMPLETION,),
-    "echo": (COMPLETION,),
+    "model": Rule(HONOURED, _BOTH, "any string: the one model served answers"),
+    "messages": Rule(HONOURED, (CHAT,), "see Conversations"),
+    "tools": Rule(HONOURED, (CHAT,), "function tools, rendered by the template"),
+    "tool_choice": Rule(HONOURED, (CHAT,), '"auto", "none" (drops the tools), "required" and a named function '
+                                           "(a grammar enforces them)"),
+    "parallel_tool_calls": Rule(HONOURED, (CHAT,), "false: at most one tool call (a grammar enforces it)"),
+    "response_format": Rule(HONOURED, (CHAT,), "text, json_object, json_schema (a grammar enforces it)"),
+    "reasoning_effort": Rule(HONOURED, (CHAT,), '"none"/"minimal": thinking off, "low" and above: on '
+                                                "(`enable_thinking`; an explicit `chat_template_kwargs` wins)"),
+    "chat_template_kwargs": Rule(HONOURED, (CHAT,), "variables for the template, e.g. enable_thinking"),
+    "prompt": Rule(HONOURED, (COMPLETION,), "a string, or a list of one string; the caller's own markup"),
+    "echo": Rule(HONOURED, (COMPLETION,), "the prompt is returned before the completion"),
     # generation
-    "max_tokens": _BOTH,
-    "max_completion_tokens": _BOTH,
-    "temperature": _BOTH,
-    "top_p": _BOTH,
-    "top_k": _BOTH,
-    "min_p": _BOTH,
-    "seed": _BOTH,
-    "stop": _BOTH,
-    "stream": _BOTH,
-    "stream_options": _BOTH,
-    "n": _BOTH,  # choices, 1..--parallel: one prefill, choice i sampled with seed + i (orchestrator/request.py)
-    "logprobs": _BOTH,  # chat: true/false; completions: the number of most likely tokens (0..MAX_TOP_LOGPROBS)
-    "top_logprobs": (CHAT,),
+    "max_tokens": Rule(HONOURED, _BOTH, "checked against --max-tokens-limit"),
+    "max_completion_tokens": Rule(HONOURED, _BOTH, "wins over max_tokens, as in OpenAI's docs"),
+    "temperature": Rule(HONOURED, _BOTH, "0 to 2"),
+    "top_p": Rule(HONOURED, _BOTH, "0 to 1"),
+    "top_k": Rule(HONOURED, _BOTH, "an extension, as in vLLM and llama.cpp"),
+    "min_p": Rule(HONOURED, _BOTH, "an extension, as in vLLM and llama.cpp"),
+    "seed": Rule(HONOURED, _BOTH, "reproducible sampling"),
+    "stop": Rule(HONOURED, _BOTH, "up to 16 strings"),
+    "stream": Rule(HONOURED, _BOTH, "server-sent events ending with [DONE]"),
+    "stream_options": Rule(HONOURED, _BOTH, "include_usage"),
+    "n": Rule(HONOURED, _BOTH, "1 to --parallel: one prefill, choice i sampled with seed + i"),
+    "logprobs": Rule(HONOURED, _BOTH, "chat: true/false; completions: 0 to 20 alternatives"),
+    "top_logprobs": Rule(HONOURED, (CHAT,), "0 to 20, with logprobs: true"),
     # cache control and caller identity
-    "cache_prompt": _BOTH,  # false: a cold run that neither reads nor writes the cache
-    "cache_salt": _BOTH,  # tenant isolation: requests share snapshots only with the same salt
-    "prompt_cache_key": _BOTH,
-    "user": _BOTH,
-    "safety_identifier": _BOTH,
-    "metadata": (CHAT,),
-    # accepted only with their default value (DEFAULT_ONLY)
-    "best_of": (COMPLETION,),
-    "presence_penalty": _BOTH,
-    "frequency_penalty": _BOTH,
-    "logit_bias": _BOTH,
-    "suffix": (COMPLETION,),
-    "store": (CHAT,),
-    "service_tier": (CHAT,),
-    "reasoning_effort": (CHAT,),
+    "cache_prompt": Rule(HONOURED, _BOTH, "an extension: false is a cold run that neither reads nor writes the "
+                                          "cache"),
+    "cache_salt": Rule(HONOURED, _BOTH, "an extension: requests share snapshots only with the same salt"),
+    "prompt_cache_key": Rule(HONOURED, _BOTH, "requests with the same key are routed to the same slot when they "
+                                              "can be"),
+    "user": Rule(HINT, _BOTH, "an identity, checked to be a short string"),
+    "safety_identifier": Rule(HINT, _BOTH, "an identity, checked to be a short string"),
+    "metadata": Rule(HINT, (CHAT,), "an object"),
+    "store": Rule(HINT, (CHAT,), "nothing is stored for later retrieval: the answer is the same"),
+    "service_tier": Rule(HINT, (CHAT,), "one tier serves every request"),
+    # accepted only with their default value: another value would change the answer
+    "best_of": Rule(_DEFAULT_ONLY_KIND, (COMPLETION,), "1", lambda v: v == 1 and not isinstance(v, bool)),
+    "presence_penalty": Rule(_DEFAULT_ONLY_KIND, _BOTH, "0 (penalties are not implemented)", _ANY_NUMBER_ZERO),
+    "frequency_penalty": Rule(_DEFAULT_ONLY_KIND, _BOTH, "0 (penalties are not implemented)", _ANY_NUMBER_ZERO),
+    "logit_bias": Rule(_DEFAULT_ONLY_KIND, _BOTH, "an empty object", lambda v: v == {}),
+    "suffix": Rule(_DEFAULT_ONLY_KIND, (COMPLETION,), "an empty string", lambda v: v == ""),
 }
 
 # field -> (accepts the value?, the values accepted, for the error message). null is always accepted.
 DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "best_of": (lambda v: v == 1 and not isinstance(v, bool), "1"),
-    "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (penalties are not implemented)"),
-    "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (penalties are not implemented)"),
-    "logit_bias": (lambda v: v == {}, "an empty object"),
-    "suffix": (lambda v: v == "", 'an empty string'),
-    "store": (lambda v: v is False, "false (nothing is stored for later retrieval)"),
-    "service_tier": (lambda v: v in ("auto", "default"), '"auto" or "default"'),
-    "reasoning_effort": (lambda v: False, 'null; use chat_template_kwargs {"enable_thinking": false} to turn '
-                                          'thinking off'),
-}
+    k: (r.accepts, r.note) for k, r in FIELDS.items() if r.kind == fields.DEFAULT_ONLY}
 
-def thinking_from_effort(value: Any) -> bool | None:
-    """The template's thinking switch (`enable_thinking`) for an OpenAI reasoning effort (chat's
-    `reasoning_effort`, Responses' `reasoning.effort`): None (not given) -> None, the template's default;
-    "none" or "minimal" -> False; "low", "medium", "high", "xhigh" -> True (the template has one switch, no
-    budget). Callers validate the value first."""
+# reasoning effort (OpenAI's `reasoning_effort` and Responses' `reasoning.effort`, Anthropic's
+# `output_config.effort`) -> the template's thinking switch. OpenAI documents "none" as no reasoning (GPT-5.1) and
+# "minimal" as very few reasoning tokens; a template's switch is on or off, so both are off. Anthropic's efforts
+# ("low" .. "max") all still think when the task asks for it, and so do OpenAI's "low" and above: on.
+EFFORT_OFF = ("none", "minimal")
+EFFORT_ON = ("low", "medium", "high", "xhigh", "max")
+
+
+def thinking_from_effort(value: Any, param: str = "reasoning_effort") -> bool | None:
+    """The template's thinking switch (`enable_thinking`) for a reasoning effort: False for EFFORT_OFF, True
+    for EFFORT_ON, None for null (no opinion: the template's default). Raises InvalidRequest naming `param` for
+    another value."""
     if value is None:
         return None
-    return value not in ("none", "minimal")
+    if value in EFFORT_OFF:
+        return False
+    if value in EFFORT_ON:
+        return True
+    raise _bad(f"'{param}' must be one of {', '.join(EFFORT_OFF + EFFORT_ON)}; got {json.dumps(value)[:40]}", param)
 
 
 _STRING_FIELDS = ("model", "cache_salt", "prompt_cache_key", "user", "safety_identifier")
@@ -155,16 +166,7 @@ def _num(body: dict, key: str, lo: float, hi: float, default: float, integer: bo
 def _check_fields(body: dict, endpoint: str) -> None:
     """Refuse fields not in FIELDS for `endpoint`, DEFAULT_ONLY fields with another value, and identity fields
     that are not short strings. Raises InvalidRequest naming the field."""
-    for key in body:
-        if endpoint not in FIELDS.get(key, ()):
-            where = "/v1/chat/completions" if endpoint == CHAT else "/v1/completions"
-            raise _bad(f"unrecognized request argument supplied: {str(key)[:80]!r} is not supported by {where}",
-                       str(key)[:80])
-        rule = DEFAULT_ONLY.get(key)
-        value = body[key]
-        if rule is not None and value is not None and not rule[0](value):
-            raise _bad(f"'{key}' is not supported with the value {json.dumps(value)[:60]}; accepted: {rule[1]}",
-                       key)
+    fields.check(body, FIELDS, endpoint, "/v1/chat/completions" if endpoint == CHAT else "/v1/completions")
     for key in _STRING_FIELDS:
         value = body.get(key)
         if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
@@ -174,6 +176,10 @@ def _check_fields(body: dict, endpoint: str) -> None:
                    "cache_salt")
     if "metadata" in body and body["metadata"] is not None and not isinstance(body["metadata"], dict):
         raise _bad("'metadata' must be an object", "metadata")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise _bad("'store' must be true or false", "store")
+    if body.get("service_tier") is not None and not isinstance(body["service_tier"], str):
+        raise _bad("'service_tier' must be a string", "service_tier")
 
 
 def _options(body: dict, cfg: Config) -> GenerationOptions:
@@ -399,6 +405,16 @@ def conversation(raw: Any, max_messages: int
     return _merge_system(messages, order, _breakpoints(raw))
 
 
+def late_system_as_user(messages: list[dict]) -> list[dict]:
+    """`messages` (as conversation returns them) with every system message after the first message rendered as
+    a user message where it stands, its text unchanged: for templates that refuse or drop a later system
+    message (Qwen3.5 raises "System message must be at the beginning"). Where it stands, not merged into the
+    system prompt: the text stays in the prompt, and the prompt before it stays the same from turn to turn
+    (Claude Code sends its environment as messages[1], after the first user message; moving it to the start
+    would put it before the conversation and end every shared prefix there whenever it changes)."""
+    return [dict(m, role="user") if k and m["role"] == "system" else m for k, m in enumerate(messages)]
+
+
 def _breakpoints(raw: list) -> tuple[tuple[int, int], ...]:
     """The caller's cache breakpoints: text parts carrying OpenAI's `"prompt_cache_breakpoint": {"mode":
     "explicit"}` ("marks the exact end of a reusable prompt prefix"), as (message index, characters of the
@@ -524,6 +540,9 @@ def parse_chat(body: Any, cfg: Config | None = None) -> ChatRequest:
     if reserved:
         raise _bad(f"'chat_template_kwargs' cannot set {', '.join(reserved)}: the server sets them",
                    "chat_template_kwargs")
+    thinking = thinking_from_effort(body.get("reasoning_effort"))
+    if thinking is not None and "enable_thinking" not in kwargs:  # the caller's explicit switch wins
+        kwargs = {**kwargs, "enable_thinking": thinking}
     tools = _tools(body.get("tools"))
     choice, forced_name = _tool_choice(body.get("tool_choice"), tools)
     if choice == "none":

@@ -138,12 +138,14 @@ def cluster_example():
 
 
 class LiveServer:
-    """uvicorn serving create_app(runtime) in a thread on 127.0.0.1:<free port>."""
+    """uvicorn serving create_app(runtime) in a thread on 127.0.0.1:<free port>; `wrap` (an ASGI middleware
+    factory, e.g. a request recorder) goes around the app."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, wrap=None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(rt), host="127.0.0.1", port=self.port,
+        app = create_app(rt) if wrap is None else wrap(create_app(rt))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -183,9 +185,10 @@ def client(live_server):
         yield c
 
 
-def scripted(runtime, monkeypatch, text: str) -> None:
-    """Make the model 'say' `text` (the random-weight model never writes a tool call): the server parses it as it
-    would the real output."""
+def scripted(runtime, monkeypatch, text: str, finish_reason: str | None = None) -> None:
+    """Make the model 'say' `text` (the random-weight model never writes a tool call, nor ends a turn): the server
+    parses it as it would the real output. finish_reason: the result's, e.g. "stop" for a turn the model ended
+    (default: the real run's)."""
     submit = runtime.scheduler.submit
 
     def fake(job, sink, *args):
@@ -199,7 +202,8 @@ def scripted(runtime, monkeypatch, text: str) -> None:
                 if ev.kind == "text":
                     return
             if ev.kind == "done":
-                ev = Event("done", result=dataclasses.replace(ev.result, text=text))
+                ev = Event("done", result=dataclasses.replace(ev.result, text=text,
+                                                              finish_reason=finish_reason or ev.result.finish_reason))
             sink(ev)
 
         return submit(job, wrap, *args)

@@ -63,6 +63,10 @@ ACCEPTED = [  # what OpenAI-compatible clients send, with values the server hono
     {"tool_choice": "none"}, {"chat_template_kwargs": {"enable_thinking": False}}, {"metadata": {"a": "b"}},
     {"max_completion_tokens": 3}, {"top_p": 0.9, "top_k": 20, "min_p": 0.0, "seed": 7}, {"stop": ["\n\n"]},
     {"n": None, "logprobs": None, "reasoning_effort": None, "stream": None, "temperature": None},
+    # hints and effort (server/fields.py): the hosted API takes them and they change nothing here or map to the
+    # thinking switch (pi sends reasoning_effort "medium" with store false: bench/captures/pi/)
+    {"store": True}, {"service_tier": "flex"}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"},
+    {"reasoning_effort": "medium", "store": False},
 ]
 
 
@@ -88,9 +92,9 @@ REFUSED = [  # (extra fields, the field the error must name)
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
      "response_format.json_schema.schema"),
-    ({"store": True}, "store"),
-    ({"service_tier": "flex"}, "service_tier"),
-    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"store": "yes"}, "store"),
+    ({"service_tier": 3}, "service_tier"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"echo": True}, "echo"),  # a /v1/completions field
     ({"cache_salt": 5}, "cache_salt"),
     ({"user": "x" * 2000}, "user"),

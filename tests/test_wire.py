@@ -176,14 +176,20 @@ def test_a_breakpoint_in_a_merged_system_message_moves_with_its_text():
     assert req.cache_breakpoints == ((0, len("First.\n\nSecond.")),)
 
 
-def test_a_later_system_message_is_refused_where_the_template_refuses_it(oai):
+def test_a_later_system_message_is_a_user_turn_where_the_template_refuses_it(oai, runtime):
+    """Qwen3.5's template raises on a system message after the first: it is rendered as a user message where it
+    stands (late_system_as_user), its text in the prompt, the prompt before it unchanged."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."},
                 {"role": "assistant", "content": "Hello."}, {"role": "system", "content": "Now answer in French."},
                 {"role": "user", "content": "Weather?"}]
-    with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="m", messages=messages, max_tokens=2)
-    assert e.value.body["param"] == "messages[3].role"
-    assert "only at the start" in e.value.body["message"]
+    r = oai.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    as_user = [dict(m, role="user") if i == 3 else m for i, m in enumerate(messages)]
+    prompt = runtime.prompts.chat(parse_chat({"messages": as_user}).messages, None, {})
+    assert "<|im_start|>user\nNow answer in French.<|im_end|>" in prompt.text
+    assert r.usage.prompt_tokens == len(prompt.tokens)
+    before = runtime.prompts.chat(parse_chat({"messages": messages[:3] + [messages[4]]}).messages, None, {})
+    end = before.boundaries.message_ends[2]
+    assert prompt.tokens[:end] == before.tokens[:end]
 
 
 def test_a_later_system_message_is_rendered_where_the_template_supports_it(start, tiny_model):

@@ -1,59 +1,132 @@
-"""A logging stand-in for POST /v1/responses, to capture what a client really sends.
+"""A loopback HTTP server that records every request an agent CLI sends (method, path, headers, JSON body) and
+answers with a fixed short reply in the shape of the route, so the CLI finishes its turn and saves its session.
 
-    python bench/captures/logging_server.py PORT OUT_DIR [TOOL_NAME]
+    python -m bench.captures.logging_server --port 8765 --out /tmp/cap   # one JSON file per request
 
-Writes each request (method, path, headers, body as parsed JSON) to OUT_DIR/NNN.json and answers with a minimal
-Responses API answer (an SSE stream when the request asks for one): a function_call of TOOL_NAME when the last
-input item is a user message and TOOL_NAME is given, else the message "hi". So a client runs one tool round and
-ends its turn. Captured with it (stdlib only, on loopback):
-
-* bench/captures/codex/: Codex CLI 0.171.0, `codex exec "List the files"` then `codex exec "Say hi again"` in
-  one scratch git repository, CODEX_HOME holding bench/captures/codex/config.toml, TOOL_NAME exec_command
-  (001-002: the first run, 003-004: the second).
-* bench/captures/openai-agents/: openai-agents 0.24.0, bench/captures/openai_agents_session.py URL (its default
-  Responses model, one function tool, two turns), TOOL_NAME get_weather.
+Routes answered: POST /v1/messages (JSON or SSE, Anthropic's events), POST /v1/messages/count_tokens,
+POST /v1/chat/completions (JSON or SSE, OpenAI's chunks), GET /v1/models; anything else 404. Used to capture the
+request shapes under bench/captures/<client>/ (see bench/captures/README.md).
 """
-import json, sys, os, itertools, http.server, time
-OUT = sys.argv[2]; TOOLS = sys.argv[3] if len(sys.argv) > 3 else None; os.makedirs(OUT, exist_ok=True)
-counter = itertools.count(1)
-class H(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    def _log(self, body):
-        n = next(counter)
-        rec = {"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body}
-        with open(os.path.join(OUT, f"{n:03d}.json"), "w") as f:
-            json.dump(rec, f, indent=1, ensure_ascii=False)
-    def do_GET(self):
-        self._log(None)
-        data = json.dumps({"object": "list", "data": [{"id": "qwen", "object": "model"}], "models": []}).encode()
-        self.send_response(200); self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data))); self.end_headers(); self.wfile.write(data)
-    def do_POST(self):
-        raw = self.rfile.read(int(self.headers.get("content-length", 0)))
-        try: body = json.loads(raw)
-        except Exception: body = raw.decode("utf-8", "replace")
-        self._log(body)
-        last = body["input"][-1] if isinstance(body, dict) and isinstance(body.get("input"), list) and body["input"] else {}
-        rid = "resp_1"; msg = {"type": "message", "id": f"msg_{len(os.listdir(OUT))}", "role": "assistant", "status": "completed",
-               "content": [{"type": "output_text", "text": "hi", "annotations": []}]}
-        resp = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "completed", "model": "qwen",
-                "output": [msg], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-                "usage": {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 1,
-                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 11}}
-        if TOOLS and last.get("type", "message") == "message" and last.get("role") == "user":
-            msg = {"type": "function_call", "id": f"fc_{len(os.listdir(OUT))}", "call_id": f"call_{len(os.listdir(OUT))}", "name": TOOLS,
-                   "arguments": json.dumps({"cmd": "ls"} if TOOLS == "exec_command" else {"city": "Paris"}), "status": "completed"}
-            resp["output"] = [msg]
-        if isinstance(body, dict) and body.get("stream"):
-            evs = [("response.created", {"response": dict(resp, status="in_progress", output=[], usage=None)}),
-                   ("response.output_item.added", {"output_index": 0, "item": dict(msg, status="in_progress", content=[])}),
-                   ("response.output_item.done", {"output_index": 0, "item": msg}),
-                   ("response.completed", {"response": resp})]
-            data = b"".join(f"event: {e}\ndata: {json.dumps(dict(type=e, sequence_number=i, **d))}\n\n".encode() for i, (e, d) in enumerate(evs))
-            ctype = "text/event-stream"
-        else:
-            data = json.dumps(resp).encode(); ctype = "application/json"
-        self.send_response(200); self.send_header("content-type", ctype)
-        self.send_header("content-length", str(len(data))); self.end_headers(); self.wfile.write(data)
-    def log_message(self, *a): pass
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+REPLY = "Hi."
+
+
+def _sse_anthropic(model: str) -> bytes:
+    events = [
+        ("message_start", {"type": "message_start", "message": {
+            "id": "msg_capture", "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 1}}}),
+        ("content_block_start", {"type": "content_block_start", "index": 0,
+                                 "content_block": {"type": "text", "text": ""}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": REPLY}}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                           "usage": {"output_tokens": 2}}),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    return "".join(f"event: {n}\ndata: {json.dumps(d)}\n\n" for n, d in events).encode()
+
+
+def _sse_openai(model: str) -> bytes:
+    base = {"id": "chatcmpl-capture", "object": "chat.completion.chunk", "created": 0, "model": model}
+    chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": REPLY},
+                                    "finish_reason": None}]},
+              {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+              {**base, "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}}]
+    return ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
+
+
+def make_handler(out: Path):
+    lock = threading.Lock()
+    counter = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _record(self, body):
+            with lock:
+                counter[0] += 1
+                n = counter[0]
+            rec = {"method": self.command, "path": self.path, "headers": dict(self.headers.items()), "body": body}
+            (out / f"{n:03d}.json").write_text(json.dumps(rec, indent=1, ensure_ascii=False))
+
+        def _send(self, status: int, payload: bytes, ctype: str) -> None:
+            self.send_response(status)
+            self.send_header("content-type", ctype)
+            self.send_header("content-length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self):
+            self._record(None)
+            if self.path.startswith("/v1/models"):
+                self._send(200, json.dumps({"object": "list", "data": [{"id": "local", "object": "model"}]}).encode(),
+                           "application/json")
+            else:
+                self._send(404, b"{}", "application/json")
+
+        def do_HEAD(self):
+            self._record(None)
+            self._send(200, b"", "text/plain")
+
+        def do_POST(self):
+            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = raw.decode("utf-8", "replace")
+            self._record(body)
+            path = self.path.split("?")[0]
+            model = body.get("model", "local") if isinstance(body, dict) else "local"
+            stream = isinstance(body, dict) and body.get("stream")
+            if path.endswith("/messages/count_tokens"):
+                self._send(200, b'{"input_tokens": 10}', "application/json")
+            elif path.endswith("/messages"):
+                if stream:
+                    self._send(200, _sse_anthropic(model), "text/event-stream")
+                else:
+                    self._send(200, json.dumps({
+                        "id": "msg_capture", "type": "message", "role": "assistant", "model": model,
+                        "content": [{"type": "text", "text": REPLY}], "stop_reason": "end_turn",
+                        "stop_sequence": None, "usage": {"input_tokens": 10, "output_tokens": 2}}).encode(),
+                        "application/json")
+            elif path.endswith("/chat/completions"):
+                if stream:
+                    self._send(200, _sse_openai(model), "text/event-stream")
+                else:
+                    self._send(200, json.dumps({
+                        "id": "chatcmpl-capture", "object": "chat.completion", "created": 0, "model": model,
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": REPLY},
+                                     "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}}).encode(),
+                        "application/json")
+            else:
+                self._send(404, b"{}", "application/json")
+
+    return Handler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args.out)).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

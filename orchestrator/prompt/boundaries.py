@@ -70,11 +70,15 @@ class Boundaries:
     message_ends: tuple[int | None, ...]
     extra: tuple[int | None, ...] = ()
 
-    def split(self, n_prompt: int) -> tuple[list[int], list[int]]:
-        """(offsets always worth a stop, message ends that may be left out), each sorted, distinct and strictly
-        inside the prompt (0 < p < n_prompt). Always: the end of the tools block, the end of the system message,
-        the caller's breakpoints and the last message end; the others are the earlier message ends, which the
-        reuse rules thin by --snapshot-min-gap (`reuse.spaced_stops`)."""
+    def split(self, n_prompt: int) -> tuple[list[int], list[int], int | None]:
+        """(offsets always worth a stop, message ends that may be left out, the latest message's start), the lists
+        sorted, distinct and strictly inside the prompt (0 < p < n_prompt). Always: the end of the tools block, the
+        end of the system message, the caller's breakpoints and the last message end; the others are the earlier
+        message ends, which the reuse rules thin by --snapshot-min-gap (`reuse.spaced_stops`). The latest
+        message's start (the message end before the last, None if there is none) is kept too, but after the
+        thinning, so that it moves no other stop: it is where a client that rewrites its latest message diverges
+        on the next turn (aider appends its instructions to the current user message and sends that message back
+        without them: bench/captures/aider/)."""
         def inside(p: int | None) -> bool:
             return p is not None and 0 < p < n_prompt
 
@@ -82,11 +86,12 @@ class Boundaries:
         kept = {p for p in (self.tools_end, self.system_end, *self.extra) if inside(p)}
         if ends:
             kept.add(ends.pop())
-        return sorted(kept), [p for p in ends if p not in kept]
+        latest_start = ends[-1] if ends else None
+        return sorted(kept), [p for p in ends if p not in kept], latest_start
 
     def positions(self, n_prompt: int) -> list[int]:
         """Every offset strictly inside the prompt (0 < p < n_prompt), sorted and distinct."""
-        kept, ends = self.split(n_prompt)
+        kept, ends, _ = self.split(n_prompt)
         return sorted({*kept, *ends})
 
 
