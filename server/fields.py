@@ -12,7 +12,8 @@ is one of:
 * REFUSED: a known field the server never honours (it would run something the server does not have).
 
 A field in no table is refused by name too, so a client never believes an unknown setting took effect.
-server/schemas.py (chat and completions) and server/anthropic.py (messages, count_tokens) hold the tables;
+server/schemas.py (chat and completions), server/anthropic.py (messages, count_tokens) and server/responses.py
+(responses) hold the tables;
 server/openapi.py publishes the same fields, and the README's field tables are `markdown(...)` of them
 (tests/test_fields.py checks both).
 """
@@ -78,12 +79,13 @@ def markdown(table: dict[str, Rule], route: str, title: str) -> str:
 
 def readme_tables() -> dict[str, str]:
     """marker -> the README's generated table: one per route (chat, completions, messages, count_tokens)."""
-    from . import anthropic, schemas  # they import this module
+    from . import anthropic, responses, schemas  # they import this module
 
     return {"chat": markdown(schemas.FIELDS, schemas.CHAT, "`/v1/chat/completions` field"),
             "completions": markdown(schemas.FIELDS, schemas.COMPLETION, "`/v1/completions` field"),
             "messages": markdown(anthropic.FIELDS, anthropic.MESSAGES, "`/v1/messages` field"),
-            "count_tokens": markdown(anthropic.FIELDS, anthropic.COUNT_TOKENS, "`/v1/messages/count_tokens` field")}
+            "count_tokens": markdown(anthropic.FIELDS, anthropic.COUNT_TOKENS, "`/v1/messages/count_tokens` field"),
+            "responses": markdown(responses.FIELDS, responses.RESPONSES, "`/v1/responses` field")}
 
 
 def update_readme(text: str) -> str:

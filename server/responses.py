@@ -61,51 +61,60 @@ from orchestrator.output.grammar import Structure
 from orchestrator.output.parsing import ParsedOutput
 from orchestrator.request import Result
 
+from . import fields
+from .fields import HINT, HONOURED, REFUSED, Rule
 from .schemas import (MAX_ID_CHARS, MAX_TOP_LOGPROBS, GenerationOptions, _bad, _num, _options, _response_format,
                       conversation, thinking_from_effort)
 
 log = logging.getLogger("orchestrator.server")
 
-HONOURED, IGNORED = "honoured", "accepted and ignored"
+RESPONSES = "responses"
+_R = (RESPONSES,)
+_NO_STORE = ("responses are not stored (store: true is refused): send the whole conversation as 'input' each turn; "
+             "its prefix is restored from the snapshot cache all the same")
 
-# Accepted top-level fields -> what is done with them (README "/v1/responses" lists them); anything else is
-# refused by name. A field in REFUSED is refused with its reason. cache_prompt and cache_salt are this server's
-# extensions, as on the other routes.
-FIELDS: dict[str, str] = {
-    "model": HONOURED,  # any string: one model is served
-    "input": HONOURED,
-    "instructions": HONOURED,
-    "tools": HONOURED,
-    "tool_choice": HONOURED,
-    "parallel_tool_calls": HONOURED,  # false: at most one call (a grammar enforces it when calls are forced)
-    "text": HONOURED,  # format: text | json_object | json_schema (a grammar enforces it); verbosity: a hint
-    "reasoning": HONOURED,  # effort -> enable_thinking; summary / generate_summary: hints
-    "max_output_tokens": HONOURED,
-    "temperature": HONOURED,
-    "top_p": HONOURED,
-    "stream": HONOURED,
-    "stream_options": IGNORED,  # include_obfuscation: no obfuscation padding is sent
-    "store": HONOURED,  # false or null: nothing is stored; true is refused
-    "include": HONOURED,  # reasoning.encrypted_content -> null; hosted tools' extras -> nothing to include
-    "top_logprobs": HONOURED,  # 0 or null only
-    "truncation": IGNORED,  # "disabled" | "auto": a prompt over the context is refused either way
-    "prompt_cache_key": HONOURED,  # the scheduler may route requests with the same key together
-    "prompt_cache_retention": IGNORED,  # snapshots live by the cache's LRU, not per request
-    "max_tool_calls": IGNORED,  # limits hosted tool calls, which never happen here
-    "service_tier": IGNORED,
-    "metadata": IGNORED,
-    "client_metadata": IGNORED,  # Codex's session and turn ids
-    "user": IGNORED,
-    "safety_identifier": IGNORED,
-    "cache_prompt": HONOURED,
-    "cache_salt": HONOURED,
-}
-REFUSED: dict[str, str] = {
-    "previous_response_id": "responses are not stored (store: true is refused): send the whole conversation as "
-                            "'input' each turn; its prefix is restored from the snapshot cache all the same",
-    "conversation": "conversations are not stored: send the whole conversation as 'input' each turn",
-    "background": "background responses need stored responses, which this server does not keep",
-    "prompt": "reusable prompt templates live on OpenAI's servers: send 'instructions' and 'input' instead",
+# The field policy of /v1/responses (server/fields.py; the README's table is generated from it). cache_prompt and
+# cache_salt are this server's extensions, as on the other routes.
+FIELDS: dict[str, Rule] = {
+    "model": Rule(HONOURED, _R, "any string: one model is served"),
+    "input": Rule(HONOURED, _R, "message, function_call, function_call_output, custom_tool_call(_output), "
+                                "reasoning items"),
+    "instructions": Rule(HONOURED, _R, "the system message, before leading system and developer messages"),
+    "tools": Rule(HONOURED, _R, "function, namespace and custom tools rendered; hosted tool types accepted, not "
+                                "rendered"),
+    "tool_choice": Rule(HONOURED, _R, "auto, none, required or a named function (a grammar enforces it)"),
+    "parallel_tool_calls": Rule(HONOURED, _R, "false: at most one call (a grammar enforces it when calls are "
+                                              "forced)"),
+    "text": Rule(HONOURED, _R, "format text, json_object or json_schema (a grammar enforces it); verbosity a hint"),
+    "reasoning": Rule(HONOURED, _R, "effort -> the template's thinking switch; summary, generate_summary hints"),
+    "max_output_tokens": Rule(HONOURED, _R, "the completion budget"),
+    "temperature": Rule(HONOURED, _R, "0 to 2"),
+    "top_p": Rule(HONOURED, _R, "0 to 1"),
+    "stream": Rule(HONOURED, _R, "the Responses API's server-sent events"),
+    "store": Rule(HONOURED, _R, "false or null: nothing is stored; true is refused (see previous_response_id)"),
+    "include": Rule(HONOURED, _R, "reasoning.encrypted_content -> null; hosted tools' extras -> nothing"),
+    "top_logprobs": Rule(HONOURED, _R, "0 or null only"),
+    "prompt_cache_key": Rule(HONOURED, _R, "requests with the same key are routed to the same slot when they can "
+                                           "be"),
+    "cache_prompt": Rule(HONOURED, _R, "an extension: false is a cold run that neither reads nor writes the "
+                                       "cache"),
+    "cache_salt": Rule(HONOURED, _R, "an extension: requests share snapshots only with the same salt"),
+    "stream_options": Rule(HINT, _R, "include_obfuscation: no obfuscation padding is sent"),
+    "truncation": Rule(HINT, _R, "a prompt over the context is refused either way"),
+    "prompt_cache_retention": Rule(HINT, _R, "snapshots live by the cache's LRU, not per request"),
+    "max_tool_calls": Rule(HINT, _R, "limits hosted tool calls, which never happen here"),
+    "service_tier": Rule(HINT, _R, "one tier serves every request"),
+    "metadata": Rule(HINT, _R, "an object"),
+    "client_metadata": Rule(HINT, _R, "Codex's session and turn ids"),
+    "user": Rule(HINT, _R, "an identity, checked to be a short string"),
+    "safety_identifier": Rule(HINT, _R, "an identity, checked to be a short string"),
+    "previous_response_id": Rule(REFUSED, _R, _NO_STORE),
+    "conversation": Rule(REFUSED, _R, "conversations are not stored: send the whole conversation as 'input' each "
+                                      "turn"),
+    "background": Rule(REFUSED, _R, "background responses need stored responses, which this server does not "
+                                    "keep"),
+    "prompt": Rule(REFUSED, _R, "reusable prompt templates live on OpenAI's servers: send 'instructions' and "
+                                "'input' instead"),
 }
 # Hosted (server-run or built-in) tool types: accepted, not rendered, since the model cannot call them here.
 HOSTED = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
@@ -428,17 +437,9 @@ def _reasoning(raw: Any) -> bool | None:
 
 
 def _check_fields(body: dict) -> None:
-    for key in body:
-        if key in REFUSED and body[key] is not None:
-            raise _bad(f"'{key}' is not supported by /v1/responses: {REFUSED[key]}", key)
-        if key not in FIELDS and key not in REFUSED:
-            raise _bad(f"unrecognized request argument supplied: {str(key)[:80]!r} is not supported by "
-                       f"/v1/responses", str(key)[:80])
-    ignored = [k for k in body if FIELDS.get(k) == IGNORED]
-    if ignored:
-        log.debug("/v1/responses: accepted and ignored: %s", ", ".join(ignored))
+    fields.check(body, FIELDS, RESPONSES, "/v1/responses")
     if body.get("store") not in (None, False):
-        raise _bad(f"'store' must be false or null: {REFUSED['previous_response_id']}", "store")
+        raise _bad(f"'store' must be false or null: {_NO_STORE}", "store")
     for key in ("model", "prompt_cache_key", "user", "safety_identifier", "cache_salt"):
         v = body.get(key)
         if v is not None and (not isinstance(v, str) or len(v) > MAX_ID_CHARS):
