@@ -19,6 +19,7 @@ from .cache.remote import RemoteTier, redacted
 from .errors import InvalidRequest, OrchestratorError
 from .config import MiB, Config
 from .engine import Engine, EngineThread
+from .grammar_guard import GrammarLimits
 from .output import grammar
 from .output.grammar import Constraint, Structure
 from .prompt.builder import PromptBuilder, load_template
@@ -109,6 +110,7 @@ class Runtime:
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel)
+        engine.grammar_limits = GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib)
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
             cfg.calibration_file, file_digest, cfg.batch_size, cfg.use_extra_bufts), cfg.decode_batching)
         log.info("prefill ubatches of %d tokens or more are bit-identical to larger ones on this model and CPU "
@@ -181,12 +183,16 @@ class Runtime:
         """The grammar that enforces a chat request's structured output on this model's replies (`grammar.build`
         for its template family), checked by llama.cpp; None when nothing is constrained. Raises InvalidRequest
         naming the field when it cannot be built or llama.cpp refuses it."""
-        found = grammar.build(structure, tools, self.prompts.output_format, opens_reasoning)
-        if found is not None and not self.engine.check_grammar(found.gbnf, found.triggers):
+        found = grammar.build(structure, tools, self.prompts.output_format, opens_reasoning, self.grammar_budget)
+        if found is not None:
             param = "response_format" if structure.response is not None else "tool_choice"
-            raise InvalidRequest(f"llama.cpp could not parse the grammar built from '{param}' (the server log says "
-                                 f"where); simplify the schema", param=param)
+            self.engine.check_grammar(found.gbnf, found.triggers, param)
         return found
+
+    @property
+    def grammar_budget(self) -> grammar.Budget:
+        """What building one request's grammar may cost (--grammar-max-schema, --grammar-budget)."""
+        return grammar.Budget(self.config.grammar_max_schema, self.config.grammar_budget)
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token (special tokens as their text)."""
@@ -224,11 +230,15 @@ class Runtime:
         step); raises OrchestratorError when it did not within a minute."""
         return self.scheduler.flush()
 
-    def health(self) -> dict:
-        """Slots, queue and cache figures for /health."""
+    def health(self, full: bool = True) -> dict:
+        """/health: slots (total, busy, free); with `full`, also the queue length and the cache figures (which
+        tell one tenant that another is active: behind the API key)."""
+        busy = self.scheduler.slots_busy
+        out = {"slots": len(self.scheduler.slots), "slots_busy": busy, "slots_free": len(self.scheduler.slots) - busy}
+        if not full:
+            return out
         s = self.cache.stats()
-        return {"slots": len(self.scheduler.slots), "slots_busy": self.scheduler.slots_busy,
-                "queue_length": self.scheduler.queue_length,
+        return {**out, "queue_length": self.scheduler.queue_length,
                 "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
                           "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}}
 
