@@ -1,4 +1,5 @@
-"""The only module that talks to llama.cpp (through llama-cpp-python's low-level ctypes API).
+"""The only module that talks to llama.cpp (through llama-cpp-python's low-level ctypes API) in the server's
+process; grammars run in grammar processes (grammar_guard.py), which use this module's `grammar_sampler`.
 
 One `Engine` owns a model, a context and a reusable `llama_batch`. It tokenizes, prefills in chunks of at most
 n_batch tokens (llama_decode aborts the process on more), decodes one token at a time, samples with llama.cpp's
@@ -461,11 +462,12 @@ class Engine:
             self._grammars = GrammarPool(self.info.path, self.grammar_limits, keep=self.n_seq_max + 1)
         return self._grammars
 
-    def check_grammar(self, grammar: str, triggers: Sequence[str], param: str) -> None:
+    def check_grammar(self, grammar: str, triggers: Sequence[str], param: str, deadline: float | None = None
+                      ) -> None:
         """Refuse a grammar llama.cpp does not parse, or (unless lazy) that allows no first token, within the
-        budget (GrammarPool.check, in a grammar process): raises GrammarFailed naming `param`. Safe to call while
-        the worker decodes."""
-        self.grammars.check(grammar, tuple(triggers), param)
+        budget and by `deadline` (GrammarPool.check, in a grammar process): raises GrammarFailed naming `param`.
+        Safe to call while the worker decodes."""
+        self.grammars.check(grammar, tuple(triggers), param, deadline)
 
     def logprob(self, token: int, k: int = 0, idx: int = -1) -> TokenLogprob:
         """`token_logprob` over the raw logits at batch index `idx` of the last llama_decode (those the sampler

@@ -209,10 +209,10 @@ class GrammarPool:
         time on it."""
         return Grammar(self, gbnf, triggers, deadline, param)
 
-    def check(self, gbnf: str, triggers: tuple[str, ...], param: str) -> None:
+    def check(self, gbnf: str, triggers: tuple[str, ...], param: str, deadline: float | None = None) -> None:
         """Refuse a grammar before the request is queued: llama.cpp must parse it and, unless it is lazy, allow at
-        least one first token, within the budget. Raises GrammarFailed naming `param`."""
-        g = self.open(gbnf, triggers, param=param)
+        least one first token, within the budget (and by `deadline`). Raises GrammarFailed naming `param`."""
+        g = self.open(gbnf, triggers, deadline, param=param)
         try:
             if not triggers and not g.mask().any():
                 raise GrammarFailed(f"the grammar built from '{param}' accepts no token: check its patterns and "

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,7 +187,8 @@ class Runtime:
         found = grammar.build(structure, tools, self.prompts.output_format, opens_reasoning, self.grammar_budget)
         if found is not None:
             param = "response_format" if structure.response is not None else "tool_choice"
-            self.engine.check_grammar(found.gbnf, found.triggers, param)
+            deadline = time.perf_counter() + self.config.timeout if self.config.timeout else None
+            self.engine.check_grammar(found.gbnf, found.triggers, param, deadline)
         return found
 
     @property

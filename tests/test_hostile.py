@@ -17,9 +17,12 @@ import time
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from orchestrator.grammar_guard import GrammarFailed, GrammarLimits, GrammarPool
 
 from .conftest import free_port
 
@@ -199,6 +202,41 @@ def test_health_without_the_key_says_only_status_and_slots(server, baseline):
     assert public == {"status": "ok", "slots": 2, "slots_busy": 0, "slots_free": 2}
     keyed = httpx.get(url + "/health", headers=AUTH, timeout=CLIENT_S).json()
     assert keyed["cache"]["ram_entries"] > 0 and "queue_length" in keyed
+
+
+# ------------------------------------------------------------------ the grammar process itself
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_model):
+    p = GrammarPool(tiny_model, GrammarLimits(token_s=1.0, memory_mib=256), keep=1)
+    yield p
+    p.close()
+
+
+def test_what_would_abort_the_server_ends_only_the_grammar_process(pool, tiny_model):
+    """Grammars the static checks would refuse, given to llama.cpp directly: an abort (a token the grammar does
+    not allow, accepted: llama_grammar_accept_impl throws through ctypes), a runaway allocation (x{10,5}) and an
+    exponential filtering (an ambiguous repetition) each end the child with GrammarFailed; the pool serves on."""
+    g = pool.open('root ::= "a" [b-a]')
+    a = int(np.flatnonzero(g.mask())[0])
+    g.accept(a)
+    assert not g.mask().any()  # a dead end: the sampler refuses it (GrammarFailed) before any accept
+    g.accept(a)  # what llama.cpp's own chain would do next: it throws, the child aborts
+    with pytest.raises(GrammarFailed, match="aborted"):
+        g.mask()
+    g.close()
+    with pytest.raises(GrammarFailed, match="aborted|parse"):
+        pool.open('root ::= [^<]{10,5}')  # unsigned max - min: allocates until --grammar-memory
+    rules = " ".join(f"o{i}" for i in range(300))
+    opts = "\n".join(f"o{i} ::= x?" for i in range(300))
+    with pytest.raises(GrammarFailed, match="budget"):
+        g = pool.open(f'root ::= "q" {rules}\nx ::= "a" | "a" "a"\n{opts}')
+        for _ in range(4):
+            g.accept(int(np.flatnonzero(g.mask())[0]))
+    g = pool.open('root ::= "ok"')
+    assert g.mask().any()
+    g.close()
 
 
 # ------------------------------------------------------------------ schema fuzz
