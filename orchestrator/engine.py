@@ -135,7 +135,7 @@ class Sampler:
         if grammar is not None:
             n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
             self._ids = np.arange(n_vocab, dtype=np.int32)
-            self._data = np.zeros(n_vocab, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+            self._data = np.zeros(n_vocab, dtype=TOKEN_DATA)
 
     def sample(self, idx: int = -1) -> int:
         """Sample from the logits of batch index `idx` of the last llama_decode (-1: its last token with logits
@@ -153,9 +153,7 @@ class Sampler:
         data["id"] = self._ids
         data["logit"] = np.where(allowed, logits, np.float32(-np.inf))
         data["p"] = 0.0
-        cur = llama_cpp.llama_token_data_array(
-            data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(data), selected=-1,
-            sorted=False)
+        cur = candidates(data)
         llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(cur))
         token = int(cur.data[cur.selected].id)
         llama_cpp.llama_sampler_accept(self._chain, token)
@@ -177,6 +175,16 @@ class Sampler:
         if self._grammar is not None:
             self._grammar.close()
             self._grammar = None
+
+
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data's layout
+
+
+def candidates(data: np.ndarray):
+    """A llama_token_data_array over `data` (a TOKEN_DATA array, read and written in place by the samplers),
+    unsorted, nothing selected."""
+    return llama_cpp.llama_token_data_array(data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                            size=len(data), selected=-1, sorted=False)
 
 
 def grammar_sampler(vocab, grammar: str, triggers: Sequence[str] = ()):

@@ -335,7 +335,7 @@ class Grammar:
 def _child(model_path: str, memory_mib: int) -> None:  # pragma: no cover - runs in the grammar process
     import llama_cpp
 
-    from .engine import grammar_sampler
+    from .engine import TOKEN_DATA, candidates, grammar_sampler
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a child stuck in C dies with the server
     if os.getppid() == 1:
@@ -363,11 +363,8 @@ def _child(model_path: str, memory_mib: int) -> None:  # pragma: no cover - runs
     limit = vm + memory_mib * (1 << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    data = np.zeros(n_vocab, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+    data = np.zeros(n_vocab, dtype=TOKEN_DATA)
     ids = np.arange(n_vocab, dtype=np.int32)
-    arr = llama_cpp.llama_token_data_array(
-        data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=n_vocab, selected=-1,
-        sorted=False)
 
     def write(payload: bytes) -> None:
         out.write(_LEN.pack(len(payload)) + payload)
@@ -402,9 +399,7 @@ def _child(model_path: str, memory_mib: int) -> None:  # pragma: no cover - runs
         elif cmd == b"M":
             data["id"] = ids
             data["logit"] = 0.0
-            arr.data = data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data))
-            arr.size, arr.selected, arr.sorted = n_vocab, -1, False
-            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(arr))
+            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(candidates(data)))
             allowed = np.zeros(n_vocab, dtype=bool)
             allowed[data["id"][np.isfinite(data["logit"])]] = True
             write(b"M" + np.packbits(allowed).tobytes())
