@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,7 +23,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.errors import InvalidRequest
 from orchestrator.grammar_guard import GrammarFailed, GrammarLimits, GrammarPool
+from orchestrator.output import grammar
+from orchestrator.output.formats import QWEN35
+from orchestrator.output.grammar import Structure
 
 from .conftest import free_port
 
@@ -190,7 +195,8 @@ def test_h6_ten_thousand_breakpoints_are_counted_and_served(server, baseline):
 def test_h7_fifteen_megabytes_of_text_are_refused_before_rendering(server, baseline, text):
     url, _ = server
     r = post(url, "/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": text}]})
-    assert "--max-prompt-size" in assert_400(r, "messages")["message"]
+    assert r.status_code == 400, r.text  # Anthropic's shape: the message names the field
+    assert "'messages'" in r.json()["error"]["message"] and "--max-prompt-size" in r.json()["error"]["message"]
     r = chat(url, messages=[{"role": "user", "content": text}])
     assert "--max-prompt-size" in assert_400(r, "messages")["message"]
     assert_still_serving(server, baseline)
@@ -202,6 +208,48 @@ def test_health_without_the_key_says_only_status_and_slots(server, baseline):
     assert public == {"status": "ok", "slots": 2, "slots_busy": 0, "slots_free": 2}
     keyed = httpx.get(url + "/health", headers=AUTH, timeout=CLIENT_S).json()
     assert keyed["cache"]["ram_entries"] > 0 and "queue_length" in keyed
+
+
+# ------------------------------------------------------------------ static checks and the converter
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "string", "pattern": "^x[\\w\\d]+[z-a]$"}, "empty character range (z-a)"),
+    ({"type": "string", "pattern": "^a{5,2}$"}, "quantifier"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems 3 above maxItems 1"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "minimum 5 above maximum 4"),
+    ({"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 4}, "exclusiveMinimum 4"),
+    ({"enum": []}, "enum"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(101)}}, "101 optional"),
+])
+def test_schemas_no_value_meets_are_refused_by_name(schema, words):
+    with pytest.raises(InvalidRequest, match=re.escape(words)) as e:
+        grammar.build(Structure(response=schema), None, QWEN35, False)
+    assert e.value.param == "response_format.json_schema.schema"
+
+
+def test_the_last_check_before_llama_cpp_reads_the_grammar_text():
+    """Whatever wrote the grammar: a repetition {m,n} with m > n or an empty class is refused; the same text
+    inside a string literal, and JSON's own character classes, are not."""
+    for bad in ('root ::= [^<]{10,5}', 'root ::= "a" [b-a]', 'root ::= [\\x20-\\x10]'):
+        with pytest.raises(InvalidRequest):
+            grammar._check_gbnf(bad, "p")
+    grammar._check_gbnf('root ::= "[b-a]{5,1}" ' + grammar._JSON_CHAR + ' [a-z]{1,3}', "p")
+
+
+def test_names_that_sanitize_alike_and_defs_of_two_schemas_get_rules_of_their_own():
+    """The linear naming (issue 26 H5) keeps every rule: non-ASCII property names that all sanitize to "-", and
+    two tools' `$defs` of the same name, each get their own rule."""
+    rules = grammar._Rules()
+    names = ["ä", "ö", "ü"]
+    root = rules.json({"type": "object", "properties": {k: {"const": k} for k in names}, "required": names},
+                      "r", "p")
+    a = rules.json({"$ref": "#/$defs/X", "$defs": {"X": {"const": 1}}}, "a", "p")
+    b = rules.json({"$ref": "#/$defs/X", "$defs": {"X": {"const": 2}}}, "b", "p")
+    text = rules.text(f"{root} | {a} | {b}", "p")
+    for k in names:  # the converter writes each const with JSON's \\u escapes
+        assert json.dumps(k)[1:-1] in text
+    assert "s2-defs-X ::= \"1\"" in text and "s3-defs-X ::= \"2\"" in text
 
 
 # ------------------------------------------------------------------ the grammar process itself
