@@ -188,6 +188,22 @@ def _serve_parser(sub) -> None:
                    help=f"most messages in one chat request (default {d.max_messages}; 400 above)")
     p.add_argument("--max-tokens-limit", type=_positive, default=d.max_tokens_limit, metavar="N",
                    help=f"most completion tokens a request may ask for (default {d.max_tokens_limit}; 400 above)")
+    p.add_argument("--max-prompt-size", type=_positive, default=d.max_prompt_kib, metavar="KiB",
+                   help=f"most bytes of text in one prompt (messages, tools, system together), checked before it is "
+                        f"rendered; count_tokens too (default {d.max_prompt_kib}; 400 above)")
+    p.add_argument("--max-prompt-parts", type=_positive, default=d.max_prompt_parts, metavar="N",
+                   help=f"most content parts (blocks, cache breakpoints, tool calls) in one prompt "
+                        f"(default {d.max_prompt_parts}; 400 above)")
+    p.add_argument("--grammar-budget", type=_positive_float, default=d.grammar_budget, metavar="SECONDS",
+                   help=f"structured output: most seconds to build a request's grammar, and llama.cpp's grammar "
+                        f"to filter the vocabulary for one token (default {d.grammar_budget}; the request fails "
+                        f"with 400 above, the others go on)")
+    p.add_argument("--grammar-max-schema", type=_positive, default=d.grammar_max_schema, metavar="N",
+                   help=f"most JSON values (properties, enum members...) in one request's schemas "
+                        f"(default {d.grammar_max_schema}; 400 above)")
+    p.add_argument("--grammar-memory", type=_positive, default=d.grammar_memory_mib, metavar="MiB",
+                   help=f"memory a grammar process may allocate beyond the vocabulary (default "
+                        f"{d.grammar_memory_mib})")
     p.add_argument("--parse-special-in-content", action="store_true",
                    help="tokenize control-token text inside messages, tool results and tool schemas as control "
                         "tokens, as llama-server does (UNSAFE: anyone who can put text in front of the model can "
@@ -206,7 +222,10 @@ def _config(a: argparse.Namespace) -> Config:
                  decode_batching=a.decode_batching,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
                  api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
-                 max_tokens_limit=a.max_tokens_limit, parse_special_in_content=a.parse_special_in_content,
+                 max_tokens_limit=a.max_tokens_limit, max_prompt_kib=a.max_prompt_size,
+                 max_prompt_parts=a.max_prompt_parts, grammar_budget=a.grammar_budget,
+                 grammar_max_schema=a.grammar_max_schema, grammar_memory_mib=a.grammar_memory,
+                 parse_special_in_content=a.parse_special_in_content,
                  cache_remote=a.cache_remote, cache_remote_queue_mib=a.cache_remote_queue,
                  cache_remote_timeout=a.cache_remote_timeout, replica_name=a.replica_name,
                  n_gpu_layers=a.n_gpu_layers, devices=a.device, main_gpu=a.main_gpu, kv_offload=not a.no_kv_offload)

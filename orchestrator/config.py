@@ -67,6 +67,16 @@ class Config:
     max_body_mib: int = 16  # largest request body accepted, MiB (413 above)
     max_messages: int = 4096  # most messages in one chat request (400 above)
     max_tokens_limit: int = 32768  # most completion tokens a request may ask for (400 above)
+    # A prompt's text is checked before it is rendered and tokenized (400 above): bytes of all its strings
+    # (messages, tools, system) together, and parts (content blocks, cache breakpoints, tool calls).
+    max_prompt_kib: int = 2048
+    max_prompt_parts: int = 20000
+    # Structured output (orchestrator/output/grammar.py, orchestrator/grammar_guard.py): seconds llama.cpp may take
+    # to build a grammar or filter the vocabulary for one token, and the schema converter to build it (400 above);
+    # schema values in one request; MiB the grammar process may allocate.
+    grammar_budget: float = 5.0
+    grammar_max_schema: int = 20000
+    grammar_memory_mib: int = 1024
     # Tokenize control-token text in caller strings as control tokens (llama-server's behaviour; unsafe, see
     # orchestrator/prompt/control.py). Off: only the chat template's own markup becomes control tokens.
     parse_special_in_content: bool = False
@@ -83,3 +93,7 @@ class Config:
     @property
     def max_body_bytes(self) -> int:
         return self.max_body_mib * MiB
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return self.max_prompt_kib * 1024

@@ -1,5 +1,6 @@
 """The only module that talks to llama.cpp (through llama-cpp-python's low-level ctypes API; devices.py reads
-ggml's device registry for it).
+ggml's device registry for it) in the server's process; grammars run in grammar processes (grammar_guard.py),
+which use this module's `grammar_sampler`.
 
 One `Engine` owns a model, a context and a reusable `llama_batch`. It tokenizes, prefills in chunks of at most
 n_batch tokens (llama_decode aborts the process on more), decodes one token at a time, samples with llama.cpp's
@@ -46,6 +47,7 @@ import numpy as np
 from .buffers import SpareBuffers, address, bytes_writer
 from .devices import Offload, device_array, select_devices
 from .errors import EngineError, InvalidRequest, ModelLoadError
+from .grammar_guard import Grammar, GrammarFailed, GrammarLimits, GrammarPool
 from .state import StateKind, state_kind
 
 log = logging.getLogger("orchestrator.engine")
@@ -105,26 +107,22 @@ class ModelInfo:
 
 
 class Sampler:
-    """A llama.cpp sampler chain (grammar → top-k → top-p → min-p → temperature → dist, or grammar → greedy) over
-    the logits of one context. Free with close().
+    """A llama.cpp sampler chain (top-k → top-p → min-p → temperature → dist, or greedy) over the logits of one
+    context, after the request's grammar if it has one. Free with close().
 
     With a grammar, only tokens that fit it keep their logits (the others get -inf before the other samplers,
-    llama.cpp's "grammar first"), and an end-of-generation token only where the grammar may end. Raises
-    InvalidRequest when llama.cpp cannot parse the grammar (`vocab` is needed for it and its triggers).
+    llama.cpp's "grammar first"), and an end-of-generation token only where the grammar may end. The grammar
+    runs in a child process under a budget (grammar_guard.py: the same candidates as llama.cpp's grammar sampler
+    in the chain); its failures raise GrammarFailed (HTTP 400), never reach this process.
     """
 
-    def __init__(self, params: SamplingParams, ctx, vocab=None) -> None:
+    def __init__(self, params: SamplingParams, ctx, vocab=None, grammar: Grammar | None = None) -> None:
         self._ctx = ctx
+        self._vocab = vocab
+        self._grammar = grammar
         self._chain = None
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        self._chain = chain  # freed by close() from here on, also when the grammar is refused
-        if params.grammar:
-            grammar = grammar_sampler(vocab, params.grammar, params.grammar_triggers)
-            if not grammar:
-                self.close()
-                raise InvalidRequest("llama.cpp could not parse the grammar built for this request (the server log "
-                                     "says where)")
-            llama_cpp.llama_sampler_chain_add(chain, grammar)
+        self._chain = chain  # freed by close() from here on
         if params.temperature <= 0:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
         else:
@@ -136,24 +134,63 @@ class Sampler:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+        if grammar is not None:
+            n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+            self._ids = np.arange(n_vocab, dtype=np.int32)
+            self._data = np.zeros(n_vocab, dtype=TOKEN_DATA)
 
     def sample(self, idx: int = -1) -> int:
         """Sample from the logits of batch index `idx` of the last llama_decode (-1: its last token with logits
-        on), with llama_sampler_sample (which also accepts the token into the chain)."""
-        return int(llama_cpp.llama_sampler_sample(self._chain, self._ctx, idx))
+        on), with llama_sampler_sample (which also accepts the token into the chain); with a grammar, the same
+        over the logits the grammar allows (llama_sampler_apply + llama_sampler_accept, as llama_sampler_sample
+        does). Raises GrammarFailed when the grammar allows no token or runs past its budget."""
+        if self._grammar is None:
+            return int(llama_cpp.llama_sampler_sample(self._chain, self._ctx, idx))
+        allowed = self._grammar.mask()
+        if not allowed.any():
+            raise GrammarFailed("no token fits the request's grammar at this point of the reply (a dead end in the "
+                                "schema: an empty pattern class, or bounds no string meets)")
+        data = self._data
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, idx), shape=(len(data),))
+        data["id"] = self._ids
+        data["logit"] = np.where(allowed, logits, np.float32(-np.inf))
+        data["p"] = 0.0
+        cur = candidates(data)
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(cur))
+        token = int(cur.data[cur.selected].id)
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        self._grammar.accept(token)
+        if not llama_cpp.llama_vocab_is_eog(self._vocab, token):
+            self._grammar.prefetch()  # filtered while the token is decoded
+        return token
 
     def accept(self, token: int) -> None:
         """Accept a token that was not sampled (a forced one) into the chain: the grammar advances over it."""
         llama_cpp.llama_sampler_accept(self._chain, token)
+        if self._grammar is not None:
+            self._grammar.accept(token)
 
     def close(self) -> None:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
+
+
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data's layout
+
+
+def candidates(data: np.ndarray):
+    """A llama_token_data_array over `data` (a TOKEN_DATA array, read and written in place by the samplers),
+    unsorted, nothing selected."""
+    return llama_cpp.llama_token_data_array(data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                            size=len(data), selected=-1, sorted=False)
 
 
 def grammar_sampler(vocab, grammar: str, triggers: Sequence[str] = ()):
-    """llama.cpp's grammar sampler for GBNF `grammar` (root rule `root`), lazy when `triggers` are given: a
+    """(Called in the grammar process only: grammar_guard.py.) llama.cpp's grammar sampler for GBNF `grammar` (root rule `root`), lazy when `triggers` are given: a
     trigger text that is one token of the vocabulary triggers on that token, any other on its text (an escaped
     regular expression). A NULL pointer (falsy) when llama.cpp cannot parse the grammar."""
     text = grammar.encode("utf-8")
@@ -295,6 +332,8 @@ class Engine:
         self.min_segment = 2  # until calibrated: chunk_sizes never makes one-token chunks
         self.batch_invariant = False
         self.state.probe(self, max(self.bos_id, 0))
+        self.grammar_limits = GrammarLimits()  # the runtime sets the configured ones before serving
+        self._grammars: GrammarPool | None = None
 
     def calibrate(self, min_segment: int, batch_invariant: bool = False) -> None:
         """Set the measured facts of this model on this CPU (calibration.py): the fewest tokens a prefill ubatch
@@ -438,19 +477,28 @@ class Engine:
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
 
-    def sampler(self, params: SamplingParams) -> Sampler:
-        """A sampler chain over this context's logits (close it when done). Raises InvalidRequest when llama.cpp
-        cannot parse `params.grammar`."""
-        return Sampler(params, self.ctx, self.vocab)
+    def sampler(self, params: SamplingParams, deadline: float | None = None) -> Sampler:
+        """A sampler chain over this context's logits (close it when done). With `params.grammar`, the grammar is
+        built in a grammar process (`grammars`), its waits bounded by the per-token budget and `deadline`
+        (time.perf_counter). Raises GrammarFailed when llama.cpp cannot parse it or runs past them."""
+        grammar = None
+        if params.grammar:
+            grammar = self.grammars.open(params.grammar, params.grammar_triggers, deadline)
+        return Sampler(params, self.ctx, self.vocab, grammar)
 
-    def check_grammar(self, grammar: str, triggers: Sequence[str] = ()) -> bool:
-        """Whether llama.cpp parses `grammar` (with `triggers`, see `grammar_sampler`). Reads the vocabulary
-        only: safe to call while the worker decodes."""
-        sampler = grammar_sampler(self.vocab, grammar, triggers)
-        if not sampler:
-            return False
-        llama_cpp.llama_sampler_free(sampler)
-        return True
+    @property
+    def grammars(self) -> GrammarPool:
+        """The grammar processes of this model (grammar_guard.py), started on first use."""
+        if self._grammars is None:
+            self._grammars = GrammarPool(self.info.path, self.grammar_limits, keep=self.n_seq_max + 1)
+        return self._grammars
+
+    def check_grammar(self, grammar: str, triggers: Sequence[str], param: str, deadline: float | None = None
+                      ) -> None:
+        """Refuse a grammar llama.cpp does not parse, or (unless lazy) that allows no first token, within the
+        budget and by `deadline` (GrammarPool.check, in a grammar process): raises GrammarFailed naming `param`.
+        Safe to call while the worker decodes."""
+        self.grammars.check(grammar, tuple(triggers), param, deadline)
 
     def logprob(self, token: int, k: int = 0, idx: int = -1) -> TokenLogprob:
         """`token_logprob` over the raw logits at batch index `idx` of the last llama_decode (those the sampler
@@ -584,6 +632,8 @@ class Engine:
 
     def close(self) -> None:
         """Free the batch, context and model."""
+        if getattr(self, "_grammars", None) is not None:
+            self._grammars.close()
         if getattr(self, "ctx", None):
             llama_cpp.llama_batch_free(self._batch)
             llama_cpp.llama_free(self.ctx)

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +17,10 @@ from . import calibration
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
-from .errors import InvalidRequest, OrchestratorError
+from .errors import OrchestratorError
 from .config import MiB, Config
 from .engine import Engine, EngineThread
+from .grammar_guard import GrammarLimits
 from .output import grammar
 from .output.grammar import Constraint, Structure
 from .prompt.builder import PromptBuilder, load_template
@@ -117,6 +119,7 @@ class Runtime:
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
                         devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload)
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
+        engine.grammar_limits = GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib)
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
             cfg.calibration_file, file_digest, cfg.batch_size, cfg.use_extra_bufts, engine.offload),
             cfg.decode_batching)
@@ -190,12 +193,17 @@ class Runtime:
         """The grammar that enforces a chat request's structured output on this model's replies (`grammar.build`
         for its template family), checked by llama.cpp; None when nothing is constrained. Raises InvalidRequest
         naming the field when it cannot be built or llama.cpp refuses it."""
-        found = grammar.build(structure, tools, self.prompts.output_format, opens_reasoning)
-        if found is not None and not self.engine.check_grammar(found.gbnf, found.triggers):
+        found = grammar.build(structure, tools, self.prompts.output_format, opens_reasoning, self.grammar_budget)
+        if found is not None:
             param = "response_format" if structure.response is not None else "tool_choice"
-            raise InvalidRequest(f"llama.cpp could not parse the grammar built from '{param}' (the server log says "
-                                 f"where); simplify the schema", param=param)
+            deadline = time.perf_counter() + self.config.timeout if self.config.timeout else None
+            self.engine.check_grammar(found.gbnf, found.triggers, param, deadline)
         return found
+
+    @property
+    def grammar_budget(self) -> grammar.Budget:
+        """What building one request's grammar may cost (--grammar-max-schema, --grammar-budget)."""
+        return grammar.Budget(self.config.grammar_max_schema, self.config.grammar_budget)
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token (special tokens as their text)."""
@@ -233,12 +241,16 @@ class Runtime:
         step); raises OrchestratorError when it did not within a minute."""
         return self.scheduler.flush()
 
-    def health(self) -> dict:
-        """Slots, queue and cache figures for /health, and the backend and devices computing the model."""
+    def health(self, full: bool = True) -> dict:
+        """/health: slots (total, busy, free), the backend and devices computing the model; with `full`, also the
+        queue length and the cache figures (which tell one tenant that another is active: behind the API key)."""
+        busy = self.scheduler.slots_busy
+        out = {"backend": self.engine.offload.backend, "devices": self.engine.offload.device_names,
+               "slots": len(self.scheduler.slots), "slots_busy": busy, "slots_free": len(self.scheduler.slots) - busy}
+        if not full:
+            return out
         s = self.cache.stats()
-        return {"backend": self.engine.offload.backend, "devices": self.engine.offload.device_names,
-                "slots": len(self.scheduler.slots), "slots_busy": self.scheduler.slots_busy,
-                "queue_length": self.scheduler.queue_length,
+        return {**out, "queue_length": self.scheduler.queue_length,
                 "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
                           "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}}
 

@@ -342,7 +342,7 @@ class Scheduler:
         """Sample the first token from the prompt's logits and go on to decoding."""
         if t.job.want_logits:
             t.first_logits = self.engine.logits()
-        t.sampler = self.engine.sampler(t.job.sampling)
+        t.sampler = self.engine.sampler(t.job.sampling, t.deadline)
         t.phase = Phase.DECODE
         self._sample(t, -1)  # now: the next llama_decode overwrites these logits
 

@@ -46,7 +46,8 @@ from orchestrator.request import Result
 
 from . import fields
 from .fields import HINT, HONOURED, REFUSED, Rule
-from .schemas import MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, conversation, thinking_from_effort
+from .schemas import (MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, check_prompt_size, conversation,
+                      thinking_from_effort)
 
 MESSAGES, COUNT_TOKENS = "messages", "count_tokens"
 
@@ -484,6 +485,7 @@ def parse_messages(body: Any, cfg: Config | None = None, route: str = MESSAGES) 
     model = body.get("model")
     if not isinstance(model, str) or len(model) > MAX_ID_CHARS:
         raise _bad(f"'model' must be a string of at most {MAX_ID_CHARS} characters", "model")
+    check_prompt_size(body, cfg, ("system", "messages", "tools"))  # count_tokens too
     _cache_control(body, "")  # a valid mark only: the end of the last message is always a boundary
     options = _generation(body, cfg) if route == MESSAGES else None
     tools, deferred = _tools(body.get("tools"))

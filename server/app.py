@@ -724,7 +724,17 @@ class Api:
         return JSONResponse(openapi_schema(self.rt.config))
 
     async def health(self, request: Request):
-        return JSONResponse({"status": "ok", **self.rt.health()})
+        """Public: status and slots for a load balancer; queue and cache figures only with the key (or on a server
+        without one), since they show other tenants' activity."""
+        key = self.rt.config.api_key
+        full = key is None
+        if key is not None:
+            try:
+                _authorize(request, key)
+                full = True
+            except Unauthorized:
+                pass
+        return JSONResponse({"status": "ok", **self.rt.health(full)})
 
 
 def create_app(runtime: Runtime) -> Starlette:

@@ -418,7 +418,7 @@ def openapi_schema(cfg: Config) -> dict:
                 "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": _responses(model, extra=(404,))}},
             "/health": {"get": {
-                "operationId": "health", "summary": "liveness, queue and cache figures (no API key needed)",
+                "operationId": "health", "summary": "liveness and slots (no API key needed); queue and cache figures with the key",
                 "security": [],
                 "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}}}}}}},

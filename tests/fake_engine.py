@@ -150,7 +150,7 @@ class FakeEngine:
     def is_eog(self, token: int) -> bool:
         return token == self.eog_id
 
-    def sampler(self, params: SamplingParams) -> FakeSampler:
+    def sampler(self, params: SamplingParams, deadline: float | None = None) -> FakeSampler:
         return FakeSampler(self, params)
 
     def logits(self, idx: int = -1) -> np.ndarray:

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 import threading
 import zlib
 from collections import OrderedDict
@@ -367,9 +368,30 @@ def test_full_disk_warns_once_returns_false_and_keeps_serving_reads(tmp_path, ca
         assert t.keys() == ["old"]
         recount(t, tmp_path)  # the partial file was removed
         monkeypatch.undo()
-        assert t.put("later", [4], "kv", b"l") is False  # stays off until reopened
+        assert t.put("later", [4], "kv", b"l") is False  # stays off for the backoff
+        assert t.stats().errors == 1 and t.stats().disabled
+        now = time.monotonic()
+        monkeypatch.setattr(disk.time, "monotonic", lambda: now + disk.RETRY_S + 1)
+        assert not t.disabled and t.put("later", [4], "kv", b"l")  # re-enabled: the disk works again
+        assert t.keys() == ["old", "later"] and not t.stats().disabled
+        monkeypatch.undo()
     with DiskTier(tmp_path, 100_000, FP) as t:
-        assert not t.disabled and t.put("later", [4], "kv", b"l")
+        assert not t.disabled and t.put("latest", [5], "kv", b"l")
+
+
+def test_a_disk_that_keeps_failing_backs_off_longer_and_counts_every_error(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(disk.time, "monotonic", lambda: clock[0])
+    with DiskTier(tmp_path, 100_000, FP) as t:
+        monkeypatch.setattr(disk, "_write_parts", write_then_disk_full)
+        assert t.put("a", [1], "kv", b"a") is False and t.disabled
+        clock[0] += disk.RETRY_S + 1  # the retry fails too: twice the wait
+        assert not t.disabled and t.put("b", [2], "kv", b"b") is False
+        clock[0] += disk.RETRY_S + 1
+        assert t.disabled
+        clock[0] += disk.RETRY_S
+        assert not t.disabled
+        assert t.stats().errors == 2 and t.keys() == []
 
 
 def test_pickled_values_are_never_loaded(tmp_path):

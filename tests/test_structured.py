@@ -245,6 +245,37 @@ def test_pydantic_ai_output_type_gives_a_validated_model(live_server, fresh_cach
     assert native_run["response_format"]["type"] == "json_schema"
 
 
+class Node(BaseModel):
+    """A recursive model: pydantic's schema is a root `$ref` into `$defs`."""
+    name: str = Field(max_length=6)
+    children: list[Node] = Field(default_factory=list, max_length=2)
+
+
+def test_a_root_ref_schema_from_a_recursive_pydantic_model_is_served(oai, runtime, fresh_cache):
+    schema = Node.model_json_schema()
+    assert schema["$ref"] == "#/$defs/Node" and "Node" in schema["$defs"]
+    r = ask(oai, max_tokens=160, response_format={"type": "json_schema", "json_schema": {"name": "node",
+                                                                                        "schema": schema}})
+    if r.choices[0].finish_reason == "stop":
+        Node.model_validate_json(r.choices[0].message.content)
+    # The grammar holds the recursion: a nested instance fits it token by token, a wrong key does not.
+    c = runtime.constraint(Structure(response=schema), None, False)
+    engine = runtime.engine
+    for text, fits in (('{"name": "a", "children": [{"name": "b", "children": []}]}', True),
+                       ('{"name": "a", "kids": []}', False)):
+        g = engine.grammars.open(c.gbnf)
+        try:
+            ok = True
+            for tok in engine.tokenize(text):
+                if not g.mask()[tok]:
+                    ok = False
+                    break
+                g.accept(tok)
+            assert ok == fits, text
+        finally:
+            g.close()
+
+
 # ------------------------------------------------------------------ bad input
 
 @pytest.mark.parametrize("extra,param", [

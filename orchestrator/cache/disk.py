@@ -32,6 +32,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,8 @@ _SUFFIX = ".val"  # diskcache's file suffix
 # What a failing disk raises: OSError (ENOSPC, EIO, EACCES), SQLite errors ("database or disk is full") and
 # diskcache.Timeout (the database stayed locked).
 _DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+RETRY_S = 30.0  # seconds the tier takes no writes after a failed one; doubled per failure in a row
+RETRY_MAX_S = 600.0
 
 
 class DiskTier:
@@ -64,8 +67,10 @@ class DiskTier:
 
     * `put(key, tokens, kind, payload)` stores a snapshot. The budget is checked before writing: LRU entries are
       evicted until the new one fits; one larger than the whole budget is not stored (False). A failing disk logs
-      one warning, disables the tier (`disabled`: puts return False until the next open; gets and deletes still
-      work) and returns False. Never raises for disk trouble.
+      one warning, counts an error (`errors`, the metric orchestrator_cache_tier_errors_total) and disables the
+      tier for a backoff (`disabled`: puts return False for RETRY_S seconds, doubling while writes keep failing,
+      at most RETRY_MAX_S; gets and deletes still work); the first put after it tries the disk again, and a
+      success re-enables it. Returns False. Never raises for disk trouble.
     * `get(key)` returns `Stored(kind, tokens, payload)` after checking magic, version, fingerprint, lengths and CRC-32,
       and marks the entry used. An entry that fails a check is deleted, logged, and reported as a miss (None).
     * `entries()` lists what is stored, least recently used first, reading only headers and token ids.
@@ -96,6 +101,9 @@ class DiskTier:
         self._bytes = 0
         self._lock = threading.Lock()
         self._disabled = False
+        self._retry_at = 0.0  # time.monotonic() from which a disabled tier tries writing again
+        self._backoff = RETRY_S
+        self._errors = 0
         self._closed = False
         self.on_evict: Callable[[str], None] | None = None
         self._hits = self._misses = self._inserts = self._evictions = self._too_large = self._invalid = 0
@@ -128,8 +136,8 @@ class DiskTier:
 
     @property
     def disabled(self) -> bool:
-        """True after a write failed (full or failing disk): puts return False until the tier is reopened."""
-        return self._disabled
+        """True after a write failed (full or failing disk), for the backoff: puts return False until then."""
+        return self._disabled and time.monotonic() < self._retry_at
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -158,7 +166,7 @@ class DiskTier:
         try:
             with self._lock:
                 self._check_open()
-                if self._disabled:
+                if self.disabled:
                     return False
                 if nbytes > self._budget:
                     self._too_large += 1
@@ -180,6 +188,9 @@ class DiskTier:
                 self._lru[key] = nbytes
                 self._bytes += nbytes
                 self._inserts += 1
+                if self._disabled:
+                    self._disabled, self._backoff = False, RETRY_S
+                    log.warning("snapshot disk cache %s takes writes again", self.directory)
                 return True
         finally:
             if self.on_evict is not None:
@@ -259,7 +270,8 @@ class DiskTier:
             return TierStats(
                 self.name, entries=len(self._lru), bytes=self._bytes, budget_bytes=self._budget, hits=self._hits,
                 misses=self._misses, inserts=self._inserts, evictions=self._evictions,
-                rejected_too_large=self._too_large, rejected_invalid=self._invalid, disabled=self._disabled)
+                rejected_too_large=self._too_large, rejected_invalid=self._invalid, disabled=self.disabled,
+                errors=self._errors)
 
     def close(self) -> None:
         """Close the database and release the directory. Idempotent; other calls raise ValueError afterwards."""
@@ -395,15 +407,21 @@ class DiskTier:
                 self._fail(f"recording the use of snapshot {key!r}", e)
 
     def _fail(self, what: str, error: BaseException) -> None:
-        """A write failed: warn once, disable the tier, and drop the connection (and any half-open transaction)."""
+        """A write failed: count it, warn (once per outage), disable the tier for the backoff (doubled when the
+        retry fails too), and drop the connection (and any half-open transaction; diskcache reconnects on the
+        next use)."""
+        self._errors += 1
         if not self._disabled:
             self._disabled = True
             hint = " (disk full)" if isinstance(error, OSError) and error.errno == errno.ENOSPC else ""
             log.warning("snapshot disk cache %s disabled after an error %s%s: %s; snapshots stay in RAM only "
-                        "until restart; free disk space or lower the disk cache budget", self.directory, what,
-                        hint, error)
+                        "for %.0f s, then writes are tried again; free disk space or lower the disk cache budget",
+                        self.directory, what, hint, error, self._backoff)
         else:
             log.debug("snapshot disk cache %s: error %s: %s", self.directory, what, error)
+            if time.monotonic() >= self._retry_at:  # the retry failed too
+                self._backoff = min(self._backoff * 2, RETRY_MAX_S)
+        self._retry_at = time.monotonic() + self._backoff
         with contextlib.suppress(*_DISK_ERRORS):
             self._cache.close()
 

@@ -160,7 +160,11 @@ class PromptBuilder:
         raw_tools = tools  # the reply is read against the request's own tools, not their escaped copies
         esc = self.controls
         if esc:  # content is data: see control.py
-            breakpoints = [(i, esc.escaped_offset(messages[i].get("content") or "", c)) for i, c in breakpoints]
+            by_message: dict[int, list[int]] = {}
+            for i, c in breakpoints:
+                by_message.setdefault(i, []).append(c)
+            moved = {i: iter(esc.escaped_offsets(messages[i].get("content") or "", cs)) for i, cs in by_message.items()}
+            breakpoints = [(i, next(moved[i])) for i, _ in breakpoints]
         messages, tools, template_kwargs = self._escaped(messages, tools, template_kwargs)
         text = self.template.render(messages, tools, add_generation_prompt=True, **template_kwargs)
         t1 = time.perf_counter()

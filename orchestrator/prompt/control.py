@@ -162,15 +162,20 @@ class ControlTexts:
     def escaped_offset(self, s: str, n_chars: int) -> int:
         """Where the first `n_chars` characters of `s` end in `escape(s)` (CUTs placed at or before that point
         count: a cut right at the end of a text part stays with it)."""
+        return self.escaped_offsets(s, [n_chars])[0]
+
+    def escaped_offsets(self, s: str, n_chars: Iterable[int]) -> list[int]:
+        """`escaped_offset(s, n)` for each n, escaping `s` once: linear in len(s) plus the offsets (a request with
+        10,000 breakpoints in one message escaped it 10,000 times before; issue 26 H6)."""
         escaped = self.escape(s)
-        seen = i = 0
-        while i < len(escaped) and seen < n_chars:
-            if escaped[i] != CUT:
-                seen += 1
-            i += 1
-        while i < len(escaped) and escaped[i] == CUT:
-            i += 1
-        return i
+        kept = [i for i, ch in enumerate(escaped) if ch != CUT]  # kept[k]: where s[k] is in escaped
+        out = []
+        for n in n_chars:
+            i = len(escaped) if n >= len(kept) else (kept[n - 1] + 1 if n > 0 else 0)
+            while i < len(escaped) and escaped[i] == CUT:
+                i += 1
+            out.append(i)
+        return out
 
 
 def protected_texts(tokens: Iterable[tuple[str, bool]], template_source: str) -> frozenset[str]:
