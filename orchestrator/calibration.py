@@ -3,6 +3,9 @@
     min_segment      the fewest tokens a prefill ubatch may have for its result to be bit-identical to the same
                      tokens inside a larger ubatch (the rule of reuse.py rests on it)
     batch_invariant  whether one decode step batched over sequences equals decoding each alone
+    rollback         whether a checkpoint taken back inside a prefill call (Engine.checkpoint_back, llama.cpp's
+                     n_rs_seq snapshots) is bit-identical to one of a prefill that stopped there (reuse.py then
+                     takes the repeat point without a llama_decode call of its own)
     state_sizes      recurrent bytes per sequence and KV bytes per token (logged: memory per slot)
     prefill_rate     prompt tokens per second of one prefill (the remote tier's fetch-or-recompute decision
                      starts from it; reuse.PrefillRate refines it from every prefill since)
@@ -25,6 +28,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
+from .cache.radix import CHECKPOINT
 from .engine import Engine
 from .errors import EngineError
 
@@ -101,6 +105,67 @@ def check_batch_invariance(engine: Engine) -> bool:
     finally:
         for s in range(k):
             engine.clear(s)
+
+
+def check_rollback(engine: Engine, seq: int | None = None) -> bool:
+    """Whether `Engine.checkpoint_back` gives, on this model and CPU, the bytes of a checkpoint saved by a prefill
+    that stopped there, at every distance from 1 to min(n_rs_seq, min_segment + 1) back from the end of a call
+    that starts from a restored state as a cached prefill does, and whether the sequence then goes on exactly:
+    the logits of a decode step after it, and the logits of the tail prefilled from the taken-back checkpoint,
+    equal those of the plain prefill. False without n_rs_seq snapshots. Uses and clears sequence `seq` (default:
+    the last, so that the other cells are in use as when serving) and sequence 0.
+
+    Measured with llama-cpp-python 0.3.36 (bench/results/2026-12-01/stops): bit-identical on the tiny and 0.8b
+    presets on an AVX-512 EPYC; llama.cpp marks n_rs_seq experimental, hence the check at start."""
+    m, k = engine.min_segment, engine.n_rs_seq
+    if k < 1 or CHECKPOINT not in engine.state.entry_kinds:
+        return False
+    seq = engine.n_seq_max - 1 if seq is None else seq
+    head = [1000 + (37 * i) % 5000 for i in range(2 * m + 8)]
+    tail = [3000 + (53 * i) % 5000 for i in range(max(k, m) + m + 4)]
+    tokens = head + tail
+    n, h = len(tokens), len(head)
+    try:
+        if seq != 0:  # another sequence holds a state, as other slots do
+            engine.clear(0)
+            engine.decode(0, tail, 0, want_logits=False)
+        engine.clear(seq)
+        engine.decode(seq, head, 0, want_logits=False)
+        start = engine.save_state(seq)
+        for back in range(1, min(k, m + 1) + 1):
+            p = n - back
+            engine.load_state(seq, start)
+            engine.decode(seq, tokens[h:p], h, want_logits=False)
+            stopped = engine.save_state(seq, partial=True)
+            engine.load_state(seq, start)
+            engine.decode(seq, tokens[h:], h)
+            plain = engine.logits()
+            taken = engine.checkpoint_back(seq, p)
+            if taken != stopped:
+                return False
+            engine.decode(seq, [tokens[0]], n)
+            after = engine.logits()
+            engine.load_state(seq, start)
+            engine.decode(seq, tokens[h:], h)
+            engine.decode(seq, [tokens[0]], n)
+            if not np.array_equal(after, engine.logits()):
+                return False
+            if back >= m:  # a cached request restores the checkpoint and prefills the rest
+                engine.load_state(seq, start)
+                engine.decode(seq, tokens[h:], h)
+                kv = engine.save_state(seq)
+                engine.load_state(seq, kv)
+                engine.load_state(seq, taken, partial=True, clear=False)
+                engine.truncate(seq, p)
+                engine.decode(seq, tokens[p:], p)
+                if not np.array_equal(engine.logits(), plain):
+                    return False
+        return True
+    except EngineError:
+        return False
+    finally:
+        engine.clear(seq)
+        engine.clear(0)
 
 
 def state_sizes(engine: Engine) -> tuple[int, int]:
