@@ -26,6 +26,7 @@ from orchestrator.engine import SamplingParams  # noqa: E402
 from orchestrator.cache.radix import CHECKPOINT, KV  # noqa: E402
 from orchestrator.runtime import Runtime  # noqa: E402
 from orchestrator.request import Job  # noqa: E402
+from orchestrator.reuse import spaced_stops  # noqa: E402
 
 WORDS = ("the cache holds a snapshot of the recurrent state at every message boundary so that a later request "
          "restores it and prefills only the rest of its prompt while the server keeps serving other agents").split()
@@ -54,8 +55,8 @@ def main() -> None:
         snapshot_s = 0.0
         for k in range(1, len(msgs), 2):  # requests end with a user message
             p = rt.prompts.chat(msgs[: k + 1], None, {})
-            r = rt.scheduler.run(Job(p.tokens, p.snapshot_positions(), max_tokens=4, sampling=SamplingParams()))
-            positions |= set(p.snapshot_positions())
+            r = rt.scheduler.run(Job(p.tokens, p.boundaries, max_tokens=4, sampling=SamplingParams()))
+            positions |= set(spaced_stops(p.boundaries, len(p.tokens), rt.config.snapshot_min_gap))
             t_prefill += r.prefill_s
             n_prefilled += r.prompt_tokens - r.cached_tokens
             snapshot_s += r.snapshot_s

@@ -55,7 +55,7 @@ def main() -> None:
     def job(tail: str, use_cache: bool) -> tuple[Job, object]:
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": tail}]
         p = rt.prompts.chat(msgs, tools, {})
-        return Job(p.tokens, p.snapshot_positions(), max_tokens=1, sampling=SamplingParams(), use_cache=use_cache), p
+        return Job(p.tokens, p.boundaries, max_tokens=1, sampling=SamplingParams(), use_cache=use_cache), p
 
     rows = []
     for r in range(a.repeats):

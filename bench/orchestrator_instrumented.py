@@ -27,6 +27,11 @@ import threading
 import time
 
 
+def _progress(task):
+    """Where the checkout keeps a task's work and pos: Task.reuse (TaskReuse), or the task itself before."""
+    return getattr(task, "reuse", task)
+
+
 def install(path: str) -> None:
     """Wrap Reuse.after_generation, Scheduler._prefill_chunk (STORE phase) and Reuse.take_over."""
     from orchestrator import reuse as reuse_mod
@@ -47,7 +52,8 @@ def install(path: str) -> None:
         stored = orig_after(self, task)
         emit({"ev": "after", "task": id(task), "t0": t0, "t1": time.time(), "cpu_s": time.process_time() - c0,
               "store": bool(stored), "prompt": len(task.tokens), "generated": len(task.generated()),
-              "work": len(task.work) if stored else 0, "start": task.pos if stored else None})
+              "work": len(_progress(task).work) if stored else 0,
+              "start": _progress(task).pos if stored else None})
         return stored
 
     reuse_mod.Reuse.after_generation = after_generation
@@ -57,13 +63,13 @@ def install(path: str) -> None:
     def _prefill_chunk(self, t, chunk):
         if t.phase != Phase.STORE:
             return orig_chunk(self, t, chunk)
-        t0, c0, pos = time.time(), time.process_time(), t.pos
+        t0, c0, pos = time.time(), time.process_time(), _progress(t).pos
         seq = t.slot.seq if t.slot is not None else None
         try:
             return orig_chunk(self, t, chunk)
         finally:
             emit({"ev": "chunk", "task": id(t), "seq": seq, "t0": t0, "t1": time.time(),
-                  "cpu_s": time.process_time() - c0, "tokens": t.pos - pos})
+                  "cpu_s": time.process_time() - c0, "tokens": _progress(t).pos - pos})
 
     sched_mod.Scheduler._prefill_chunk = _prefill_chunk
 

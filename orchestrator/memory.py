@@ -1,4 +1,5 @@
-"""Keeping RSS at what is live: glibc's malloc_trim and a single malloc arena.
+"""Keeping RSS at what is live: glibc's malloc_trim and a single malloc arena; and the memory work done while
+the server is idle (`IdleWork`: spare checkpoint buffers, heap trimming).
 
 Snapshots are large, short-lived byte strings (tens of MiB on real models). glibc raises its mmap threshold after
 such blocks are freed, so later ones come from the heaps, whose free space fragments as entries of different sizes
@@ -17,6 +18,7 @@ import ctypes.util
 import logging
 import os
 import time
+from typing import Protocol
 
 _M_ARENA_MAX = -8  # mallopt parameter, glibc's malloc.h
 
@@ -71,3 +73,42 @@ class HeapTrimmer:
         if self._trim is not None and now - self._last >= self.interval_s:
             self._last = now
             self._trim(0)
+
+
+class Spares(Protocol):
+    """The engine's spare checkpoint buffers (Engine.fill_spare / drop_spares; buffers.SpareBuffers)."""
+
+    def fill_spare(self) -> bool: ...
+
+    def drop_spares(self) -> None: ...
+
+
+class IdleWork:
+    """Memory work for the scheduler's worker to do between steps, never during a llama.cpp call of its own:
+    `fill` writes one more spare checkpoint buffer through while no request waits (one buffer of a checkpoint's
+    size at a time, so an arrival waits for at most one: buffers.py), and `trim` gives freed heap pages back
+    (`HeapTrimmer`). Touched by the worker thread only.
+    """
+
+    def __init__(self, engine: Spares, trimmer: HeapTrimmer | None = None) -> None:
+        self.engine = engine
+        self.trimmer = trimmer or HeapTrimmer()
+
+    @property
+    def interval_s(self) -> float:
+        """Seconds an idle worker sleeps before it trims again."""
+        return self.trimmer.interval_s
+
+    def fill(self) -> bool:
+        """One more spare buffer; False when there are enough. On a failure (out of memory) none from then on:
+        saves go to new memory as they did without spares, and the worker goes on."""
+        try:
+            return self.engine.fill_spare()
+        except Exception:  # noqa: BLE001 - spares are an optimisation; losing them must not stop the worker
+            log.warning("could not keep spare checkpoint buffers; saves go to new memory", exc_info=True)
+            self.engine.drop_spares()
+            return False
+
+    def trim(self) -> None:
+        """malloc_trim(0), if `interval_s` has passed since the last one."""
+        self.trimmer.maybe_trim()

@@ -1,7 +1,8 @@
 """A request inside the scheduler: the job as submitted (`Job`), what it produced (`Result`), the events it
 streams (`Event`), its progress from submission to release (`Task`, in a `Phase`), and the sequence that serves
-it (`Slot`). Plain data: the scheduler moves a task through its phases, the reuse rules (reuse.py) fill in what
-was restored and stored.
+it (`Slot`). Plain data: the scheduler moves a task through its phases; the reuse rules (reuse.py) are the only
+writer of `Task.reuse` (what was restored, the prefill's progress, what was stored) and of a slot's `live`,
+`salt` and `stale`.
 
 A job of n > 1 choices is n tasks: choice 0 is queued, restored and prefilled like any job; at its admission
 choices 1..n-1 (`Task.fork`) take a slot each and wait (FORK) until choice 0's prompt is prefilled, when its
@@ -20,17 +21,24 @@ after generation).
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from .engine import Sampler, SamplingParams, TokenLogprob
 from .errors import ContextOverflow, InvalidRequest, OrchestratorError, RequestCancelled, RequestTimeout
 from .output.stops import TextStream
+
+if TYPE_CHECKING:
+    from .prompt.boundaries import Boundaries
+
+log = logging.getLogger("orchestrator.request")
 
 
 class Phase(str, Enum):
@@ -56,10 +64,12 @@ class EventKind(str, Enum):
 class Job:
     """One generation request, already tokenized.
 
-    prompt_tokens: the prompt (n_prompt tokens). boundaries: token offsets where snapshots are taken
-    (0 < b < n_prompt). max_tokens: completion budget. stop: stop strings. want_logits: keep the first-step
-    logits (float32, shape (n_vocab,)) in the result, for correctness checks. logprobs: None, or k to record a
-    TokenLogprob (with the k most likely tokens) per completion token. prompt_cache_key: OpenAI's
+    prompt_tokens: the prompt (n_prompt tokens). boundaries: where snapshots may be taken, as found in the
+    template (`prompt.boundaries.Boundaries`, the server's) or as token offsets 0 < b < n_prompt that are all
+    kept (tests, benchmarks); None or (): none. Reuse.snapshot_positions turns them into prefill stops.
+    max_tokens: completion budget. stop: stop strings. want_logits: keep the first-step logits (float32, shape
+    (n_vocab,)) in the result, for correctness checks. logprobs: None, or k to record a TokenLogprob (with the
+    k most likely tokens) per completion token. prompt_cache_key: OpenAI's
     routing hint; requests with the same key prefer the slot that last served it. timeout_s: seconds from
     submission to completion (None: the scheduler's default; 0: none). restorable_after: given the generated
     token ids (with the end-of-generation token that ended them, if one did), whether the request most likely
@@ -69,7 +79,7 @@ class Job:
     """
 
     prompt_tokens: list[int]
-    boundaries: Sequence[int] = ()
+    boundaries: Boundaries | Sequence[int] | None = ()
     max_tokens: int = 16
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
@@ -154,12 +164,30 @@ class Clock:
     first_token: float | None = None
 
 
-class Task:
-    """A job from submission to release. Touched by the scheduler's worker thread only (after submission).
+@dataclass
+class TaskReuse:
+    """What the reuse rules decided for a task and how far its prefill got; `Reuse` is the only writer, the
+    scheduler and `Task.result` read it.
 
-    Prefill-like phases (PREFILL, and STORE's re-prefill) bring `work` into the slot's sequence: `pos` of its
-    tokens are in, and `positions` are the snapshot positions still ahead, ascending.
+    Prefill-like phases (PREFILL, and STORE's re-prefill) bring `work` (token ids) into the slot's sequence:
+    `pos` of its tokens are in, and `positions` are the snapshot positions still ahead, ascending (token
+    offsets into `work`). store: whether the task stores snapshots (False for a cold run, and once a cache
+    flush came). cached, source: prompt tokens restored at admission and where from ("live", "ram", "disk",
+    "remote", "none"). saved, snapshot_s: entries stored so far and seconds spent saving them.
     """
+
+    work: list[int]
+    pos: int = 0
+    positions: list[int] = field(default_factory=list)
+    store: bool = False
+    cached: int = 0
+    source: str = "none"
+    saved: int = 0
+    snapshot_s: float = 0.0
+
+
+class Task:
+    """A job from submission to release. Touched by the scheduler's worker thread only (after submission)."""
 
     def __init__(self, job: Job, sink: Sink, cancel: threading.Event, order: int, deadline_s: float) -> None:
         self.job, self.sink, self.cancel, self.order = job, sink, cancel, order
@@ -169,13 +197,7 @@ class Task:
         self.deadline = self.clock.submitted + deadline_s if deadline_s else None
         self.slot: Slot | None = None
         self.phase = Phase.QUEUED
-        # prefill progress
-        self.work: list[int] = self.tokens
-        self.pos = 0
-        self.positions: list[int] = []
-        # reuse: set at admission (reuse.Reuse.admit) and as snapshots are stored
-        self.store = False  # whether this task stores snapshots
-        self.cached, self.source, self.saved, self.snapshot_s = 0, "none", 0, 0.0
+        self.reuse = TaskReuse(self.tokens)  # written by reuse.Reuse only
         # generation
         self.first_logits: np.ndarray | None = None
         self.sampler: Sampler | None = None
@@ -206,11 +228,9 @@ class Task:
         return self.choices
 
     def forked(self, first: Task) -> None:
-        """This choice now holds the prompt state of choice 0 (`first`): report its restore and prefill."""
-        self.cached, self.source = first.cached, first.source
+        """This choice now holds the prompt state of choice 0 (`first`): report its restore and prefill times."""
         self.clock.admitted, self.clock.restored, self.clock.prefilled = (first.clock.admitted, first.clock.restored,
                                                                           first.clock.prefilled)
-        self.pos = first.pos
 
     def stop_error(self, now: float) -> OrchestratorError:
         """Why an expired task stops: cancelled by the caller, or past its deadline."""
@@ -240,6 +260,16 @@ class Task:
         self.pending = token
         return delta, False
 
+    def deliver(self, ev: Event) -> None:
+        """Send the task's end (DONE or ERROR) to its sink, once; a sink that raises is logged, not raised."""
+        if self.delivered:
+            return
+        self.delivered = True
+        try:
+            self.sink(ev)
+        except Exception:  # noqa: BLE001 - a broken sink must not stop the worker
+            log.warning("event sink failed", exc_info=True)
+
     def text_event(self, delta: str) -> Event:
         """A TEXT event for `delta`, with the logprobs not reported yet."""
         if not self.logprobs:
@@ -266,19 +296,35 @@ class Task:
         """The result at `now` (after the last token). `phases`: the job's preparation phases, then queue (wait
         for a slot), restore, prefill (snapshot saves excluded), snapshot (saving snapshots during prefill),
         sample (prefill's end to the first token: logits, sampler set-up, first sample), decode (the rest)."""
-        c = self.clock
+        c, r = self.clock, self.reuse
         total = now - c.submitted
         first = c.first_token if c.first_token is not None else now
         phases = {**self.job.prepare_s, "queue": c.admitted - c.submitted, "restore": c.restored - c.admitted,
-                  "prefill": c.prefilled - c.restored - self.snapshot_s, "snapshot": self.snapshot_s,
+                  "prefill": c.prefilled - c.restored - r.snapshot_s, "snapshot": r.snapshot_s,
                   "sample": first - c.prefilled, "decode": now - first}
         return Result(
             completion_tokens=self.out, text=self.stream.text, finish_reason=self.finish, prompt_tokens=self.n,
-            cached_tokens=self.cached, restore_source=self.source, restore_s=c.restored - c.admitted,
+            cached_tokens=r.cached, restore_source=r.source, restore_s=c.restored - c.admitted,
             prefill_s=c.prefilled - c.restored,
             ttft_s=c.first_token - c.submitted if c.first_token is not None else total, total_s=total,
-            snapshots_saved=self.saved, snapshot_s=self.snapshot_s, first_logits=self.first_logits,
+            snapshots_saved=r.saved, snapshot_s=r.snapshot_s, first_logits=self.first_logits,
             slot=self.slot.seq, logprobs=self.logprobs, phases=phases, index=self.index)
+
+
+class RetryAfter:
+    """Retry-After (seconds, 1 to 60) for a request refused with QueueFull: the moving average of request
+    durations (`observe`, seconds from submission to result) times the waves of slots the queue ahead fills."""
+
+    WEIGHT = 0.2  # of a new duration in the average
+
+    def __init__(self, job_s: float = 5.0) -> None:
+        self.job_s = job_s
+
+    def observe(self, total_s: float) -> None:
+        self.job_s = (1 - self.WEIGHT) * self.job_s + self.WEIGHT * total_s
+
+    def seconds(self, waiting: int, n_slots: int) -> int:
+        return max(1, min(60, math.ceil(self.job_s * ((waiting + n_slots) / n_slots))))
 
 
 class Collector:

@@ -8,24 +8,30 @@ The scheduler calls, per request:
     reuse.choose(task, free, storing) # which sequence serves it: a free one, or one storing (taken over or
                                      #   preempted); pick_slot chooses among free ones
     reuse.admit(task, slot)          # restore the deepest reusable prefix; plan the snapshot positions
+    reuse.chunk_end(task, chunk)     # where the next prefill chunk ends (a stop, or min_segment before one)
     reuse.prefilled(task, end)       # after each prefill chunk: the live KV, and a checkpoint at a position
     reuse.after_generation(task)     # after the result: rewind and choose what to re-prefill and store, or not
     reuse.take_over(task, slot, n)   # or go on from the n tokens a STORE task left in the slot, no restore
     reuse.fork(first, other)         # n > 1 choices: copy choice 0's prompt state to another choice's slot
     reuse.store_finished(task)       # at the end of that re-prefill: store its KV and checkpoint
+    reuse.flush(release)             # POST /v1/cache/flush, between two steps; reuse.released(slot) after each task
+
+Reuse is the only writer of a task's `TaskReuse` (task.reuse) and of a slot's live KV, salt and stale flag.
 
 Why every stored state is exact (cached runs equal cold runs bit for bit): with the engine's settings (flash
 attention off; "Numerics" in engine.py) any split of a prefill into ubatches of at least `min_segment` tokens
 (measured at start, calibration.py) gives bit-identical states and logits, but shorter ubatches, and a token
-computed alone (as in decoding), do not. Hence one rule, written once (`max_hit`):
+computed alone (as in decoding), do not. Hence these rules, each written once:
 
-    last restorable position of an n-token prompt = n - min_segment
+    a prefill segment may be stored or restored after if it has >= min_segment tokens    (`exact`)
+    last restorable position of an n-token prompt = n - min_segment                       (`max_hit`)
+    no prefill chunk leaves a remainder shorter than min_segment before a stop   (`chunk_end`, engine.chunk_end)
 
-(vLLM's max_cache_hit_length, which is n - 1 there). Every request stores a checkpoint exactly there, its
+(vLLM's max_cache_hit_length, which is n - 1 there). Every request stores a checkpoint exactly at max_hit, its
 *repeat point*, so a byte-identical repeat prefills only min_segment tokens; snapshot positions closer than
 min_segment to the previous one are skipped; and the state after generation is not the decode state but a
-re-prefill, from the deepest state at most `max_hit` deep, of the rest of the prompt and the generated tokens
-as one batch.
+re-prefill, from the deepest state at most `max_hit` deep (the state kind's `rewind_limit` of it), of the rest
+of the prompt and the generated tokens as one batch.
 
 What is stored where (hybrid models; a KV-only model stores only the KV where a branch ends, state.py):
 
@@ -38,18 +44,108 @@ What is stored where (hybrid models; a KV-only model stores only the KV where a 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-from .cache.snapshots import RestorePlan, SnapshotCache
-from .engine import Engine
-from .errors import EngineError
 from .cache.radix import CHECKPOINT, KV, EntryKind, common_len
+from .cache.snapshots import RestorePlan, SnapshotCache
+from .engine import Engine, chunk_end
+from .errors import EngineError, OrchestratorError
+from .prompt.boundaries import Boundaries
 from .request import Job, Phase, Slot, Task
 
 log = logging.getLogger("orchestrator.reuse")
+
+
+def spaced_stops(boundaries: Boundaries | Sequence[int] | None, n_prompt: int, min_gap: int = 0,
+                 interval: int = 0) -> list[int]:
+    """Where the prefill of an n_prompt-token prompt may stop to store a checkpoint, ascending, before the state
+    kind's and min_segment's filters (`Reuse.snapshot_positions`); `min_gap` and `interval` in tokens.
+
+    boundaries: the template's (`Boundaries`: tools end, system end, breakpoints and the last message end are
+    kept; an earlier message end closer than `min_gap` to a kept stop is left out, taken from the last one
+    backwards, where templates rewrite history and conversations fork), or token offsets, all kept. Then, with
+    `interval`, a checkpoint every `interval` tokens inside any longer stretch between two stops (or the prompt's
+    end), counted from the stop before it (two prompts that share that stop and diverge inside the long
+    message share their interval checkpoints too), less those closer than `min_gap` to the next stop. Every stop
+    is a llama_decode call of its own and a save: what a gap saves was measured for message ends in
+    bench/results/2026-12-01/ab_cold.json (bench/ab_cold.py; commit b45ee00) and for interval checkpoints in
+    commit 6d363ee.
+
+        tokens  0 ── tools_end ── +I ── +2I ── (+3I, < min_gap before) ── system_end ── … ── last end ── n
+        stop?        yes          yes    yes     no                         yes                 yes
+    """
+    if isinstance(boundaries, Boundaries):
+        fixed, optional = boundaries.split(n_prompt)
+    else:
+        fixed, optional = sorted({b for b in boundaries or () if 0 < b < n_prompt}), []
+    kept = set(fixed)
+    for p in reversed(optional):
+        if all(abs(p - k) >= min_gap for k in kept):
+            kept.add(p)
+    bounds = sorted(kept)
+    stops = set(bounds)
+    if interval:
+        for lo, hi in zip([0] + bounds, bounds + [n_prompt]):
+            stops.update(range(lo + interval, hi - max(min_gap, 1) + 1, interval))
+    return sorted(stops)
+
+
+class FlushRequests:
+    """Cache flush calls (POST /v1/cache/flush) waiting for the worker thread, the engine's only user, to carry
+    them out between two steps (`Reuse.flush`). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[concurrent.futures.Future] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def add(self) -> concurrent.futures.Future:
+        """A new request; its future gets the number of entries dropped, or the flush's exception."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._pending.append(done)
+        return done
+
+    @staticmethod
+    def wait(done: concurrent.futures.Future, timeout: float) -> int:
+        """The result of `done` within `timeout` seconds. Raises OrchestratorError (code flush_incomplete) when
+        the worker did not get to it (a step is one prefill chunk or one decode step: milliseconds to seconds);
+        the flush may still happen at the worker's next step."""
+        try:
+            return done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise OrchestratorError(f"the cache flush did not complete within {timeout:.0f} s: the worker is busy "
+                                    "with a long step; retry", code="flush_incomplete") from None
+
+    def carry_out(self, flush: Callable[[], int]) -> None:
+        """On the worker: run `flush` once for every request waiting, and answer them all."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            n = flush()
+        except Exception as e:  # noqa: BLE001 - reported to the callers; the worker goes on
+            log.exception("cache flush failed")
+            for done in pending:
+                done.set_exception(e)
+            return
+        for done in pending:
+            done.set_result(n)
+
+    def refuse(self, error: Exception) -> None:
+        """Answer every waiting request with `error` (the worker is stopping)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for done in pending:
+            done.set_exception(error)
 
 
 class PrefillRate:
@@ -97,8 +193,8 @@ class Reuse:
     """Match, restore and store for the sequences `slots` of `engine`, over `cache`.
 
     checkpoint_interval: tokens between interval checkpoints inside long stretches between boundaries (0: off).
-    min_gap: tokens; an interval checkpoint closer than that to the next boundary (or the prompt's end) is left
-        out (--snapshot-min-gap, the rule message ends follow in prompt/boundaries.py).
+    min_gap: tokens (--snapshot-min-gap); message ends and interval checkpoints closer than that to another stop
+        are left out (`spaced_stops`).
     prefill: the measured prefill speed, against which a fetch from a shared tier is weighed.
     """
 
@@ -111,6 +207,7 @@ class Reuse:
         self.checkpoint_interval = checkpoint_interval
         self.min_gap = min_gap
         self.after_stats = AfterGenerationStats()
+        self.flushes = FlushRequests()
 
     # ------------------------------------------------------------------ the rule
 
@@ -119,45 +216,44 @@ class Reuse:
         (the module docstring)."""
         return n_tokens - self.min_segment
 
+    def exact(self, n_tokens: int) -> bool:
+        """Whether a prefill segment of `n_tokens` computes what the same tokens inside a longer one do (at least
+        min_segment: the module docstring), so the state after it may be stored or restored."""
+        return n_tokens >= self.min_segment
+
     def stores(self, job: Job) -> bool:
         """Whether a job stores snapshots: a cache run whose prompt is not itself a too-short ubatch."""
-        return job.use_cache and len(job.prompt_tokens) >= self.min_segment
+        return job.use_cache and self.exact(len(job.prompt_tokens))
 
     def snapshot_positions(self, job: Job, start: int = 0) -> list[int]:
-        """Where the prefill of `job` from position `start` stops, ascending: the template boundaries, a
-        checkpoint every `checkpoint_interval` tokens inside any longer stretch between two of them (a long tool
-        output or document), and the repeat point, less those the state kind does not store and those closer
-        than min_segment to the previous stop or beyond `max_hit`. [] for a job that stores nothing (a cold
-        run): it prefills in plain chunks, so the correctness oracle does not share the split points of the runs
-        it checks (a restore at p followed by the rest must equal a prefill that never stopped at p), and costs
-        no llama_decode call per boundary.
-
-        Interval positions count from the boundary before them, so two prompts that share that boundary and
-        diverge inside the long message share their interval checkpoints too. One closer than `min_gap` to the
-        next boundary is left out: each stop is a llama_decode call of its own, about 90 ms more than the same
-        tokens inside a larger ubatch on the 0.8b on 2 cores (12 tokens' worth), and a checkpoint 37 tokens
-        before the system message's end served only prompts that diverge in those 37 tokens (W1's 2,000-token
-        prompt stopped at 2,000, 2,037 and 2,058 after its last full chunk, where plain chunks make one call:
-        a cold TTFT 1.2% above theirs).
-        """
+        """Where the prefill of `job` from token offset `start` stops, ascending: the `spaced_stops` of its
+        boundaries and the repeat point (`max_hit`, instead of a checkpoint at the very end, which nothing could
+        restore), less those the state kind does not store and those closer than min_segment to the previous
+        stop or beyond `max_hit`. [] for a job that stores nothing (a cold run): it prefills in plain chunks, so
+        the correctness oracle does not share the split points of the runs it checks (a restore at p followed by
+        the rest must equal a prefill that never stopped at p), and costs no llama_decode call per boundary."""
         if not self.stores(job):
             return []
         n = len(job.prompt_tokens)
-        bounds = sorted(b for b in set(job.boundaries) if 0 < b < n)
-        candidates = set(bounds)
-        if self.checkpoint_interval:
-            for lo, hi in zip([0] + bounds, bounds + [n]):
-                candidates.update(range(lo + self.checkpoint_interval, hi - max(self.min_gap, 1) + 1,
-                                             self.checkpoint_interval))
-        # The repeat point: the last position an identical request can restore. Taken instead of a checkpoint at
-        # the very end, which nothing could restore.
-        candidates.add(self.max_hit(n))
+        candidates = {*spaced_stops(job.boundaries, n, self.min_gap, self.checkpoint_interval), self.max_hit(n)}
         kept, pos = [], start
         for b in self.state.snapshot_positions(sorted(candidates)):
-            if b - pos >= self.min_segment and b <= self.max_hit(n):
+            if self.exact(b - pos) and b <= self.max_hit(n):
                 kept.append(b)
                 pos = b
         return kept
+
+    def chunk_size(self, tokens: int) -> int:
+        """A prefill chunk setting (--prefill-chunk) as used: at least 2 * min_segment tokens, so that the chunks
+        `chunk_end` cuts are exact, and at most n_batch (llama_decode's limit)."""
+        return min(max(tokens, 2 * self.min_segment), self.engine.n_batch)
+
+    def chunk_end(self, task: Task, chunk: int) -> int:
+        """Where the task's next prefill chunk of at most `chunk` tokens ends: at its next snapshot position or
+        the end of its work, never leaving less than min_segment before it (engine.chunk_end)."""
+        r = task.reuse
+        target = r.positions[0] if r.positions else len(r.work)
+        return chunk_end(r.pos, target, chunk, self.engine.n_batch, self.min_segment)
 
     # ------------------------------------------------------------------ match
 
@@ -202,12 +298,12 @@ class Reuse:
 
     def preempt(self, task: Task) -> None:
         """Stop `task`'s after-generation re-prefill at the chunk boundary it reached, keeping what it computed:
-        the KV of task.work[:task.pos] (exact: prefill chunks of at least min_segment from a checkpoint) is
-        stored unless it is already, so the prompt's checkpoints stay restorable after a new request replaces
-        the slot's sequence. A save, not a prefill: milliseconds (the KV of 2,000 tokens of the 0.8b is 24 MiB)."""
+        the KV of work[:pos] (exact: prefill chunks of at least min_segment from a checkpoint) is stored unless
+        it is already, so the prompt's checkpoints stay restorable after a new request replaces the slot's
+        sequence. A save of the KV (bytes: Engine.state_size), not a prefill."""
         self.after_stats.preempted += 1
-        if task.slot.live and task.pos >= self.min_segment:
-            task.saved += self._store(task, task.work[: task.pos], (KV,), boundary=False)
+        if task.slot.live and self.exact(task.reuse.pos):
+            task.reuse.saved += self._store(task, task.reuse.work[: task.reuse.pos], (KV,), boundary=False)
 
     def must_wait(self, task: Task, earlier: Iterable[Task]) -> bool:
         """Sequential semantics: whether `task` should wait for a snapshot deeper than anything stored now that
@@ -223,7 +319,7 @@ class Reuse:
         for other in earlier:
             if (other.order >= task.order or not other.job.use_cache or other.job.cache_salt != task.job.cache_salt
                     or other.index  # choices i > 0 store nothing (choice 0 does)
-                    or (other.phase != Phase.QUEUED and not other.store)):  # nor does one admitted before a flush
+                    or (other.phase != Phase.QUEUED and not other.reuse.store)):  # nor does one admitted before a flush
                 continue
             shared = min(common_len(other.tokens, task.tokens), upto)
             if shared <= avail:
@@ -232,7 +328,7 @@ class Reuse:
                 return True  # it extends the other's whole prompt: wait for its after-generation state too
                 # (a STORE task is not waited for: it is taken over or preempted, Scheduler._admit)
             if other.phase in (Phase.QUEUED, Phase.PREFILL):
-                ahead = other.positions if other.phase == Phase.PREFILL else self.snapshot_positions(other.job)
+                ahead = other.reuse.positions if other.phase == Phase.PREFILL else self.snapshot_positions(other.job)
                 if any(avail < p <= shared for p in ahead):
                     return True
         return False
@@ -242,11 +338,11 @@ class Reuse:
     def admit(self, task: Task, slot: Slot) -> None:
         """Bring the slot's sequence to the deepest reusable prefix of the task's prompt (what is reported as
         cached is what was restored) and plan the task's snapshot positions from there."""
-        start, task.source = self._restore(slot, task.tokens, task.job.use_cache, task.job.cache_salt)
+        start, task.reuse.source = self._restore(slot, task.tokens, task.job.use_cache, task.job.cache_salt)
         slot.salt = task.job.cache_salt
-        task.cached = task.pos = start
-        task.store = self.stores(task.job)
-        task.positions = self.snapshot_positions(task.job, start)
+        task.reuse.cached = task.reuse.pos = start
+        task.reuse.store = self.stores(task.job)
+        task.reuse.positions = self.snapshot_positions(task.job, start)
 
     def _restore(self, slot: Slot, tokens: list[int], use_cache: bool, salt: str) -> tuple[int, str]:
         """Restore and return (n_tokens, tier). The KV may come from a stored entry, the slot's own sequence, or
@@ -293,6 +389,8 @@ class Reuse:
             slot.live = []
             raise
         slot.live, slot.salt = list(first.slot.live), first.slot.salt
+        r, f = other.reuse, first.reuse
+        r.cached, r.source, r.pos = f.cached, f.source, f.pos
         other.forked(first)
 
     def _with_shared(self, tokens: list[int], salt: str, plans: list[RestorePlan]) -> list[RestorePlan]:
@@ -322,27 +420,54 @@ class Reuse:
         self.engine.clear(slot.seq)
         slot.live, slot.stale = [], False
 
+    def forget(self, slot: Slot) -> None:
+        """A free slot after a flush: clear its sequence and its prompt_cache_key affinity."""
+        self.reset(slot)
+        slot.key = ""
+
+    def flush(self, release: Callable[[Task], None]) -> int:
+        """Drop every entry of the cache's local tiers and what the slots hold, so that no request admitted
+        afterwards reuses state computed before: each STORE task is dropped with its sequence (`release` is the
+        scheduler's; it would store a pre-flush state) and each free slot cleared; a task being prefilled or
+        decoded goes on but stores nothing more, and its slot is `stale` (its live KV is offered to no one)
+        until `released` clears it. Call it between two steps (nothing is stored in between). Returns how many
+        entries went."""
+        for slot in self.slots:
+            if slot.task is not None and slot.task.phase == Phase.STORE:
+                release(slot.task)
+            if slot.task is None:
+                self.forget(slot)
+            else:
+                slot.stale = True
+                slot.task.reuse.store = False
+        return self.cache.clear()
+
+    def released(self, slot: Slot) -> None:
+        """The slot's task left: a slot that served across a flush is cleared (what it holds came before)."""
+        if slot.stale:
+            self.forget(slot)
+
     # ------------------------------------------------------------------ store
 
     def prefilled(self, task: Task, end: int, seconds: float = 0.0) -> None:
-        """The slot's sequence now holds task.work[:end], computed by prefill in the last `seconds`: its KV is a
-        reusable source (unless the whole work is a too-short ubatch), and at a snapshot position a checkpoint is
-        stored. A STORE task's chunks count in `after_stats`."""
-        self.prefill.observe(end - task.pos, seconds)  # ignores a chunk that was not timed (0 s)
+        """The slot's sequence now holds work[:end] of `task.reuse`, computed by prefill in the last `seconds`: its
+        KV is a reusable source (unless the whole work is a too-short ubatch), and at a snapshot position a
+        checkpoint is stored. A STORE task's chunks count in `after_stats`."""
+        self.prefill.observe(end - task.reuse.pos, seconds)  # ignores a chunk that was not timed (0 s)
         if task.phase == Phase.STORE:
-            self.after_stats.tokens += end - task.pos
+            self.after_stats.tokens += end - task.reuse.pos
             self.after_stats.seconds += seconds
-        task.slot.live = task.work[:end] if len(task.work) >= self.min_segment else []
-        task.pos = end
-        if task.positions and end == task.positions[0]:
-            task.positions.pop(0)
-            if task.store:  # the repeat point too counts as a boundary: it keeps its branch's KV, as a
+        task.slot.live = task.reuse.work[:end] if self.exact(len(task.reuse.work)) else []
+        task.reuse.pos = end
+        if task.reuse.positions and end == task.reuse.positions[0]:
+            task.reuse.positions.pop(0)
+            if task.reuse.store:  # the repeat point too counts as a boundary: it keeps its branch's KV, as a
                 # user-message end did when restores could leave 2 tokens to prefill
-                task.saved += self._store(task, task.work[:end], (CHECKPOINT,), boundary=True)
+                task.reuse.saved += self._store(task, task.reuse.work[:end], (CHECKPOINT,), boundary=True)
 
     def after_generation(self, task: Task) -> bool:
         """After the result is delivered: choose the state to store, rewind the sequence to re-prefill it
-        exactly, and set task.work and task.pos for that (True); or nothing to do (False).
+        exactly, and set task.reuse.work and task.reuse.pos for that (True); or nothing to do (False).
 
         The state after the generated tokens (and the end-of-turn token): what the conversation's next request
         extends. When the likely next request would not restore it (the job's `restorable_after` says no: on
@@ -353,7 +478,7 @@ class Reuse:
         generated for an exact prefill from the rewind point. Nothing when that is stored already, or when the
         sequence cannot be rewound.
         """
-        if not task.store:
+        if not task.reuse.store:
             return False
         salt = task.job.cache_salt
         generated = task.generated()
@@ -366,7 +491,7 @@ class Reuse:
                 self.after_stats.unrestorable += 1
                 start = self._rewind(task)
                 if start:
-                    task.saved += self._store(task, task.tokens[:start], (KV,), boundary=False)
+                    task.reuse.saved += self._store(task, task.tokens[:start], (KV,), boundary=False)
                 return False
             work = task.tokens if unusable else full
             if work is task.tokens and self.cache.contains(work, KV, salt=salt):
@@ -374,7 +499,7 @@ class Reuse:
             start = self._rewind(task)
             if not start:
                 return False
-            if 0 < len(work) - start < self.min_segment:  # too few generated tokens for an exact prefill
+            if 0 < len(work) - start and not self.exact(len(work) - start):  # too few for an exact prefill
                 work = task.tokens
         except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
             log.warning("after-generation snapshot failed", exc_info=True)
@@ -384,7 +509,7 @@ class Reuse:
             self.after_stats.prompt_end += 1
         else:
             self.after_stats.answer += 1
-        task.work, task.pos, task.positions = work, start, []
+        task.reuse.work, task.reuse.pos, task.reuse.positions = work, start, []
         return True
 
     def _restorable(self, job: Job, generated: list[int]) -> bool:
@@ -400,12 +525,12 @@ class Reuse:
 
     def take_over_depth(self, task: Task, other: Task) -> int:
         """How deep `task` could start in `other`'s slot, where `other` is re-prefilling its after-generation
-        state (STORE) and holds other.work[:other.pos] computed by exact prefill chunks: other.pos when the task
-        (same salt, using the cache) starts with those tokens and still has at least min_segment tokens to
+        state (STORE) and holds work[:pos] of its `reuse`, computed by exact prefill chunks: that pos when the
+        task (same salt, using the cache) starts with those tokens and still has at least min_segment tokens to
         prefill after them; else 0."""
-        p = other.pos
+        p = other.reuse.pos
         if (not task.job.use_cache or other.phase != Phase.STORE or other.job.cache_salt != task.job.cache_salt
-                or p <= 0 or p > self.max_hit(task.n) or common_len(task.tokens, other.work) < p):
+                or p <= 0 or p > self.max_hit(task.n) or common_len(task.tokens, other.reuse.work) < p):
             return 0
         return p
 
@@ -414,10 +539,10 @@ class Reuse:
         that was there), without a restore: reported as `depth` cached tokens from the live sequence."""
         slot.salt = task.job.cache_salt
         slot.live = task.tokens[:depth]
-        task.cached = task.pos = depth
-        task.source = "live"
-        task.store = self.stores(task.job)
-        task.positions = self.snapshot_positions(task.job, depth)
+        task.reuse.cached = task.reuse.pos = depth
+        task.reuse.source = "live"
+        task.reuse.store = self.stores(task.job)
+        task.reuse.positions = self.snapshot_positions(task.job, depth)
         self.after_stats.taken_over += 1
         self.after_stats.taken_over_tokens += depth
 
@@ -426,7 +551,7 @@ class Reuse:
         position (0: none): the deepest position the state kind can rewind to (the prompt's end on a KV-only
         model, the repeat point as a rule on a hybrid one) with the live KV."""
         prompt = task.tokens
-        limit = self.state.rewind_limit(len(prompt), self.min_segment)
+        limit = self.state.rewind_limit(len(prompt), self.max_hit(len(prompt)))
         plan = self.cache.plan(prompt, limit, prompt, salt=task.job.cache_salt)
         parts = self.cache.load(plan) if plan.n_tokens else None
         if parts is None or parts[0] is not None:
@@ -437,7 +562,7 @@ class Reuse:
 
     def store_finished(self, task: Task) -> None:
         """The re-prefill after generation reached its end: store its KV and checkpoint (the branch end)."""
-        self._store(task, task.work, (KV, CHECKPOINT), boundary=False)
+        self._store(task, task.reuse.work, (KV, CHECKPOINT), boundary=False)
 
     def _store(self, task: Task, tokens: list[int], kinds: tuple[EntryKind, ...], boundary: bool) -> int:
         """Save the entries of `kinds` (those the state kind has) missing for `tokens` from the slot's current
@@ -449,5 +574,5 @@ class Reuse:
         start = time.perf_counter()
         data = self.state.save(self.engine, task.slot.seq, missing)
         stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=salt) for k in missing)
-        task.snapshot_s += time.perf_counter() - start
+        task.reuse.snapshot_s += time.perf_counter() - start
         return stored

@@ -156,8 +156,8 @@ class Runtime:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)
         template = load_template(engine, cfg.chat_template)
-        return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template, cfg.parse_special_in_content,
-                                                                           cfg.snapshot_min_gap),
+        return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template,
+                                                                           cfg.parse_special_in_content),
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval, n_slots=cfg.parallel,
                                        queue_size=cfg.queue_size, timeout_s=cfg.timeout,
                                        prefill_chunk=cfg.prefill_chunk,

@@ -2,9 +2,9 @@
 
 llama.cpp answers what the memory of a model is (`llama_model_is_recurrent`, `llama_model_is_hybrid`,
 `llama_model_n_swa`); `state_kind()` turns the answers into one of these classes, once, when the engine loads the
-model. Nothing else in the server branches on the kind of model: the cache asks its state kind how deep a stored
-entry restores and what a new entry supersedes, the engine asks it how to configure the context, and the reuse
-rules ask it where to stop a prefill, how to save, restore and rewind a sequence.
+model. Nothing else in the server branches on the kind of model: the cache reads which entry kinds it is stored
+as (and plans from what those kinds can do: cache/rules.py), the engine asks it how to configure the context,
+and the reuse rules ask it where to stop a prefill, how to save, restore and rewind a sequence.
 
     kind        models                                  entry kinds          a restore of position p needs
     KVState     attention only; sliding window served   KV                   a KV entry (or the live KV) that
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Callable, Collection, Iterable, Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
-from .cache.radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
+from .cache.radix import CHECKPOINT, KV, EntryKind
 from .errors import EngineError
 
 HEADER = 8  # bytes of llama.cpp's per-sequence state header, shared by full and PARTIAL_ONLY states
@@ -64,7 +64,8 @@ class StateIO(Protocol):
 
 
 class StateKind(ABC):
-    """The rules of one state layout. Stateless apart from what `probe` measures; shared by engine and cache."""
+    """The rules of one state layout. Stateless apart from what `probe` measures; shared by engine, cache and
+    reuse rules."""
 
     name: str
     entry_kinds: frozenset[EntryKind]  # the kinds of entries this state is stored as
@@ -82,23 +83,6 @@ class StateKind(ABC):
         """For /v1/cache/stats: the kind, and whether stored entries are the parts of one full save."""
         return {"state_kind": self.name, "split_layout": False}
 
-    # ------------------------------------------------------------------ planning (the cache)
-
-    @abstractmethod
-    def match(self, tree: RadixTree, tokens: Sequence[int], max_tokens: int,
-              live: int) -> tuple[int, int | None, int | None]:
-        """How deep stored entries restore `tokens`: (p, checkpoint id, kv id) for the deepest restorable
-        p <= max_tokens; kv id None when the live sequence's KV (its first `live` tokens, computed by prefill)
-        serves. (0, None, None) when nothing restores."""
-
-    @abstractmethod
-    def superseded(self, tree: RadixTree, tokens: Sequence[int], kv_ids: Iterable[int],
-                   is_boundary: Callable[[int], bool]) -> list[int]:
-        """Entries that a new KV entry for `tokens` makes redundant, among the KV entries `kv_ids` of the same
-        tree (and the checkpoints that only they made restorable), each once, in the order to drop them.
-        `is_boundary(id)`: whether a checkpoint was taken at a template boundary or interval (the others end a
-        request)."""
-
     # ------------------------------------------------------------------ prefill and rewind (the reuse rules)
 
     @abstractmethod
@@ -107,9 +91,10 @@ class StateKind(ABC):
         prefill stops to store an entry."""
 
     @abstractmethod
-    def rewind_limit(self, n_prompt: int, min_segment: int) -> int:
-        """After generation: the deepest prompt position a sequence may be brought back to (from its own KV and
-        stored checkpoints) to re-prefill from."""
+    def rewind_limit(self, n_prompt: int, max_hit: int) -> int:
+        """After generation: the deepest prompt position (tokens) a sequence may be brought back to, from its own
+        KV and stored checkpoints, to re-prefill from; `max_hit` is the prompt's last restorable position
+        (Reuse.max_hit)."""
 
     # ------------------------------------------------------------------ save and restore (the engine)
 
@@ -144,25 +129,10 @@ class KVState(StateKind):
         # on Gemma 3 270M. With a full cache nothing is evicted and the layout is the cold run's.
         self.swa_full = swa_full
 
-    def match(self, tree, tokens, max_tokens, live):
-        depth, kv_id = tree.deepest_kv(tokens, max_tokens)
-        if min(live, max_tokens) >= depth:
-            return min(live, max_tokens), None, None
-        return depth, None, kv_id
-
-    def superseded(self, tree, tokens, kv_ids, is_boundary):
-        # Another branch stays restorable at every token of its own: only KV on the same path is covered.
-        gone = []
-        for eid in kv_ids:
-            other = tree.tokens_of(eid)
-            if common_len(other, tokens) == len(other):
-                gone.append(eid)
-        return gone
-
     def snapshot_positions(self, candidates):
         return []  # a KV entry restores any prefix: nothing to store mid-prompt
 
-    def rewind_limit(self, n_prompt, min_segment):
+    def rewind_limit(self, n_prompt, max_hit):
         return n_prompt  # the prompt's KV, computed by prefill, truncates to its end exactly
 
     def save(self, io, seq, kinds):
@@ -233,40 +203,13 @@ class HybridState(StateKind):
     def describe(self) -> dict:
         return {"state_kind": self.name, "split_layout": bool(self.split_layout)}
 
-    def match(self, tree, tokens, max_tokens, live):
-        for node in reversed(tree.path(tokens, max_tokens)):
-            if node.checkpoint is None:
-                continue
-            if node.depth <= live:
-                return node.depth, node.checkpoint, None
-            kv_id = node.kv if node.kv is not None else tree.kv_covering(tokens, node.depth)
-            if kv_id is not None:
-                return node.depth, node.checkpoint, kv_id
-        return 0, None, None
-
-    def superseded(self, tree, tokens, kv_ids, is_boundary):
-        """KV is prefix-closed, so a KV entry on the same path is covered outright. A KV entry E on another branch
-        is superseded when every *boundary* checkpoint on E's path lies on the shared part: what E alone covers is
-        then only the end of a previous request (its end-of-prompt and generated tokens, which the next prompt
-        typically renders differently). E goes, with the end checkpoints in its tail, which no KV would cover any
-        more; should that branch come back, it is prefilled from its last boundary checkpoint."""
-        gone: dict[int, None] = {}  # ordered, once each: two dropped branches may share an end checkpoint
-        for eid in kv_ids:
-            other = tree.tokens_of(eid)
-            branch = common_len(other, tokens)
-            tail = [n.checkpoint for n in tree.path(other) if n.depth > branch and n.checkpoint is not None]
-            if any(is_boundary(c) for c in tail):
-                continue
-            gone.update(dict.fromkeys(tail + [eid]))
-        return list(gone)
-
     def snapshot_positions(self, candidates):
         return list(candidates)
 
-    def rewind_limit(self, n_prompt, min_segment):
+    def rewind_limit(self, n_prompt, max_hit):
         # The generated tokens were decoded one at a time, which a prefill does not reproduce: back to the
-        # deepest checkpoint from which at least min_segment tokens are prefilled (the repeat point, as a rule).
-        return n_prompt - min_segment
+        # deepest checkpoint a request could restore (the repeat point, as a rule).
+        return max_hit
 
     def save(self, io, seq, kinds):
         if KV not in kinds:
@@ -290,9 +233,8 @@ class HybridState(StateKind):
     def restore(self, io, seq, n_tokens, kv, checkpoint):
         # Order matters on a hybrid memory: the KV, then the checkpoint, then the truncation, which fails before
         # the checkpoint is loaded (the recurrent state cannot be cut back). Each entry is a loadable state and
-        # is read where it lies (bytes): a 2,000-token KV entry and its checkpoint (43 MiB on the 0.8b) restored at
-        # 3.8 GiB/s (26% of memcpy) when first copied together into one buffer, 7.2-7.5 GiB/s (43-46%) loaded one
-        # after the other, on a 2-core EPYC (bench/bench_restore.py).
+        # is read where it lies (bytes), not first copied together into one buffer: faster, as measured in
+        # bench/results/2026-12-01/restore/README.md (`python bench/bench_restore.py`; the copy, commit b30508e).
         if kv is not None:
             io.load_state(seq, kv, partial=False, clear=True)
         io.load_state(seq, checkpoint, partial=True, clear=False)

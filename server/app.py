@@ -155,7 +155,7 @@ class Api:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         if constraint is not None:
             sampling = dataclasses.replace(sampling, grammar=constraint.gbnf, grammar_triggers=constraint.triggers)
-        return Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(),
+        return Job(prompt_tokens=prompt.tokens, boundaries=prompt.boundaries,
                    max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
                    use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key,
                    cache_salt=opts.cache_salt, restorable_after=restorable_after,

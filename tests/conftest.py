@@ -90,7 +90,7 @@ class Turn:
 def run_chat(rt: Runtime, messages, tools=None, use_cache=True, max_tokens=8, cache_salt="",
              **template_kwargs) -> Turn:
     prompt = rt.prompts.chat(messages, tools, template_kwargs)
-    job = Job(prompt_tokens=prompt.tokens, boundaries=prompt.snapshot_positions(), max_tokens=max_tokens,
+    job = Job(prompt_tokens=prompt.tokens, boundaries=prompt.boundaries, max_tokens=max_tokens,
               sampling=SamplingParams(temperature=0.0), use_cache=use_cache, want_logits=True,
               cache_salt=cache_salt)
     return Turn(prompt.tokens, prompt.boundaries, rt.scheduler.run(job))

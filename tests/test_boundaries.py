@@ -227,11 +227,12 @@ def test_a_resent_conversation_renders_only_its_new_messages_with_the_same_resul
 
 def test_min_gap_thins_message_ends_from_the_last_one_backwards_and_keeps_the_structural_ones():
     from orchestrator.prompt.boundaries import Boundaries
+    from orchestrator.reuse import spaced_stops  # the gap is a reuse rule, applied to these offsets
     b = Boundaries(tools_end=40, system_end=60, message_ends=(60, 100, 150, 200, 290, 300, 310), extra=(305,))
     assert b.positions(400) == [40, 60, 100, 150, 200, 290, 300, 305, 310]  # no gap: every offset
     # 310 (the last message end), 305 (a breakpoint), 40 and 60 (tools, system) stay; 300 and 290 are within
     # 100 tokens of 310 or 305; 200 is the first 100 below 305; 150 and 100 are within 100 of 200 or 60.
-    assert b.positions(400, min_gap=100) == [40, 60, 200, 305, 310]
+    assert spaced_stops(b, 400, min_gap=100) == [40, 60, 200, 305, 310]
     # a 310-token prompt: 310 is its end, never a position; 300 is then the last message end inside it
-    assert b.positions(310, min_gap=100) == [40, 60, 200, 300, 305]
-    assert Boundaries(None, None, (None, 50, None)).positions(400, min_gap=1000) == [50]
+    assert spaced_stops(b, 310, min_gap=100) == [40, 60, 200, 300, 305]
+    assert spaced_stops(Boundaries(None, None, (None, 50, None)), 400, min_gap=1000) == [50]

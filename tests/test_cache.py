@@ -321,3 +321,35 @@ def test_a_failing_lower_tier_is_a_miss_never_an_error(caplog):
     assert any("'shared' failed" in r.getMessage() for r in caplog.records)
     bad.broken = False
     c.check()
+
+
+def test_a_guarded_tier_is_a_shared_tier_whose_failures_are_misses_logged_once(caplog):
+    from orchestrator.cache.tiers import GuardedTier, SharedTier
+
+    class DownShared(DictTier):
+        def put(self, key, tokens, kind, payload, covers=()) -> bool:
+            self.covers = tuple(covers)
+            return super().put(key, tokens, kind, payload)
+
+        def probe(self, tokens, lo, hi, sid):
+            self._check()
+            return []
+
+        def transfer_s(self, nbytes):
+            self._check()
+            return 0.5
+
+    tier = DownShared("remote", 1000)
+    tier.shared = True
+    guarded = GuardedTier(tier)
+    assert isinstance(guarded, SharedTier)
+    assert guarded.put("k", [1, 2], CHECKPOINT, b"x" * 10, covers=[1]) and tier.covers == (1,)
+    assert guarded.transfer_s(10) == 0.5
+    tier.broken = True
+    with caplog.at_level("WARNING", logger="orchestrator.cache.tiers"):
+        assert guarded.get("k") is None and not guarded.put("k", [1, 2], CHECKPOINT, b"x")
+        assert guarded.probe([1, 2], 0, 2, "") == [] and guarded.entries() == [] and guarded.stats() is None
+        assert guarded.transfer_s(10) == float("inf")  # unmeasurable: never worth a fetch
+        assert not guarded.contains("k") and not guarded.delete("k")
+    assert [r.getMessage() for r in caplog.records if "'remote' failed" in r.getMessage()] == [
+        "snapshot tier 'remote' failed (get: the tier is down); treated as a miss"]

@@ -204,7 +204,7 @@ def test_after_generation_snapshot_equals_cold_prefill(runtime, wait):
     request that arrives while that work runs takes it over where it got (issue 18), also exactly."""
     msgs = [user("Count from one to ten." if wait else "Count from ten to one.")]
     prompt = runtime.prompts.chat(msgs, None, {})
-    first = runtime.scheduler.run(Job(prompt.tokens, prompt.snapshot_positions(), max_tokens=12,
+    first = runtime.scheduler.run(Job(prompt.tokens, prompt.boundaries, max_tokens=12,
                                       sampling=SamplingParams(temperature=0.0)))
     assert first.finish_reason == "length"
     if wait:

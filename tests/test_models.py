@@ -68,10 +68,10 @@ def test_pure_attention_chat_through_the_template(attn_rt):
     rt = attn_rt
     msgs = [{"role": "system", "content": "You answer in haiku."}, {"role": "user", "content": "Describe rain."}]
     p1 = rt.prompts.chat(msgs, None, {})
-    same_as_cold(rt, p1.tokens, p1.snapshot_positions())
+    same_as_cold(rt, p1.tokens, p1.boundaries)
     msgs2 = msgs[:1] + [{"role": "user", "content": "Describe snow."}]
     p2 = rt.prompts.chat(msgs2, None, {})
-    warm, _ = same_as_cold(rt, p2.tokens, p2.snapshot_positions())
+    warm, _ = same_as_cold(rt, p2.tokens, p2.boundaries)
     shared = next(i for i, (x, y) in enumerate(zip(p1.tokens, p2.tokens)) if x != y)
     assert warm.cached_tokens == shared
 
@@ -106,7 +106,7 @@ def test_gemma3_seeded_sampling_after_a_restore_equals_cold(gemma_rt):
         p = rt.prompts.chat(msgs, None, {})
         assert len(p.tokens) > 512
         for _ in range(2):
-            warm = rt.scheduler.run(Job(p.tokens, p.snapshot_positions(), max_tokens=24, sampling=sampling))
+            warm = rt.scheduler.run(Job(p.tokens, p.boundaries, max_tokens=24, sampling=sampling))
             rt.scheduler.drain()
             cold = rt.scheduler.run(Job(p.tokens, max_tokens=24, sampling=sampling, use_cache=False))
             rt.scheduler.drain()

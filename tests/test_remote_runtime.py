@@ -49,7 +49,7 @@ def remote_stats(rt):
 def test_a_snapshot_one_runtime_stores_is_restored_by_a_second_sharing_only_redis(start, redis_server):  # noqa: F811
     a, b = start(cache_remote=redis_server.url), start(cache_remote=redis_server.url)
     prompt = a.prompts.chat([{"role": "user", "content": "Count from one to ten."}], None, {})
-    first = a.scheduler.run(Job(prompt.tokens, prompt.snapshot_positions(), max_tokens=12,
+    first = a.scheduler.run(Job(prompt.tokens, prompt.boundaries, max_tokens=12,
                                 sampling=SamplingParams(temperature=0.0)))
     settle(a)
     # Turn 2 extends turn 1's prompt and exactly its generated tokens, and goes to the other replica.

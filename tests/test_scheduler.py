@@ -190,6 +190,31 @@ def test_interval_checkpoints_keep_min_gap_before_the_next_boundary():
     assert gapped == [4, 14, 24, 34, 49, 59, 69, 75, 85, 95, 105, 109]
 
 
+def test_the_gap_is_applied_once_in_reuse_to_the_raw_message_ends_and_to_interval_checkpoints():
+    from orchestrator.prompt.boundaries import Boundaries
+
+    eng = FakeEngine(exact_from=MS)
+    eng.calibrate(MS)
+    cache = SnapshotCache([RamTier(1 << 20)], state=eng.state)
+    j = job(range(1, 201), boundaries=Boundaries(tools_end=None, system_end=10, message_ends=(10, 30, 40, 60)))
+    # no gap: every message end, interval checkpoints every 25 after 60 (the stretches before are shorter)
+    assert Reuse(eng, cache, [Slot(0)], checkpoint_interval=25).snapshot_positions(j) == [
+        10, 30, 40, 60, 85, 110, 135, 160, 185, 196]
+    # a gap of 15: the message end 30 goes (10 from 40, taken first: from the last end backwards), and so does
+    # the interval checkpoint 35 of the stretch 10..40 (5 before 40); 185, 15 before the prompt's end, stays
+    gapped = Reuse(eng, cache, [Slot(0)], checkpoint_interval=25, min_gap=15).snapshot_positions(j)
+    assert gapped == [10, 40, 60, 85, 110, 135, 160, 185, 196]
+
+
+def test_one_chunk_end_rule_for_the_engine_and_the_scheduler():
+    from orchestrator.engine import chunk_end, chunk_sizes
+
+    assert chunk_end(0, 100, 32, 512, MS) == 32
+    assert chunk_end(0, 34, 32, 512, MS) == 34  # 2 left would be too short: the stretch fits one ubatch
+    assert chunk_end(0, 514, 512, 512, MS) == 510  # it does not: stop MS before the target instead
+    assert chunk_sizes(515, 512, 8) == [(0, 507), (507, 8)]
+
+
 def test_a_failing_spare_allocation_drops_the_spares_and_the_worker_serves_on(make, caplog):
     eng, cache, s = make(n_slots=1)
     eng.fill_error = MemoryError("no memory for a spare")
@@ -295,12 +320,12 @@ def test_must_wait_looks_at_what_an_earlier_request_is_about_to_store():
     earlier = Task(job(SYSTEM + TAILS[0], [len(SYSTEM)]), lambda ev: None, threading.Event(), 0, 0)
     later = Task(job(SYSTEM + TAILS[1], [len(SYSTEM)]), lambda ev: None, threading.Event(), 1, 0)
     assert reuse.must_wait(later, [earlier])  # queued: its positions are planned by the same builder
-    earlier.phase, earlier.positions, earlier.store = Phase.PREFILL, [len(SYSTEM), len(SYSTEM) + 6], True
+    earlier.phase, earlier.reuse.positions, earlier.reuse.store = Phase.PREFILL, [len(SYSTEM), len(SYSTEM) + 6], True
     assert reuse.must_wait(later, [earlier])
-    earlier.store = False  # admitted before a cache flush: it stores nothing, so nothing to wait for
+    earlier.reuse.store = False  # admitted before a cache flush: it stores nothing, so nothing to wait for
     assert not reuse.must_wait(later, [earlier])
-    earlier.store = True
-    earlier.positions = [len(SYSTEM) + 6]  # the shared boundary is stored already (or was skipped)
+    earlier.reuse.store = True
+    earlier.reuse.positions = [len(SYSTEM) + 6]  # the shared boundary is stored already (or was skipped)
     assert not reuse.must_wait(later, [earlier])
     earlier.phase = Phase.DECODE  # nothing more to store on the shared part
     assert not reuse.must_wait(later, [earlier])
@@ -682,7 +707,7 @@ def test_a_request_in_flight_across_a_flush_goes_on_but_stores_and_lends_nothing
     assert started.wait(30)
     busy = next(sl for sl in s.slots if sl.task is not None)
     flushed = concurrent.futures.ThreadPoolExecutor(1).submit(s.flush)
-    while not s._flushes:  # queued before the worker goes on: it flushes, then admits the second request
+    while not s.reuse.flushes:  # queued before the worker goes on: it flushes, then admits the second request
         time.sleep(0.001)
     s.submit(job(a), sink_for("second"))
     eng.resume()

@@ -21,6 +21,7 @@ from orchestrator.errors import QueueFull, RequestCancelled, RequestTimeout
 from orchestrator.cache.radix import CHECKPOINT, KV
 from orchestrator.runtime import Runtime
 from orchestrator.request import Event, Job
+from orchestrator.reuse import spaced_stops
 from orchestrator.models.synth import ensure_model
 
 from .conftest import LiveServer
@@ -50,7 +51,7 @@ def start(start):
 
 def chat_job(rt: Runtime, messages, use_cache=True, max_tokens=8) -> Job:
     prompt = rt.prompts.chat(messages, TOOLS, {})
-    return Job(prompt.tokens, prompt.snapshot_positions(), max_tokens=max_tokens,
+    return Job(prompt.tokens, prompt.boundaries, max_tokens=max_tokens,
                sampling=SamplingParams(temperature=0.0), use_cache=use_cache, want_logits=True)
 
 
@@ -130,7 +131,8 @@ def test_requests_sharing_a_prefix_wait_for_it_instead_of_prefilling_it_again(st
     rt = start(q4_model)
     msgs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
     jobs = [chat_job(rt, m) for m in msgs]
-    shared = max(b for b in jobs[0].boundaries if jobs[1].prompt_tokens[:b] == jobs[0].prompt_tokens[:b])
+    stops = spaced_stops(jobs[0].boundaries, len(jobs[0].prompt_tokens), rt.config.snapshot_min_gap)
+    shared = max(b for b in stops if jobs[1].prompt_tokens[:b] == jobs[0].prompt_tokens[:b])
     results = submit_all(rt, jobs)
     assert [r.cached_tokens for r, _ in results] == [0, shared, shared, shared]
 

@@ -1,7 +1,8 @@
-"""State kinds (orchestrator/state.py) without a model: which kind a model gets, how deep stored entries restore,
-and what a new KV entry supersedes."""
+"""State kinds (orchestrator/state.py) without a model: which kind a model gets; and how deep its stored entries
+restore and what a new KV entry supersedes (the cache's rules for its entry kinds, cache/rules.py)."""
 
 from orchestrator.cache.radix import CHECKPOINT, KV, RadixTree
+from orchestrator.cache.rules import PrefixRules
 from orchestrator.state import HybridState, KVState, state_kind
 
 
@@ -24,7 +25,7 @@ def tree_of(*entries) -> RadixTree:
 
 def test_kv_state_restores_any_prefix_of_a_kv_entry_or_of_the_live_sequence():
     t = tree_of(([1, 2, 3, 4, 5, 6], KV))
-    kv = KVState()
+    kv = PrefixRules(KVState.entry_kinds)
     assert kv.match(t, [1, 2, 3, 9], 3, live=0) == (3, None, 1)
     assert kv.match(t, [1, 2, 3, 4, 5, 6, 7], 4, live=0) == (4, None, 1)  # capped at max_tokens
     assert kv.match(t, [1, 2, 3, 4, 5, 6, 7], 7, live=7) == (7, None, None)  # the live KV reaches further
@@ -34,7 +35,7 @@ def test_kv_state_restores_any_prefix_of_a_kv_entry_or_of_the_live_sequence():
 
 def test_hybrid_state_needs_a_checkpoint_at_the_position_and_kv_covering_it():
     t = tree_of(([1, 2], CHECKPOINT), ([1, 2, 3, 4], CHECKPOINT), ([1, 2, 3, 4, 5, 6], KV))
-    h = HybridState()
+    h = PrefixRules(HybridState.entry_kinds)
     assert h.match(t, [1, 2, 3, 4, 5, 9], 5, live=0) == (4, 2, 3)
     assert h.match(t, [1, 2, 3, 4, 5, 9], 3, live=0) == (2, 1, 3)
     assert h.match(t, [1, 2, 3, 4], 4, live=4) == (4, 2, None)  # the live sequence's KV
@@ -51,6 +52,6 @@ def test_superseded_kv_on_the_same_path_and_dead_branch_ends():
     new = [1, 2, 6, 7]
     # hybrid: the same-path KV [1, 2, 6] goes; the two branches below [1, 2, 3, 4] go with their shared end
     # checkpoint (once); the branch with a boundary checkpoint stays
-    assert HybridState().superseded(t, new, [3, 4, 6, 7], boundary) == [2, 3, 4, 7]
+    assert PrefixRules(HybridState.entry_kinds).superseded(t, new, [3, 4, 6, 7], boundary) == [2, 3, 4, 7]
     # KV only: every other branch stays restorable at each of its tokens; only the prefix KV goes
-    assert KVState().superseded(t, new, [3, 4, 6, 7], boundary) == [7]
+    assert PrefixRules(KVState.entry_kinds).superseded(t, new, [3, 4, 6, 7], boundary) == [7]

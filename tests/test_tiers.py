@@ -8,6 +8,7 @@ import shutil
 
 
 from orchestrator.cache.radix import CHECKPOINT, KV
+from orchestrator.reuse import spaced_stops
 
 from .conftest import assert_same_as_cold, run_chat
 
@@ -159,7 +160,7 @@ def test_short_messages_do_not_each_stop_the_prefill_and_the_next_turn_still_hit
     first = assert_same_as_cold(rt, msgs, max_tokens=4)
     n = len(first.tokens)
     ends = [e for e in first.boundaries.message_ends if e and e < n]
-    stops = first.boundaries.positions(n, rt.config.snapshot_min_gap)
+    stops = spaced_stops(first.boundaries, n, rt.config.snapshot_min_gap)
     assert len(ends) >= 3 and stops == [ends[-1]]  # one stop for the whole run of short messages
     # The next turn: Qwen3.5's template drops the answer's <think> block once a newer user message exists, so
     # the prompt diverges at the end of the last user message. That end was no stop of its own turn's prefill

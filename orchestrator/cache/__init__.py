@@ -2,19 +2,14 @@
 or HTTP.
 
     radix.py      the radix tree over token ids: which stored prefix is deepest for a request
+    rules.py      how deep stored entries restore and what a new KV entry supersedes, by the kinds' capabilities
     policy.py     eviction order of the hot tier (least recently used, with a bonus for shared prefixes)
-    tiers.py      the tier protocol and the RAM tier
+    tiers.py      the tier protocol, the RAM tier, and the guard every lower tier is called through
     disk.py       the disk tier (diskcache): evicted snapshots kept across restarts
+    remote.py     the shared (Redis) tier
     snapshots.py  SnapshotCache: the index over the tiers (lookup, insert, spill, eviction)
 """
 
+from .snapshots import CacheStats, RestorePlan, SnapshotCache
+
 __all__ = ["CacheStats", "RestorePlan", "SnapshotCache"]
-
-
-def __getattr__(name: str):
-    """The public names, imported on first use: `orchestrator.state` imports `cache.radix`, and
-    `cache.snapshots` imports `orchestrator.state`, so this package must not import `snapshots` eagerly."""
-    if name in __all__:
-        from . import snapshots
-        return getattr(snapshots, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,6 +37,13 @@ class EntryKind(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def prefix_closed(self) -> bool:
+        """Whether an entry stored for tokens[:n] also restores every shorter prefix tokens[:p] (a restore
+        truncates it: llama_memory_seq_rm), as attention KV does; a recurrent checkpoint restores its own
+        position only (llama.cpp cannot rewind a recurrent state)."""
+        return self is EntryKind.KV
+
     __hash__ = str.__hash__  # a member and its value are the same dict key
 
 
@@ -115,7 +122,7 @@ class RadixTree:
         replaced = node.entries.get(kind)
         if replaced is not None:
             del self._nodes[replaced]
-        elif kind == KV:
+        elif EntryKind(kind).prefix_closed:
             self._add_kv(node, +1)
         node.entries[kind] = eid
         self._nodes[eid] = node
@@ -141,7 +148,7 @@ class RadixTree:
         node = self._nodes.pop(eid)
         kind = next(k for k, v in node.entries.items() if v == eid)
         del node.entries[kind]
-        if kind == KV:
+        if EntryKind(kind).prefix_closed:
             self._add_kv(node, -1)
         while node.parent is not None and not node.entries:
             parent = node.parent
@@ -240,7 +247,7 @@ class RadixTree:
     def covered(self, eid: int) -> bool:
         """A KV entry with another KV entry deeper in its subtree: the deeper one covers every position."""
         node = self._nodes[eid]
-        return self.kind_of(eid) == KV and node.kv_below > 1
+        return EntryKind(self.kind_of(eid)).prefix_closed and node.kv_below > 1
 
     def recompute_tokens(self, eid: int) -> int:
         """Tokens to prefill again if this entry were lost: a checkpoint's, from the nearest ancestor checkpoint;
@@ -248,7 +255,7 @@ class RadixTree:
         another KV branch leaves its path)."""
         node = self._nodes[eid]
         kind = self.kind_of(eid)
-        if kind == KV:  # only the part no other KV entry covers: beyond where another KV branch leaves
+        if EntryKind(kind).prefix_closed:  # only the part no other KV covers: beyond where another KV branch leaves
             anc = node.parent
             while anc is not None and anc.kv_below < 2:
                 anc = anc.parent

@@ -71,7 +71,7 @@ from redis.retry import Retry
 
 from . import blob
 from .keys import disk_key, parse_key, salt_of_key
-from .radix import KV, EntryKind
+from .radix import EntryKind
 from .tiers import EntryInfo, Listed, Stored, TierStats
 
 log = logging.getLogger("orchestrator.remote")
@@ -299,7 +299,7 @@ class RemoteTier:
                 self._dropped += 1
                 return False
             kind = EntryKind(kind)
-            at = tuple(p for p in covers if 0 < p < len(tokens)) if kind == KV else ()
+            at = tuple(p for p in covers if 0 < p < len(tokens)) if kind.prefix_closed else ()
             self._queue.append(_Write(key, tuple(tokens), kind, payload, nbytes, at))
             self._queued_bytes += nbytes
             self._pending[key] = self._pending.get(key, 0) + 1

@@ -2,10 +2,11 @@
 
 Knows tokens and bytes, nothing of llama.cpp or HTTP. Entries come in two kinds (`EntryKind`, radix.py):
 CHECKPOINT (a recurrent checkpoint: llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and KV
-(the attention KV of a prefix, stored where a branch ends). Which kinds a model has, how deep they restore
-and what a new entry supersedes is its `StateKind` (state.py): on a hybrid model a restore of position p needs
-a checkpoint at p and KV covering p (a KV entry at or below p in the tree, or the live sequence when it holds
-tokens[:p]); on a KV-only model any prefix of a KV entry restores.
+(the attention KV of a prefix, stored where a branch ends). Which kinds a model has is its `StateKind`'s
+`entry_kinds` (state.py); how deep they restore and what a new entry supersedes follows from what the kinds can
+do (`PrefixRules`, rules.py): on a hybrid model a restore of position p needs a checkpoint at p and KV covering
+p (a KV entry at or below p in the tree, or the live sequence when it holds tokens[:p]); on a KV-only model any
+prefix of a KV entry restores.
 
     plan = cache.plan(tokens, max_tokens, live_tokens)   # deepest restorable position, and from what
     parts = cache.load(plan)                            # bytes of both parts (copies; entries stay)
@@ -15,8 +16,9 @@ bytes never exceed its budget, checked before an insert. When an entry must leav
 picks it and it spills: it is written to every local lower tier that takes it (the disk tier) and read from
 the fastest of them that holds it; a later hit is promoted back to the hot tier. Lower tiers evict on their
 own and report it (`on_evict`): the entry falls back to the next tier that holds it, and the index forgets
-what no tier holds. A failing lower tier is a miss, never an error (an exception from it is logged and counts
-as a miss or a refused put). Thread-safe: one lock guards the tree and the tiers.
+what no tier holds. A failing lower tier is a miss, never an error: lower tiers are called through
+`GuardedTier` (tiers.py), which logs an exception once and answers as a miss or a refused put. Thread-safe: one
+lock guards the tree and the tiers.
 
 Shared tiers (`SharedTier`: the remote tier, which other replicas write to and read from) are used otherwise:
 
@@ -49,8 +51,8 @@ from typing import Sequence
 from .keys import disk_key, salt_id, salt_of_key
 from .policy import Candidate, EvictionPolicy
 from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
-from ..state import HybridState, StateKind
-from .tiers import Tier, TierStats
+from .rules import PrefixRules, StoresKinds
+from .tiers import GuardedTier, Tier, TierStats
 
 log = logging.getLogger("orchestrator.cache.snapshots")
 
@@ -114,7 +116,8 @@ def _holds(stored: Sequence[int], path: Sequence[int], kind: EntryKind) -> bool:
     """Whether an entry stored for `stored` tokens serves the index's `path`: the same prefix, or, for KV (which
     is prefix-closed; a restore truncates it), a longer one that extends it."""
     stored = tuple(stored)
-    return stored == tuple(path) or (kind == KV and len(stored) > len(path) and stored[: len(path)] == tuple(path))
+    return stored == tuple(path) or (kind.prefix_closed and len(stored) > len(path)
+                                     and stored[: len(path)] == tuple(path))
 
 
 class SnapshotCache:
@@ -123,16 +126,18 @@ class SnapshotCache:
     tiers: a hot tier that never evicts on its own (`RamTier`), then any lower tiers (`DiskTier`, `RemoteTier`),
     in the order entries spill. The local lower tiers' entries are indexed at construction, so a restarted server
     keeps its cache; shared tiers are asked per request (`discover`).
-    The cache owns its tiers: `close` closes them. state: the model's state kind (default: hybrid).
+    The cache owns its tiers: `close` closes them. state: the model's state kind (state.StateKind: the cache
+    reads its `entry_kinds`; default: KV and checkpoints, a hybrid model's).
     """
 
     def __init__(self, tiers: Sequence[Tier], policy: EvictionPolicy | None = None,
-                 state: StateKind | None = None) -> None:
+                 state: StoresKinds | None = None) -> None:
         if not tiers:
             raise ValueError("a snapshot cache needs at least its hot tier")
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.hot = self.tiers[HOT]
-        self.state = state or HybridState()
+        self.state = state
+        self.rules = PrefixRules(state.entry_kinds if state is not None else (KV, CHECKPOINT))
         self.policy = policy or EvictionPolicy()
         self._trees: dict[str, RadixTree] = {"": RadixTree()}  # salt id -> its tree
         self._meta: dict[int, _Meta] = {}
@@ -144,13 +149,13 @@ class SnapshotCache:
         self._lock = threading.RLock()
         self._stats = CacheStats()
         self._warned_too_large = False
-        self._warned_tiers: set[str] = set()
+        self._lower: dict[int, GuardedTier] = {level: GuardedTier(t) for level, t in enumerate(self.tiers) if level}
         self._local = tuple(level for level in range(1, len(self.tiers)) if not self.tiers[level].shared)
         self._shared = tuple(level for level in range(1, len(self.tiers)) if self.tiers[level].shared)
         self._adopted: list[int] = []  # ids indexed by the last `discover`
         for level in self._local:
             self._index_tier(level)
-            self.tiers[level].on_evict = functools.partial(self._on_evict, level)
+            self._lower[level].on_evict = functools.partial(self._on_evict, level)
 
     @property
     def budget_bytes(self) -> int:
@@ -165,19 +170,6 @@ class SnapshotCache:
     def tier(self, name: str) -> Tier | None:
         """The tier called `name` ("ram", "disk"), or None."""
         return next((t for t in self.tiers if t.name == name), None)
-
-    def _lower(self, level: int, op: str, *args, default=None):
-        """Call `op` on lower tier `level` (`entries` is listed whole); an exception out of it is logged (once per
-        tier) and returns `default`: a failing tier is a miss, never an error."""
-        tier = self.tiers[level]
-        try:
-            got = getattr(tier, op)(*args)
-            return list(got) if op == "entries" else got
-        except Exception as e:  # noqa: BLE001 - see the tier protocol's failure semantics
-            if tier.name not in self._warned_tiers:
-                self._warned_tiers.add(tier.name)
-                log.warning("snapshot tier %r failed (%s: %s); treated as a miss", tier.name, op, e)
-            return default
 
     # ------------------------------------------------------------------ lookup
 
@@ -203,7 +195,7 @@ class SnapshotCache:
         with self._lock:
             self._tick += 1
             tree = self._trees.get(salt_id(salt), _EMPTY)
-            n, checkpoint_id, kv_id = self.state.match(tree, tokens, max_tokens, common_len(live_tokens, tokens))
+            n, checkpoint_id, kv_id = self.rules.match(tree, tokens, max_tokens, common_len(live_tokens, tokens))
             if n <= 0:
                 return RestorePlan()
             return RestorePlan(n, checkpoint_id, kv_id, self._tier_name(checkpoint_id, kv_id))
@@ -248,7 +240,7 @@ class SnapshotCache:
         meta.last_used = self._tick
         if meta.level == HOT:
             return self.hot.get(meta.key).payload
-        got = self._lower(meta.level, "get", meta.source or meta.key)
+        got = self._lower[meta.level].get(meta.source or meta.key)
         if got is not None and (got.kind != meta.kind or (got.tokens is not None and not _holds(
                 got.tokens, self._tree_of(eid).tokens_of(eid), meta.kind))):
             log.warning("snapshot %s in the %s tier holds another prefix or kind than its key says; dropped",
@@ -288,15 +280,15 @@ class SnapshotCache:
                 return 0
             sid = salt_id(salt)
             for level in self._shared:
-                for item in self._lower(level, "probe", tokens, deeper_than, max_tokens, sid, default=[]):
-                    path = tuple(tokens[: item.n_tokens])
+                for item in self._lower[level].probe(tokens, deeper_than, max_tokens, sid):
+                    path, kind = tuple(tokens[: item.n_tokens]), EntryKind(item.kind)
                     tree = self._trees.get(sid, _EMPTY)
-                    if item.key != disk_key(item.kind, path, sid) or tree.find(path, item.kind) is not None:
+                    if item.key != disk_key(kind, path, sid) or tree.find(path, kind) is not None:
                         continue
-                    if item.kind == KV and tree.kv_covering(path, len(path)) is not None:
+                    if kind.prefix_closed and tree.kv_covering(path, len(path)) is not None:
                         continue
                     eid = next(self._ids)
-                    self._index(eid, path, _Meta(item.kind, item.nbytes, level, self._tick, item.key, True, sid,
+                    self._index(eid, path, _Meta(kind, item.nbytes, level, self._tick, item.key, True, sid,
                                                  source=item.source, shared=True))
                     self._adopted.append(eid)
             self._stats.shared_found += len(self._adopted)
@@ -323,7 +315,7 @@ class SnapshotCache:
             for eid in (plan.checkpoint_id, plan.kv_id):
                 meta = self._meta.get(eid) if eid is not None else None
                 if meta is not None and meta.level in self._shared:
-                    total += self.tiers[meta.level].transfer_s(meta.nbytes)
+                    total += self._lower[meta.level].transfer_s(meta.nbytes)
             return total
 
     def _share(self, meta: _Meta, tokens: Sequence[int], data: bytes) -> None:
@@ -332,11 +324,11 @@ class SnapshotCache:
         if not self._shared:
             return
         covers: list[int] = []
-        if meta.kind == KV:
+        if meta.kind.prefix_closed:
             covers = [n.depth for n in self._tree(meta.salt).path(tokens)
                       if n.checkpoint is not None and n.depth < len(tokens)]
         for level in self._shared:
-            meta.shared |= bool(self._lower(level, "put", meta.key, tokens, meta.kind, data, covers, default=False))
+            meta.shared |= self._lower[level].put(meta.key, tokens, meta.kind, data, covers)
 
     # ------------------------------------------------------------------ insert and evict
 
@@ -379,7 +371,7 @@ class SnapshotCache:
             self._forget(old)
         if not too_large and not self._make_room(nbytes, set()):
             return False
-        if kind == KV:
+        if kind.prefix_closed:
             self._drop_superseded(tokens, sid)
         eid = next(self._ids)
         key = disk_key(kind, tokens, sid)
@@ -406,13 +398,13 @@ class SnapshotCache:
     def _spill(self, key: str, tokens: Sequence[int], kind: EntryKind, data: bytes) -> int | None:
         """Write an entry to every local lower tier that takes it; returns the level of the fastest one, or None.
         (Shared tiers got it when it was stored.)"""
-        took = [level for level in self._local if self._lower(level, "put", key, tokens, kind, data, default=False)]
+        took = [level for level in self._local if self._lower[level].put(key, tokens, kind, data)]
         return took[0] if took else None
 
     def _drop_superseded(self, tokens: Sequence[int], sid: str) -> None:
-        """Before storing KV for `tokens`: drop the entries it supersedes (`StateKind.superseded`)."""
-        kv_ids = [e for e, m in self._meta.items() if m.kind == KV and m.salt == sid]
-        for eid in self.state.superseded(self._tree(sid), tokens, kv_ids, lambda e: self._meta[e].boundary):
+        """Before storing KV for `tokens`: drop the entries it supersedes (`PrefixRules.superseded`)."""
+        kv_ids = [e for e, m in self._meta.items() if m.kind.prefix_closed and m.salt == sid]
+        for eid in self.rules.superseded(self._tree(sid), tokens, kv_ids, lambda e: self._meta[e].boundary):
             self._forget(eid)
 
     def _make_room(self, nbytes: int, pinned: set[int]) -> bool:
@@ -473,9 +465,9 @@ class SnapshotCache:
             eid = self._by_key.get(key)
             meta = self._meta.get(eid) if eid is not None else None
             # A promoted (hot) entry, or one read from a faster tier, only lost a copy it does not use.
-            if meta is None or meta.level != level or self._lower(level, "contains", key):
+            if meta is None or meta.level != level or self._lower[level].contains(key):
                 continue
-            deeper = [d for d in self._local if d > level and self._lower(d, "contains", key)]
+            deeper = [d for d in self._local if d > level and self._lower[d].contains(key)]
             if deeper:
                 meta.level = deeper[0]
             else:
@@ -490,16 +482,16 @@ class SnapshotCache:
             self.hot.delete(meta.key)
             del self._resident[eid]
         for level in self._local:  # a promoted entry keeps its lower copy: delete it too
-            self._lower(level, "delete", meta.key)
+            self._lower[level].delete(meta.key)
         if shared:
             for level in self._shared:
-                self._lower(level, "delete", meta.source or meta.key)
+                self._lower[level].delete(meta.source or meta.key)
         self._detach(eid)
 
     def _index_tier(self, level: int) -> None:
         """Index what lower tier `level` holds (at start: a restarted server keeps its cache)."""
         tier, n = self.tiers[level], 0
-        for info in self._lower(level, "entries", default=[]):
+        for info in self._lower[level].entries():
             sid = salt_of_key(info.key)
             try:
                 kind = EntryKind(info.kind)
@@ -508,7 +500,7 @@ class SnapshotCache:
             if kind is None or not info.tokens or disk_key(kind, info.tokens, sid) != info.key:
                 log.warning("snapshot %s in the %s tier does not match its key (kind, salt or tokens); deleted",
                             info.key, tier.name)
-                self._lower(level, "delete", info.key)
+                self._lower[level].delete(info.key)
                 continue
             if self._tree(sid).find(info.tokens, kind) is not None:
                 continue
@@ -546,7 +538,7 @@ class SnapshotCache:
         tier = self.tiers[level]
         if level == HOT:
             return tier.stats()
-        return self._lower(level, "stats", default=None) or TierStats(tier.name, 0, 0, 0, disabled=True)
+        return self._lower[level].stats() or TierStats(tier.name, 0, 0, 0, disabled=True)
 
     def entries(self, *, salt: str | None = None) -> list[tuple[EntryKind, str, tuple[int, ...]]]:
         """(kind, tier name, tokens) of every entry, or of those stored under `salt` (for tests and diagnostics)."""

@@ -20,18 +20,23 @@ found them.
 Failure semantics: a failing tier is a miss, never an error to the client. `get` of a key that is missing,
 corrupt or unreadable returns None; `put` that cannot store returns False; a tier that breaks (a full or
 failing disk) disables its writes and says so once in the log. The cache also treats an exception out of a
-lower tier as a miss (logged), so a broken tier costs prefill time, not requests.
+lower tier as a miss (logged once per tier: `GuardedTier`, the wrapper the cache calls lower tiers through), so
+a broken tier costs prefill time, not requests.
 
 A new tier is one class with the members of `Tier`.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from .radix import EntryKind
+
+log = logging.getLogger("orchestrator.cache.tiers")
 
 
 class Stored(NamedTuple):
@@ -145,6 +150,78 @@ class Listed:
     n_tokens: int
     nbytes: int
     source: str
+
+
+class GuardedTier:
+    """A lower tier as the cache calls it: the members of `SharedTier`, each of which turns an exception out of
+    the tier into a miss (get: None, put: False, contains/delete: False, entries/probe: [], stats: None,
+    transfer_s: math.inf, so nothing is fetched), logged once per tier. Covers are passed to shared tiers only.
+    Attributes and properties (name, shared, on_evict, bytes, budget_bytes) are the tier's own."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self.name, self.shared = tier.name, tier.shared
+        self._warned = False
+
+    @property
+    def on_evict(self) -> Callable[[str], None] | None:
+        return self.tier.on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn: Callable[[str], None] | None) -> None:
+        self.tier.on_evict = fn
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.tier.budget_bytes
+
+    @property
+    def bytes(self) -> int:
+        return self.tier.bytes
+
+    def __len__(self) -> int:
+        return len(self.tier)
+
+    def _call(self, op: str, default, fn: Callable, *args):
+        """fn(*args), a method of the tier; `default` when it raises (logged once, naming `op`)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the module docstring's failure semantics
+            if not self._warned:
+                self._warned = True
+                log.warning("snapshot tier %r failed (%s: %s); treated as a miss", self.name, op, e)
+            return default
+
+    def get(self, key: str) -> Stored | None:
+        return self._call("get", None, self.tier.get, key)
+
+    def put(self, key: str, tokens: Sequence[int], kind: EntryKind, payload: bytes,
+            covers: Sequence[int] = ()) -> bool:
+        if self.shared:
+            return bool(self._call("put", False, self.tier.put, key, tokens, kind, payload, covers))
+        return bool(self._call("put", False, self.tier.put, key, tokens, kind, payload))
+
+    def contains(self, key: str) -> bool:
+        return bool(self._call("contains", False, self.tier.contains, key))
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call("delete", False, self.tier.delete, key))
+
+    def entries(self) -> list[EntryInfo]:
+        """Every entry, listed whole (a failure half way is a tier that lists nothing)."""
+        return self._call("entries", [], lambda: list(self.tier.entries()))
+
+    def stats(self) -> TierStats | None:
+        return self._call("stats", None, self.tier.stats)
+
+    def probe(self, tokens: Sequence[int], lo: int, hi: int, sid: str) -> list[Listed]:
+        return self._call("probe", [], lambda: list(self.tier.probe(tokens, lo, hi, sid)))
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self._call("transfer_s", math.inf, lambda: float(self.tier.transfer_s(nbytes)))
+
+    def close(self) -> None:
+        self.tier.close()
 
 
 class RamTier:

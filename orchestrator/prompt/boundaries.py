@@ -70,17 +70,11 @@ class Boundaries:
     message_ends: tuple[int | None, ...]
     extra: tuple[int | None, ...] = ()
 
-    def positions(self, n_prompt: int, min_gap: int = 0) -> list[int]:
-        """Sorted distinct offsets strictly inside the prompt (0 < p < n_prompt), where snapshots are taken.
-
-        `min_gap` (tokens): a message end closer than that to another kept offset is left out, so a run of short
-        messages does not stop the prefill at every one. The end of the tools block, the end of the system
-        message, the caller's breakpoints and the last message end are always kept; the other message ends are
-        taken from the last one backwards (the recent ones are where a template rewrites history and where a
-        conversation forks). Each stop costs a llama_decode call of its own and a state save: on the 0.8b on 2
-        cores about 40 ms; a cold 20-message conversation of 85-token messages took 1.11x llama-server's time
-        with a stop at each of its last six message ends, 1.04x with a 256-token gap (bench/ab_cold.py).
-        """
+    def split(self, n_prompt: int) -> tuple[list[int], list[int]]:
+        """(offsets always worth a stop, message ends that may be left out), each sorted, distinct and strictly
+        inside the prompt (0 < p < n_prompt). Always: the end of the tools block, the end of the system message,
+        the caller's breakpoints and the last message end; the others are the earlier message ends, which the
+        reuse rules thin by --snapshot-min-gap (`reuse.spaced_stops`)."""
         def inside(p: int | None) -> bool:
             return p is not None and 0 < p < n_prompt
 
@@ -88,10 +82,12 @@ class Boundaries:
         kept = {p for p in (self.tools_end, self.system_end, *self.extra) if inside(p)}
         if ends:
             kept.add(ends.pop())
-        for p in reversed(ends):
-            if all(abs(p - k) >= min_gap for k in kept):
-                kept.add(p)
-        return sorted(kept)
+        return sorted(kept), [p for p in ends if p not in kept]
+
+    def positions(self, n_prompt: int) -> list[int]:
+        """Every offset strictly inside the prompt (0 < p < n_prompt), sorted and distinct."""
+        kept, ends = self.split(n_prompt)
+        return sorted({*kept, *ends})
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,7 @@ class Prompt:
     render_s: float = 0.0  # seconds spent rendering the template (escaping included)
     tokenize_s: float = 0.0  # seconds spent tokenizing the rendered text
     boundaries_s: float = 0.0  # seconds spent finding the boundaries (probe renders and their tokens)
-    snapshot_min_gap: int = 0  # tokens: message ends closer than that to another stop are left out
     reply: Reply | None = None  # how the completion of a chat prompt is read (None: a plain-text prompt)
-
-    def snapshot_positions(self) -> list[int]:
-        """Where the prefill stops to save a snapshot (Boundaries.positions); [] for a plain-text prompt."""
-        return self.boundaries.positions(len(self.tokens), self.snapshot_min_gap) if self.boundaries else []
 
 
 log = logging.getLogger("orchestrator.prompt.builder")
@@ -75,14 +70,10 @@ class PromptBuilder:
 
     parse_special_in_content: tokenize caller strings with special tokens parsed, as llama-server does (control
     texts in content become control tokens: --parse-special-in-content, off by default; see control.py).
-    snapshot_min_gap: tokens; message ends closer than that to another snapshot position are not stopped at
-    (Boundaries.positions).
     """
 
-    def __init__(self, engine: Engine, template: ChatTemplate, parse_special_in_content: bool = False,
-                 snapshot_min_gap: int = 0) -> None:
+    def __init__(self, engine: Engine, template: ChatTemplate, parse_special_in_content: bool = False) -> None:
         self.engine = engine
-        self.snapshot_min_gap = snapshot_min_gap
         self.template = template
         self.output_format: OutputFormat = detect_format(template.source)
         self.detector = BoundaryDetector(template)
@@ -182,7 +173,7 @@ class PromptBuilder:
         opens = tail.endswith("<think>") and "</think>" not in tail[tail.rfind("<think>"):]
         return Prompt(text=text, tokens=tokens, boundaries=bounds, opens_reasoning=opens, render_s=t1 - t0,
                       tokenize_s=t2 - t1, boundaries_s=time.perf_counter() - t2,
-                      snapshot_min_gap=self.snapshot_min_gap, reply=Reply(self.output_format, raw_tools, opens))
+                      reply=Reply(self.output_format, raw_tools, opens))
 
     def completion(self, text: str) -> Prompt:
         """A plain-text prompt (/v1/completions): no template, no boundaries."""
