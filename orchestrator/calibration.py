@@ -246,6 +246,7 @@ class CalibrationFile:
 class Calibration:
     min_segment: int
     batch_invariant: bool
+    rollback: bool = False
 
 
 def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "auto") -> Calibration:
@@ -265,8 +266,21 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
     seconds = time.perf_counter() - started
     if seconds > 2.0:  # a start-up step longer than 2 s says what it did (issue 12, item 7)
         log.info("checked batched decoding against decoding alone in %.1f s", seconds)
-    engine.calibrate(min_segment, invariant)
-    return Calibration(min_segment, invariant)
+    rollback = False
+    if engine.n_rs_seq:
+        started = time.perf_counter()
+        if engine.n_rs_seq < min_segment:
+            log.info("--rs-snapshots %d is less than min_segment %d: the repeat point is a prefill stop",
+                     engine.n_rs_seq, min_segment)
+        elif check_rollback(engine):
+            rollback = True
+            log.info("checkpoints within %d tokens of a prefill call's end are taken back without a stop "
+                     "(checked bit-identical in %.1f s)", engine.n_rs_seq, time.perf_counter() - started)
+        else:
+            log.warning("a checkpoint taken back inside a prefill call (llama.cpp n_rs_seq) is NOT bit-identical "
+                        "to a stopped prefill on this model and CPU: turned off, every snapshot is a stop")
+    engine.calibrate(min_segment, invariant, rollback)
+    return Calibration(min_segment, invariant, rollback)
 
 
 def decode_batching(calibration: Calibration, n_seq_max: int, mode: str) -> bool:

@@ -278,17 +278,20 @@ class Engine:
         self.use_extra_bufts = use_extra_bufts
         self.min_segment = 2  # until calibrated: chunk_sizes never makes one-token chunks
         self.batch_invariant = False
+        self.rollback = False  # until calibrated: no checkpoint is taken back inside a prefill call
         self.state.probe(self, max(self.bos_id, 0))
 
-    def calibrate(self, min_segment: int, batch_invariant: bool = False) -> None:
+    def calibrate(self, min_segment: int, batch_invariant: bool = False, rollback: bool = False) -> None:
         """Set the measured facts of this model on this CPU (calibration.py): the fewest tokens a prefill ubatch
-        may have to be bit-identical to the same tokens in a larger one, and whether a decode step batched over
-        sequences equals decoding each alone."""
+        may have to be bit-identical to the same tokens in a larger one, whether a decode step batched over
+        sequences equals decoding each alone, and whether `checkpoint_back` is bit-identical to a stopped
+        prefill (`rollback`, kept only with n_rs_seq snapshots)."""
         if min_segment < 2 or self.n_batch < 2 * min_segment - 1:
             raise ModelLoadError(f"min_segment {min_segment} does not fit n_batch {self.n_batch} (--batch-size must "
                                  f"be at least {2 * min_segment - 1} on this model and CPU)")
         self.min_segment = min_segment
         self.batch_invariant = batch_invariant
+        self.rollback = rollback and self.n_rs_seq > 0
 
     # ---------------------------------------------------------------- metadata and vocab
 
