@@ -3,6 +3,7 @@ a llama_decode call of their own (issue 30).
 
     python bench/bench_stops.py exact  --preset tiny --n-rs-seq 8       # (a) rollback checkpoints vs stopped ones
     python bench/bench_stops.py cost   --preset qwen3.5-0.8b --reps 7   # (b) one call vs calls split at the stops
+    python bench/bench_stops.py overhead --preset qwen3.5-0.8b          # what n_rs_seq costs every prefill call
     python bench/bench_stops.py align  --preset qwen3.5-0.8b --reps 7   # (c) chunk ends moved onto a boundary
     python bench/bench_stops.py memory --preset qwen3.5-0.8b            # (d) context memory per slot by n_rs_seq
 
@@ -282,6 +283,24 @@ def cost(a) -> dict:
     return out
 
 
+def overhead(a) -> dict:
+    """What n_rs_seq costs every prefill call (the op writes the states after the call's last n_rs_seq tokens):
+    one call of --tokens with each n_rs_seq of --n-rs-seq-list, in interleaved rounds, one engine each."""
+    engines = {K: new_engine(a, K) for K in a.n_rs_seq_list}
+    tok = prompt(a.tokens)
+
+    def one(e):
+        def run():
+            e.clear(0)
+            e.decode(0, tok, 0)
+        return run
+
+    res = rounds({f"n_rs_seq {K}": one(e) for K, e in engines.items()}, a.reps)
+    for e in engines.values():
+        e.close()
+    return {"machine": machine(), "tokens": len(tok), "variants": res, "machine_after": machine()["uptime"]}
+
+
 # ---------------------------------------------------------------------------------------------------- (c) align
 
 def align(a) -> dict:
@@ -349,7 +368,7 @@ def memory(a) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["exact", "cost", "align", "memory"])
+    ap.add_argument("what", choices=["exact", "cost", "overhead", "align", "memory"])
     ap.add_argument("--preset", default="tiny", help="synthetic preset (tiny, qwen3.5-0.8b)")
     ap.add_argument("--model", default=None, help="a GGUF instead of a preset")
     ap.add_argument("--threads", type=int, default=2)
@@ -368,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.tokens is None:
         a.tokens = 1200 if a.what == "align" else 507
-    result = {"exact": exact, "cost": cost, "align": align, "memory": memory}[a.what](a)
+    result = {"exact": exact, "cost": cost, "overhead": overhead, "align": align, "memory": memory}[a.what](a)
     result["command"] = "python bench/bench_stops.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(result, indent=1)
     print(text)
