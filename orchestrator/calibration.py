@@ -3,6 +3,9 @@
     min_segment      the fewest tokens a prefill ubatch may have for its result to be bit-identical to the same
                      tokens inside a larger ubatch (the rule of reuse.py rests on it)
     batch_invariant  whether one decode step batched over sequences equals decoding each alone
+    rollback         whether a checkpoint taken back inside a prefill call (Engine.checkpoint_back, llama.cpp's
+                     n_rs_seq snapshots) is bit-identical to one of a prefill that stopped there (reuse.py then
+                     takes the repeat point without a llama_decode call of its own)
     state_sizes      recurrent bytes per sequence and KV bytes per token (logged: memory per slot)
     prefill_rate     prompt tokens per second of one prefill (the remote tier's fetch-or-recompute decision
                      starts from it; reuse.PrefillRate refines it from every prefill since)
@@ -26,6 +29,7 @@ import llama_cpp
 import numpy as np
 
 from .devices import Offload
+from .cache.radix import CHECKPOINT
 from .engine import Engine
 from .errors import EngineError
 
@@ -102,6 +106,67 @@ def check_batch_invariance(engine: Engine) -> bool:
     finally:
         for s in range(k):
             engine.clear(s)
+
+
+def check_rollback(engine: Engine, seq: int | None = None) -> bool:
+    """Whether `Engine.checkpoint_back` gives, on this model and CPU, the bytes of a checkpoint saved by a prefill
+    that stopped there, at every distance from 1 to min(n_rs_seq, min_segment + 1) back from the end of a call
+    that starts from a restored state as a cached prefill does, and whether the sequence then goes on exactly:
+    the logits of a decode step after it, and the logits of the tail prefilled from the taken-back checkpoint,
+    equal those of the plain prefill. False without n_rs_seq snapshots. Uses and clears sequence `seq` (default:
+    the last, so that the other cells are in use as when serving) and sequence 0.
+
+    Measured with llama-cpp-python 0.3.36 (bench/results/2026-12-01/stops): bit-identical on the tiny and 0.8b
+    presets on an AVX-512 EPYC; llama.cpp marks n_rs_seq experimental, hence the check at start."""
+    m, k = engine.min_segment, engine.n_rs_seq
+    if k < 1 or CHECKPOINT not in engine.state.entry_kinds:
+        return False
+    seq = engine.n_seq_max - 1 if seq is None else seq
+    head = [1000 + (37 * i) % 5000 for i in range(2 * m + 8)]
+    tail = [3000 + (53 * i) % 5000 for i in range(max(k, m) + m + 4)]
+    tokens = head + tail
+    n, h = len(tokens), len(head)
+    try:
+        if seq != 0:  # another sequence holds a state, as other slots do
+            engine.clear(0)
+            engine.decode(0, tail, 0, want_logits=False)
+        engine.clear(seq)
+        engine.decode(seq, head, 0, want_logits=False)
+        start = engine.save_state(seq)
+        for back in range(1, min(k, m + 1) + 1):
+            p = n - back
+            engine.load_state(seq, start)
+            engine.decode(seq, tokens[h:p], h, want_logits=False)
+            stopped = engine.save_state(seq, partial=True)
+            engine.load_state(seq, start)
+            engine.decode(seq, tokens[h:], h)
+            plain = engine.logits()
+            taken = engine.checkpoint_back(seq, p)
+            if taken != stopped:
+                return False
+            engine.decode(seq, [tokens[0]], n)
+            after = engine.logits()
+            engine.load_state(seq, start)
+            engine.decode(seq, tokens[h:], h)
+            engine.decode(seq, [tokens[0]], n)
+            if not np.array_equal(after, engine.logits()):
+                return False
+            if back >= m:  # a cached request restores the checkpoint and prefills the rest
+                engine.load_state(seq, start)
+                engine.decode(seq, tokens[h:], h)
+                kv = engine.save_state(seq)
+                engine.load_state(seq, kv)
+                engine.load_state(seq, taken, partial=True, clear=False)
+                engine.truncate(seq, p)
+                engine.decode(seq, tokens[p:], p)
+                if not np.array_equal(engine.logits(), plain):
+                    return False
+        return True
+    except EngineError:
+        return False
+    finally:
+        engine.clear(seq)
+        engine.clear(0)
 
 
 def state_sizes(engine: Engine) -> tuple[int, int]:
@@ -186,6 +251,7 @@ class CalibrationFile:
 class Calibration:
     min_segment: int
     batch_invariant: bool
+    rollback: bool = False
 
 
 def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "auto") -> Calibration:
@@ -205,8 +271,21 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
     seconds = time.perf_counter() - started
     if seconds > 2.0:  # a start-up step longer than 2 s says what it did (issue 12, item 7)
         log.info("checked batched decoding against decoding alone in %.1f s", seconds)
-    engine.calibrate(min_segment, invariant)
-    return Calibration(min_segment, invariant)
+    rollback = False
+    if engine.n_rs_seq:
+        started = time.perf_counter()
+        if engine.n_rs_seq < min_segment:
+            log.info("--rs-snapshots %d is less than min_segment %d: the repeat point is a prefill stop",
+                     engine.n_rs_seq, min_segment)
+        elif check_rollback(engine):
+            rollback = True
+            log.info("checkpoints within %d tokens of a prefill call's end are taken back without a stop "
+                     "(checked bit-identical in %.1f s)", engine.n_rs_seq, time.perf_counter() - started)
+        else:
+            log.warning("a checkpoint taken back inside a prefill call (llama.cpp n_rs_seq) is NOT bit-identical "
+                        "to a stopped prefill on this model and CPU: turned off, every snapshot is a stop")
+    engine.calibrate(min_segment, invariant, rollback)
+    return Calibration(min_segment, invariant, rollback)
 
 
 def decode_batching(calibration: Calibration, n_seq_max: int, mode: str) -> bool:

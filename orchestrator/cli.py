@@ -126,6 +126,11 @@ def _serve_parser(sub) -> None:
                    help="leave out message-end snapshots closer than TOKENS to another one (the tools block, the "
                         "system message and the last message always get one): fewer prefill stops on runs of short "
                         f"messages, less reuse when a conversation forks between them (default {d.snapshot_min_gap})")
+    p.add_argument("--rs-snapshots", type=_non_negative, default=d.rs_snapshots, metavar="N",
+                   help="recurrent-state snapshots per slot kept for rollback (llama.cpp n_rs_seq, hybrid models): "
+                        "the repeat point's checkpoint is then taken from the prompt's final prefill call instead of "
+                        "a call of its own, where checked bit-identical at start; N recurrent states more per slot "
+                        f"(19 MiB each on Qwen3.5-0.8B) and a slower prefill call; 0 = off (default {d.rs_snapshots})")
     p.add_argument("--spare-checkpoints", type=_non_negative, default=d.spare_checkpoints, metavar="N",
                    help="checkpoint buffers whose memory is faulted in while the server is idle, so that a "
                         "prefill's snapshot saves skip it (out of --cache-ram, at most an eighth of it; 0 = off; "
@@ -218,7 +223,7 @@ def _config(a: argparse.Namespace) -> Config:
                  cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk,
                  checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, prefill_chunk_alone=a.prefill_chunk_alone,
-                 snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints,
+                 snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints, rs_snapshots=a.rs_snapshots,
                  decode_batching=a.decode_batching,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
                  api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,

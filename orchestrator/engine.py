@@ -251,6 +251,9 @@ class Engine:
         devices: ggml device names to offload to (["none"]: none; None: llama.cpp's default choice);
         main_gpu: keep only that index of them (devices.select_devices).
         kv_offload: KV cache and attention on the device of their layer (llama_context_params.offload_kqv).
+        n_rs_seq: recurrent-state snapshots kept per sequence for rollback (llama_context_params.n_rs_seq,
+            experimental in llama.cpp; 0 = none): after a prefill call, `rollback_checkpoint` can save the
+            checkpoint of any of the call's last n_rs_seq positions. Costs n_rs_seq more recurrent states per slot.
     Raises ModelLoadError when the file is missing, a device is unknown, or llama.cpp cannot load it.
 
     `offload` is the resulting layout (devices.Offload); `model_params` and `context_params` the llama.cpp
@@ -263,7 +266,7 @@ class Engine:
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
                  use_extra_bufts: bool = False, n_seq_max: int = 1, flash_attn: bool = False,
                  n_gpu_layers: int = -1, devices: Sequence[str] | None = None, main_gpu: int | None = None,
-                 kv_offload: bool = True) -> None:
+                 kv_offload: bool = True, n_rs_seq: int = 0) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -288,6 +291,7 @@ class Engine:
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch  # one llama_decode call = one ubatch: chunk_sizes() controls the split
         cparams.n_seq_max = n_seq_max
+        cparams.n_rs_seq = n_rs_seq
         # One KV stream per sequence: a sequence's attention never sees other sequences' cells, so its numerics
         # do not depend on what the other slots hold (llama_context: n_ctx_seq = n_ctx / n_seq_max).
         cparams.kv_unified = False
@@ -321,6 +325,8 @@ class Engine:
         if not offload_to and n_gpu_layers > 0:
             log.warning("-ngl %d: no offload device (%s), every layer runs on the CPU", n_gpu_layers,
                         "--device none" if devices else "a CPU-only llama.cpp build")
+        self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(self.ctx))  # 0 where the architecture has no rollback
+        self._last_call: dict[int, tuple[int, int]] = {}  # seq -> positions [lo, hi) of its last prefill call
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._scratch = bytearray()  # the kept buffer of load_state (states given in parts) and save_state_view
         self._view: memoryview | None = None  # the view save_state_view returned last (load_state reads it in place)
@@ -331,19 +337,22 @@ class Engine:
         self.use_extra_bufts = use_extra_bufts
         self.min_segment = 2  # until calibrated: chunk_sizes never makes one-token chunks
         self.batch_invariant = False
+        self.rollback = False  # until calibrated: no checkpoint is taken back inside a prefill call
         self.state.probe(self, max(self.bos_id, 0))
         self.grammar_limits = GrammarLimits()  # the runtime sets the configured ones before serving
         self._grammars: GrammarPool | None = None
 
-    def calibrate(self, min_segment: int, batch_invariant: bool = False) -> None:
+    def calibrate(self, min_segment: int, batch_invariant: bool = False, rollback: bool = False) -> None:
         """Set the measured facts of this model on this CPU (calibration.py): the fewest tokens a prefill ubatch
-        may have to be bit-identical to the same tokens in a larger one, and whether a decode step batched over
-        sequences equals decoding each alone."""
+        may have to be bit-identical to the same tokens in a larger one, whether a decode step batched over
+        sequences equals decoding each alone, and whether `checkpoint_back` is bit-identical to a stopped
+        prefill (`rollback`, kept only with n_rs_seq snapshots)."""
         if min_segment < 2 or self.n_batch < 2 * min_segment - 1:
             raise ModelLoadError(f"min_segment {min_segment} does not fit n_batch {self.n_batch} (--batch-size must "
                                  f"be at least {2 * min_segment - 1} on this model and CPU)")
         self.min_segment = min_segment
         self.batch_invariant = batch_invariant
+        self.rollback = rollback and self.n_rs_seq > 0
 
     # ---------------------------------------------------------------- metadata and vocab
 
@@ -448,10 +457,12 @@ class Engine:
             if want_logits and start + n == len(tokens):
                 b.logits[n - 1] = 1
             b.n_tokens = n
+            self._last_call.pop(seq, None)
             rc = llama_cpp.llama_decode(self.ctx, b)
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc} at position {pos + start} "
                                   f"({n} tokens; context {self.n_ctx})")
+            self._last_call[seq] = (pos + start, pos + start + n)
 
     def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
         """One decode step for several sequences in one llama_decode call: `items` are (seq, token, pos), at most
@@ -473,6 +484,8 @@ class Engine:
             b.seq_id[i][0] = seq
             b.logits[i] = 1
         b.n_tokens = len(items)
+        for seq, _, _ in items:  # a one-token ubatch writes only the newest snapshot (delta-net-base.cpp)
+            self._last_call.pop(seq, None)
         rc = llama_cpp.llama_decode(self.ctx, b)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
@@ -515,7 +528,45 @@ class Engine:
 
     def clear(self, seq: int) -> None:
         """Remove every token of sequence `seq` from the memory (KV and recurrent)."""
+        self._last_call.pop(seq, None)
         llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
+
+    def can_roll_back(self, seq: int, pos: int) -> bool:
+        """Whether `checkpoint_back(seq, pos)` can give the checkpoint of `seq` at `pos` now: the sequence's last
+        llama_decode call was a prefill of positions [lo, hi), nothing changed the sequence since, and
+        lo < pos < hi, hi - pos <= n_rs_seq. Beyond that llama.cpp rolls back silently to a stale snapshot: a
+        call writes the states after its own last min(n_tokens, n_rs_seq + 1) tokens only, a decode step its
+        newest only (ggml_gated_delta_net in delta-net-base.cpp; measured: bench/results/2026-12-01/stops)."""
+        span = self._last_call.get(seq)
+        return span is not None and span[0] < pos < span[1] and span[1] - pos <= self.n_rs_seq
+
+    def checkpoint_back(self, seq: int, pos: int) -> bytes:
+        """The checkpoint of `seq` at `pos` inside its last prefill call (as `save_state(seq, partial=True)` would
+        have written it had the prefill stopped there), without a llama_decode call of its own; the sequence is
+        left at the call's end, as it was. One per call: `can_roll_back` is False afterwards.
+
+        How: the context keeps the recurrent state after each of a call's last n_rs_seq tokens
+        (llama_context_params.n_rs_seq); llama_memory_seq_rm(seq, pos, -1) of at most n_rs_seq trailing
+        positions selects the one at pos (llama_memory_recurrent::seq_rm sets a rollback index that state_write
+        honours) but drops the KV after pos. So the whole state is saved first, into the kept buffer (KV +
+        recurrent: about 12 KiB per token + 19 MiB on the 0.8b), and loaded back after the save (bytes llama.cpp
+        wrote: exact). Bit-identical to a stopped prefill where calibration says so (calibration.check_rollback).
+        Raises ValueError where `can_roll_back` is False, EngineError (sequence cleared) when llama.cpp refuses."""
+        if not self.can_roll_back(seq, pos):
+            raise ValueError(f"position {pos} is not within the last prefill call of sequence {seq} and its last "
+                             f"{self.n_rs_seq} tokens")
+        full = self.save_state_view(seq)
+        if self._new_bytes is None:  # save_state goes through the kept buffer there: keep a copy of the state
+            full = bytes(full)
+        ok = llama_cpp.llama_memory_seq_rm(self.mem, seq, pos, -1)
+        try:
+            if ok:
+                out = self.save_state(seq, partial=True)
+        finally:
+            self.load_state(seq, full)  # back to the end; the rollback index is reset (state_read)
+        if not ok:
+            raise EngineError(f"llama.cpp refused to roll sequence {seq} back to position {pos}")
+        return out
 
     def save_state(self, seq: int, partial: bool = False) -> bytes:
         """The state of sequence `seq` as bytes (llama_state_seq_get_data_ext): KV + recurrent, or with `partial`
@@ -595,6 +646,7 @@ class Engine:
         of a state are combined is the state kind's business (`self.state.restore`)."""
         if clear:
             self.clear(seq)
+        self._last_call.pop(seq, None)
         if isinstance(data, bytes):
             size, src = len(data), address(data)
         elif data is self._view and data.obj is self._scratch:  # the last view, whole: it starts the buffer
@@ -622,6 +674,7 @@ class Engine:
         """Keep the first `n_tokens` tokens of `seq` (llama_memory_seq_rm(seq, n_tokens, -1)). A recurrent state
         cannot be cut back, so on a hybrid memory this fails unless a checkpoint at n_tokens was loaded. Raises
         EngineError (sequence cleared) when the sequence does not end at n_tokens afterwards."""
+        self._last_call.pop(seq, None)
         if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
             self.clear(seq)
             raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")

@@ -26,9 +26,11 @@ computed alone (as in decoding), do not. Hence these rules, each written once:
     a prefill segment may be stored or restored after if it has >= min_segment tokens    (`exact`)
     last restorable position of an n-token prompt = n - min_segment                       (`max_hit`)
     no prefill chunk leaves a remainder shorter than min_segment before a stop   (`chunk_end`, engine.chunk_end)
+    the last stop is taken back after the final call where the engine can          (`taken_back`)
 
 (vLLM's max_cache_hit_length, which is n - 1 there). Every request stores a checkpoint exactly at max_hit, its
-*repeat point*, so a byte-identical repeat prefills only min_segment tokens; snapshot positions closer than
+*repeat point*, so a byte-identical repeat prefills only min_segment tokens (without a llama_decode call of its
+own where the engine keeps per-token recurrent snapshots and calibration found them exact: `taken_back`); snapshot positions closer than
 min_segment to the previous one are skipped; and the state after generation is not the decode state but a
 re-prefill, from the deepest state at most `max_hit` deep (the state kind's `rewind_limit` of it), of the rest
 of the prompt and the generated tokens as one batch.
@@ -206,6 +208,7 @@ class Reuse:
         self.prefill = prefill or PrefillRate()
         self.state = engine.state
         self.min_segment = engine.min_segment  # fewest tokens per exact prefill ubatch (calibration.py)
+        self.rollback = engine.rollback  # checkpoints inside a prefill call are exact (calibration.check_rollback)
         self.checkpoint_interval = checkpoint_interval
         self.min_gap = min_gap
         self.after_stats = AfterGenerationStats()
@@ -250,11 +253,26 @@ class Reuse:
         `chunk_end` cuts are exact, and at most n_batch (llama_decode's limit)."""
         return min(max(tokens, 2 * self.min_segment), self.engine.n_batch)
 
-    def chunk_end(self, task: Task, chunk: int) -> int:
-        """Where the task's next prefill chunk of at most `chunk` tokens ends: at its next snapshot position or
-        the end of its work, never leaving less than min_segment before it (engine.chunk_end)."""
+    def taken_back(self, task: Task) -> bool:
+        """Whether the task's next snapshot position is not a stop: it is its last one (the repeat point, as a
+        rule), within the engine's n_rs_seq of the end of the work, and the engine can take its checkpoint back
+        after the final prefill call (Engine.checkpoint_back; calibrated exact: `rollback`). A stop is a
+        llama_decode call of its own, with a cost that does not shrink with its tokens (an 8-token call took
+        58 ms against 1.46 s for 512 tokens on the 0.8b on a 2-core EPYC: bench/results/2026-12-01/stops); the
+        take-back is a full save and load of the sequence's state. Only the last position: one take-back per
+        call (the snapshots are those of the sequence's cell, which a second load might move)."""
         r = task.reuse
-        target = r.positions[0] if r.positions else len(r.work)
+        return (self.rollback and task.phase == Phase.PREFILL and len(r.positions) == 1
+                and len(r.work) - r.positions[0] <= self.engine.n_rs_seq)
+
+    def chunk_end(self, task: Task, chunk: int) -> int:
+        """Where the task's next prefill chunk of at most `chunk` tokens ends: at its next snapshot position
+        (unless it is `taken_back`) or the end of its work, never leaving less than min_segment before it
+        (engine.chunk_end). A chunk towards the end that would pass a taken-back position without being the
+        final one cannot: the remainder after it would be shorter than min_segment, so it ends at the end or
+        exactly at that position (a plain stop)."""
+        r = task.reuse
+        target = r.positions[0] if r.positions and not self.taken_back(task) else len(r.work)
         return chunk_end(r.pos, target, chunk, self.engine.n_batch, self.min_segment)
 
     # ------------------------------------------------------------------ match
@@ -460,12 +478,22 @@ class Reuse:
             self.after_stats.tokens += end - task.reuse.pos
             self.after_stats.seconds += seconds
         task.slot.live = task.reuse.work[:end] if self.exact(len(task.reuse.work)) else []
-        task.reuse.pos = end
-        if task.reuse.positions and end == task.reuse.positions[0]:
-            task.reuse.positions.pop(0)
-            if task.reuse.store:  # the repeat point too counts as a boundary: it keeps its branch's KV, as a
-                # user-message end did when restores could leave 2 tokens to prefill
-                task.reuse.saved += self._store(task, task.reuse.work[:end], (CHECKPOINT,), boundary=True)
+        r = task.reuse
+        start, r.pos = r.pos, end
+        if not r.positions or end < r.positions[0]:
+            return
+        p = r.positions.pop(0)
+        if not r.store:
+            return
+        # the repeat point too counts as a boundary: it keeps its branch's KV, as a user-message end did when
+        # restores could leave 2 tokens to prefill
+        if p == end:
+            r.saved += self._store(task, r.work[:end], (CHECKPOINT,), boundary=True)
+        elif start < p and self.engine.can_roll_back(task.slot.seq, p):  # taken back: no stop
+            r.saved += self._store(task, r.work[:p], (CHECKPOINT,), boundary=True,
+                                   save=lambda: {CHECKPOINT: self.engine.checkpoint_back(task.slot.seq, p)})
+        else:  # not reached by this engine's rollback (chunk_end never lets that happen): a missed checkpoint
+            log.warning("the checkpoint at %d could not be taken back after a prefill call of %d..%d", p, start, end)
 
     def after_generation(self, task: Task) -> bool:
         """After the result is delivered: choose the state to store, rewind the sequence to re-prefill it
@@ -566,15 +594,17 @@ class Reuse:
         """The re-prefill after generation reached its end: store its KV and checkpoint (the branch end)."""
         self._store(task, task.reuse.work, (KV, CHECKPOINT), boundary=False)
 
-    def _store(self, task: Task, tokens: list[int], kinds: tuple[EntryKind, ...], boundary: bool) -> int:
+    def _store(self, task: Task, tokens: list[int], kinds: tuple[EntryKind, ...], boundary: bool,
+               save: Callable[[], dict] | None = None) -> int:
         """Save the entries of `kinds` (those the state kind has) missing for `tokens` from the slot's current
-        state (one full save gives both KV and checkpoint); returns how many were stored."""
+        state (one full save gives both KV and checkpoint), or as `save` gives them; returns how many were
+        stored."""
         salt = task.job.cache_salt
         missing = [k for k in kinds if k in self.state.entry_kinds and not self.cache.contains(tokens, k, salt=salt)]
         if not missing:
             return 0
         start = time.perf_counter()
-        data = self.state.save(self.engine, task.slot.seq, missing)
+        data = save() if save else self.state.save(self.engine, task.slot.seq, missing)
         stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=salt) for k in missing)
         task.reuse.snapshot_s += time.perf_counter() - start
         return stored

@@ -117,7 +117,8 @@ class Runtime:
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
-                        devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload)
+                        devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,
+                        n_rs_seq=cfg.rs_snapshots if cfg.cache_enabled else 0)
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         engine.grammar_limits = GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib)
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
@@ -130,10 +131,10 @@ class Runtime:
                  path, info.name, info.architecture, info.size_bytes / MiB, info.n_params, engine.n_ctx,
                  engine.n_batch, engine.n_threads)
         recurrent, kv_token = calibration.state_sizes(engine)
-        per_slot = recurrent + kv_token * engine.n_ctx
-        log.info("%d slots; memory per slot %.1f MiB (recurrent state %.1f MiB + KV %.1f KiB/token x %d tokens), "
-                 "%.0f MiB for all", cfg.parallel, per_slot / MiB, recurrent / MiB, kv_token / 1024, engine.n_ctx,
-                 cfg.parallel * per_slot / MiB)
+        per_slot = recurrent * (1 + engine.n_rs_seq) + kv_token * engine.n_ctx
+        log.info("%d slots; memory per slot %.1f MiB (recurrent state %.1f MiB x (1 + %d snapshots) + KV %.1f "
+                 "KiB/token x %d tokens), %.0f MiB for all", cfg.parallel, per_slot / MiB, recurrent / MiB,
+                 engine.n_rs_seq, kv_token / 1024, engine.n_ctx, cfg.parallel * per_slot / MiB)
         batch_decode = calibration.decode_batching(facts, engine.n_seq_max, cfg.decode_batching)
         if "random" in info.name.lower():
             log.warning("model %r has RANDOM weights: output text is meaningless", info.name)

@@ -103,6 +103,7 @@ class FakeEngine:
         self._seqs = [_Seq(hybrid) for _ in range(n_seq_max)]
         self._logits: list[np.ndarray] = []
         self.min_segment, self.batch_invariant = 2, False
+        self.n_rs_seq, self.rollback = 0, False  # no per-token recurrent snapshots (Engine.checkpoint_back)
         self.prefilled_tokens = 0  # tokens computed by decode() in ubatches of more than one token
         self.on_decode: Callable[[int, Sequence[int], int], None] | None = None  # called before each decode()
         self.fail_loads = False  # load_state refuses everything (llama.cpp rejecting a state)
@@ -128,6 +129,9 @@ class FakeEngine:
         if min_segment < 2 or self.n_batch < 2 * min_segment - 1:
             raise ModelLoadError(f"min_segment {min_segment} does not fit n_batch {self.n_batch}")
         self.min_segment, self.batch_invariant = min_segment, batch_invariant
+
+    def can_roll_back(self, seq: int, pos: int) -> bool:
+        return False
 
     def fill_spare(self) -> bool:
         """No spare save buffers (the engine's page-fault saving has nothing to save here); raises `fill_error`
