@@ -73,7 +73,7 @@ fi
 # Then the project's runtime and test dependencies: llama-cpp-python==0.3.36 is already satisfied, so pip
 # keeps the Vulkan build.
 "$venv/bin/python" -m pip install -q -e "$here/..[test]"
-"$venv/bin/python" - <<'PY'
+GGML_VK_VISIBLE_DEVICES=0 "$venv/bin/python" - <<'PY'  # lavapipe is a CPU-type device: bench/vulkan_check.sh
 import llama_cpp
 print("llama_cpp", llama_cpp.__version__, "gpu offload:", llama_cpp.llama_supports_gpu_offload())
 PY

@@ -11,7 +11,9 @@
 # has no device (ggml-vulkan.cpp, ggml_vk_instance_init: "If only CPU devices are available, return without
 # devices"); naming the index makes it use it.
 #
-# Environment: VK_VENV (default /work/vk-venv), OUT, NICE (default 10), STEPS (default device_check,test_correctness)
+# Environment: VK_VENV (default /work/vk-venv), OUT, NICE (default 10), STEPS (default device_check,test_correctness),
+# CHECK_ARGS (extra device_check.py arguments, e.g. --dry-run for toy sizes: a full run's first section did not
+# finish in 9 minutes on 2 cores shared with 6 other sessions, bench/results/2026-12-01/vulkan/README.md)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
@@ -21,10 +23,10 @@ steps="${STEPS:-device_check,test_correctness}"
 py="$venv/bin/python"
 mkdir -p "$out"
 cd "$repo"
+export GGML_VK_VISIBLE_DEVICES="${GGML_VK_VISIBLE_DEVICES:-0}" PYTHONPATH="$repo" PYTHONUNBUFFERED=1
 if ! [ -x "$py" ] || ! "$py" -c "import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())"; then
   bash "$here/vulkan_build.sh"
 fi
-export GGML_VK_VISIBLE_DEVICES="${GGML_VK_VISIBLE_DEVICES:-0}" PYTHONPATH="$repo" PYTHONUNBUFFERED=1
 run() {  # a step: its command into commands.txt, its output into <name>.log; a failure is recorded, not fatal
   local name="$1"; shift
   echo "GGML_VK_VISIBLE_DEVICES=$GGML_VK_VISIBLE_DEVICES PYTHONPATH=. nice -n ${NICE:-10} $*" >> "$out/commands.txt"
@@ -37,7 +39,7 @@ vulkaninfo --summary > "$out/vulkaninfo.txt" 2>&1 || true
 "$py" -c "import llama_cpp; from orchestrator import devices; print(llama_cpp.__version__, 'gpu offload:', llama_cpp.llama_supports_gpu_offload()); [print(d) for d in devices.available()]; print(llama_cpp.llama_print_system_info().decode())" \
   | tee "$out/devices.txt"
 case ",$steps," in *,device_check,*)
-  run device_check "$py" bench/device_check.py --preset tiny --preset tiny-q4 --out "$out" ;; esac
+  run device_check "$py" bench/device_check.py --preset tiny --preset tiny-q4 ${CHECK_ARGS:-} --out "$out" ;; esac
 case ",$steps," in *,test_correctness,*)
   run test_correctness "$py" -m pytest -q -p no:cacheprovider tests/test_correctness.py ;; esac
 echo "results: $out"

@@ -14,7 +14,7 @@ import pytest
 from orchestrator import calibration, cli
 from orchestrator.devices import Device, Offload, available, select_devices
 from orchestrator.engine import Engine
-from orchestrator.errors import ModelLoadError
+from orchestrator.errors import EngineError, ModelLoadError
 from orchestrator.runtime import model_file_digest, state_fingerprint
 from orchestrator.state import HybridState
 
@@ -151,3 +151,22 @@ def test_a_state_of_one_offload_layout_is_refused_by_another(tiny_model):
                Offload.of([CUDA0], -1, 8, True), Offload((), 0, 9, False, "another CPU | AVX2 = 1 |")]
     prints = {state_fingerprint(tiny_model, engine(o), digest) for o in layouts}
     assert cpu not in prints and len(prints) == len(layouts)
+
+
+def test_a_device_backend_where_no_split_is_exact_serves_anyway_and_says_so(tiny_model, monkeypatch, caplog):
+    def inexact(engine, *a, **k):
+        raise EngineError("prefill splits into segments of up to 24 tokens change the logits")
+
+    monkeypatch.setattr(calibration, "measure_min_segment", inexact)
+    e = Engine(tiny_model, n_ctx=256, n_batch=64, n_threads=2)
+    try:
+        file = calibration.CalibrationFile(None, b"x", 64, False, e.offload)
+        with pytest.raises(EngineError):  # the CPU: refuse, as before
+            calibration.calibrate(e, file, "off")
+        e.offload = Offload((VK0,), 9, 9, True, "cpu")
+        with caplog.at_level(logging.WARNING, logger="orchestrator.calibration"):
+            facts = calibration.calibrate(e, file, "off")
+        assert facts.min_segment == e.min_segment == calibration.UNEXACT_MIN_SEGMENT
+        assert "serving anyway" in caplog.text and "Vulkan" in caplog.text
+    finally:
+        e.close()
