@@ -27,6 +27,9 @@ COMMANDS = {
     "prefix": "prefix",
     "cluster": "cluster",
     "soak": "soak",
+    "stops": "stops",
+    "grammar-guard": "grammar_guard",
+    "w5": "w5",
 }
 
 

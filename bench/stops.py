@@ -1,11 +1,11 @@
 """What a prefill stop costs, and which stops llama.cpp's per-token recurrent snapshots (n_rs_seq) can take without
 a llama_decode call of their own (issue 30).
 
-    python bench/bench_stops.py exact  --preset tiny --n-rs-seq 8       # (a) rollback checkpoints vs stopped ones
-    python bench/bench_stops.py cost   --preset qwen3.5-0.8b --reps 7   # (b) one call vs calls split at the stops
-    python bench/bench_stops.py overhead --preset qwen3.5-0.8b          # what n_rs_seq costs every prefill call
-    python bench/bench_stops.py align  --preset qwen3.5-0.8b --reps 7   # (c) chunk ends moved onto a boundary
-    python bench/bench_stops.py memory --preset qwen3.5-0.8b            # (d) context memory per slot by n_rs_seq
+    python -m bench stops exact  --preset tiny --n-rs-seq 8       # (a) rollback checkpoints vs stopped ones
+    python -m bench stops cost   --preset qwen3.5-0.8b --reps 7   # (b) one call vs calls split at the stops
+    python -m bench stops overhead --preset qwen3.5-0.8b          # what n_rs_seq costs every prefill call
+    python -m bench stops align  --preset qwen3.5-0.8b --reps 7   # (c) chunk ends moved onto a boundary
+    python -m bench stops memory --preset qwen3.5-0.8b            # (d) context memory per slot by n_rs_seq
 
 Through the engine (orchestrator/engine.py: use_extra_bufts off, flash attention off, n_ubatch = n_batch, one KV
 stream per sequence), on the synthetic presets (orchestrator/models/synth.py) or --model. Each subcommand prints
@@ -34,11 +34,10 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.cache.radix import CHECKPOINT, KV  # noqa: E402
-from orchestrator.calibration import check_rollback, measure_min_segment  # noqa: E402
-from orchestrator.engine import Engine  # noqa: E402
+from orchestrator.cache.radix import CHECKPOINT, KV
+from orchestrator.calibration import check_rollback, measure_min_segment
+from orchestrator.engine import Engine
 
 MiB = 1 << 20
 
@@ -388,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.tokens is None:
         a.tokens = 1200 if a.what == "align" else 507
     result = {"exact": exact, "cost": cost, "overhead": overhead, "align": align, "memory": memory}[a.what](a)
-    result["command"] = "python bench/bench_stops.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = "python -m bench stops " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:

@@ -1,6 +1,6 @@
 """What running llama.cpp's grammar in a grammar process (orchestrator/grammar_guard.py) costs: the child's start
 (vocabulary load) and RSS, and one token's mask there against the same grammar sampler's apply in process (CPU
-seconds). `python bench/bench_grammar_guard.py [--preset tiny] [--out FILE.json]`."""
+seconds). `python -m bench grammar-guard [--preset tiny] [--out FILE.json]`."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
           "required": ["city", "days"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench grammar-guard", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--out")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     model = ensure_model(a.preset)
     rules = _Rules()
     gbnf = rules.text(rules.json(SCHEMA, "response", "x"), "x")
@@ -79,7 +79,8 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
