@@ -254,6 +254,18 @@ class Api:
             if not finished:
                 self.record_failure(route, RequestCancelled())
 
+    async def _lines(self, events: asyncio.Queue, cancel: threading.Event, route: str, kind: str,
+                     on_text: Callable[[Event], list[str]], on_done: Callable[[Result], list[str]],
+                     on_error: Callable[[Exception], list[str]]) -> AsyncIterator[str]:
+        """`_stream`'s lines of a one-choice job, closed as soon as the caller stops reading (not when collected:
+        closing cancels the job and counts a disconnect)."""
+        inner = self._stream(events, cancel, route, kind, on_text, on_done, on_error)
+        try:
+            async for line in inner:
+                yield line
+        finally:
+            await inner.aclose()
+
     def _openai_sse(self, events: asyncio.Queue, cancel: threading.Event, route: str, kind: str,
                     on_text: Callable[[Event], list[dict]], on_done: Callable[[Result], list[dict]],
                     first: list[dict] = (), n: int = 1,
@@ -535,13 +547,9 @@ class Api:
                 "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(prompt.tokens), "output_tokens": 0,
                           "cache_creation_input_tokens": None, "cache_read_input_tokens": None}}})
-            inner = self._stream(events, cancel, "/v1/messages", "messages-stream",
-                                 lambda ev: pieces(parser.push(ev.text)), on_done, on_error)
-            try:
-                async for line in inner:
-                    yield line
-            finally:
-                await inner.aclose()
+            async for line in self._lines(events, cancel, "/v1/messages", "messages-stream",
+                                          lambda ev: pieces(parser.push(ev.text)), on_done, on_error):
+                yield line
 
         return gen()
 
@@ -679,13 +687,9 @@ class Api:
             start = responses.response_object(rid, created, model, req, [], "in_progress", None)
             yield event("response.created", response=start)
             yield event("response.in_progress", response=start)
-            inner = self._stream(events, cancel, "/v1/responses", "responses-stream",
-                                 lambda ev: pieces(parser.push(ev.text)), on_done, on_error)
-            try:
-                async for line in inner:
-                    yield line
-            finally:
-                await inner.aclose()
+            async for line in self._lines(events, cancel, "/v1/responses", "responses-stream",
+                                          lambda ev: pieces(parser.push(ev.text)), on_done, on_error):
+                yield line
 
         return gen()
 

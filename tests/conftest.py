@@ -12,6 +12,7 @@ import errno
 import importlib.util
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -227,3 +228,27 @@ def agent_bin() -> Path:
                        timeout=600)
         stamp.write_bytes(lock)
     return AGENTS_DIR / "node_modules" / ".bin"
+
+
+def serve_process(model: Path, log_path: Path, *flags: str, env: dict | None = None,
+                  start_s: float = 600.0) -> tuple[subprocess.Popen, str]:
+    """`python -m orchestrator serve --model MODEL --port <free> FLAGS` as a child process logging to
+    `log_path`, once /health answers 200: (process, base URL). Fails the test with the log's tail if it exits
+    or has not answered within `start_s` seconds (a first start calibrates: minutes on a loaded machine)."""
+    port = free_port()
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "serve", "--model", str(model),
+                             "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + start_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start:\n{Path(log_path).read_text()[-3000:]}")
+        time.sleep(0.3)

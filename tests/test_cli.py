@@ -1,13 +1,11 @@
 """`python -m orchestrator` end to end: synth-model writes a loadable GGUF, serve answers over HTTP."""
 
-import os
 import subprocess
 import sys
-import time
 
 import httpx
 
-from .conftest import free_port
+from .conftest import serve_process
 
 
 def test_synth_model_cli_writes_tiny_gguf(tmp_path):
@@ -20,23 +18,9 @@ def test_synth_model_cli_writes_tiny_gguf(tmp_path):
 
 
 def test_serve_cli_answers_and_logs_each_request(tiny_model, tmp_path):
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "serve", "--model", str(tiny_model),
-                             "--port", str(port), "--ctx-size", "4096", "--threads", "2", "--cache-ram", "256",
-                             "--cache-disk-dir", str(tmp_path / "snapshots")],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = serve_process(tiny_model, tmp_path / "serve.log", "--ctx-size", "4096", "--threads", "2",
+                              "--cache-ram", "256", "--cache-disk-dir", str(tmp_path / "snapshots"))
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.3)
         body = {"messages": [{"role": "system", "content": "You are brief. " * 20},
                              {"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
         first = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()

@@ -9,12 +9,8 @@ Bounded time: every client call has a timeout (a wedged server fails the test), 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import jsonschema
@@ -29,7 +25,7 @@ from orchestrator.output import grammar
 from orchestrator.output.formats import QWEN35
 from orchestrator.output.grammar import Structure
 
-from .conftest import free_port
+from .conftest import serve_process
 
 KEY = "sk-hostile-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -44,24 +40,10 @@ CLIENT_S = 600  # the most any one call may take before the test counts the serv
 def server(tiny_model, tmp_path_factory):
     """(url, process): 2 slots, an API key, a disk tier, small prompt limits and a 1 s grammar budget."""
     tmp = tmp_path_factory.mktemp("hostile")
-    port = free_port()
-    log = open(tmp / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "serve", "--model", str(tiny_model),
-                             "--port", str(port), "--ctx-size", "4096", "--threads", "2", "--parallel", "2",
-                             "--cache-ram", "256", "--cache-disk-dir", str(tmp / "snapshots"), "--timeout", "300",
-                             "--grammar-budget", "1", "--max-prompt-size", "1024"],
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "ORCHESTRATOR_API_KEY": KEY})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, (tmp / "serve.log").read_text()[-3000:]
-        time.sleep(0.3)
+    proc, url = serve_process(tiny_model, tmp / "serve.log", "--ctx-size", "4096", "--threads", "2", "--parallel",
+                              "2", "--cache-ram", "256", "--cache-disk-dir", str(tmp / "snapshots"), "--timeout",
+                              "300", "--grammar-budget", "1", "--max-prompt-size", "1024",
+                              env={"ORCHESTRATOR_API_KEY": KEY})
     yield url, proc
     proc.terminate()
     proc.wait(timeout=60)
