@@ -17,7 +17,8 @@ the beginning", on both routes).
 
 Systems run one after another per request (rotating who goes first), each in its own freshly started process
 (bench/systems.py `launch`); `reps` rounds. Per request: TTFT (first streamed delta of text, thinking or tool
-input), total time, prompt and cached tokens as the server reports them, output text. Cold references: the last
+input, or the opening of a content block or output item), total time, prompt and cached tokens as the server
+reports them, output text. Cold references: the last
 request of each session, rerun with `cache_prompt: false` on a fresh orchestrator (`--cold last`), or every
 request (`--cold all`); a warm answer must equal its cold one.
 
@@ -175,6 +176,11 @@ def _sse(resp: httpx.Response):
             yield obj.get("type") or event, obj
 
 
+# Events that carry the first generated token even when it is not text a client sees: Claude Code asks for
+# thinking with display "omitted", so the thinking block opens (content_block_start) with no text deltas.
+FIRST_OUTPUT = ("content_block_start", "response.output_item.added")
+
+
 def _delta_text(kind: str, obj: dict) -> str:
     if kind == "content_block_delta":
         d = obj.get("delta") or {}
@@ -220,9 +226,9 @@ def send(client: httpx.Client, url: str, q: W5Req, cold: bool, timeout_s: float)
                 return o
             for kind, obj in _sse(resp):
                 text = _delta_text(kind or "", obj)
+                if not o.ttft_s and (text or kind in FIRST_OUTPUT):
+                    o.ttft_s = time.perf_counter() - t0
                 if text:
-                    if not out:
-                        o.ttft_s = time.perf_counter() - t0
                     out.append(text)
                 _usage(kind or "", obj, o)
                 if kind in ("error", "response.failed"):
@@ -329,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cold", choices=("last", "all", "none"), default="last")
     ap.add_argument("--systems", default="orchestrator,llama-server")
+    ap.add_argument("--orchestrator-shapes", default="cli,moved", help="shapes sent to orchestrator (cli, moved)")
     ap.add_argument("--omp", choices=("default", "passive"), default="default")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="the tiny preset, 2 turns: checks the harness")
@@ -340,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.turns = args.model or ensure_model("tiny"), min(args.turns, 2)
     model = args.model or ensure_model("qwen3.5-0.8b")
     reqs = plan(args.turns, Renderer(model).tokenize)
-    # orchestrator takes both shapes; llama-server both too (it refuses the CLIs' own)
-    systems = [(SYSTEMS[name], SHAPES) for name in args.systems.split(",")]
+    # llama-server is sent both shapes (it refuses the CLIs' own); orchestrator the ones --orchestrator-shapes names
+    ours = tuple(args.orchestrator_shapes.split(","))
+    systems = [(SYSTEMS[name], ours if SYSTEMS[name].kind == "orchestrator" else SHAPES)
+               for name in args.systems.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     run_args = Args(model=model, threads=args.threads, log_dir=args.out / "logs", omp=omp_policy(args.omp))
     log_file = (args.out / "log.txt").open("a")
@@ -360,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "requests.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     if args.cold != "none":
         last = max(q.turn for q in reqs)
-        cold_reqs = [q for q in reqs if args.cold == "all" or q.turn == last]
-        cold_sys = [(System("orchestrator", "orchestrator", "chat", cold=True), SHAPES)]
+        cold_reqs = [q for q in reqs if (args.cold == "all" or q.turn == last) and q.shape in ours]
+        cold_sys = [(System("orchestrator", "orchestrator", "chat", cold=True), ours)]
         records += run_round(cold_reqs, cold_sys, run_args, 0, cold=True, log=log)
     rows = summarize(records)
     (args.out / "requests.json").write_text(json.dumps({"meta": meta, "records": records, "summary": rows},
