@@ -194,11 +194,10 @@ def _delta_text(kind: str, obj: dict) -> str:
 def _usage(kind: str, obj: dict, o: Outcome) -> None:
     if kind in ("message_start", "message_delta"):
         u = (obj.get("message") or {}).get("usage") if kind == "message_start" else obj.get("usage")
-        if u:
-            read = u.get("cache_read_input_tokens")
-            parts = [u.get("input_tokens"), u.get("cache_creation_input_tokens"), read]
-            if all(p is not None for p in parts):
-                o.prompt_tokens, o.cached_tokens = sum(parts), read
+        if u and u.get("input_tokens") is not None:  # llama-server leaves the cache figures out
+            read = u.get("cache_read_input_tokens") or 0
+            o.prompt_tokens = u["input_tokens"] + (u.get("cache_creation_input_tokens") or 0) + read
+            o.cached_tokens = read
     elif kind in ("response.completed", "response.incomplete"):
         u = (obj.get("response") or {}).get("usage") or {}
         if u:

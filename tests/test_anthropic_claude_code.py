@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 
+from orchestrator.reuse import spaced_stops
 from server.anthropic import SIGNATURE_PREFIX, parse_messages
 from server.schemas import late_system_as_user
 
@@ -45,7 +46,7 @@ def test_the_environment_system_message_is_a_user_turn_where_it_stands_and_turn_
     env = TURN2["messages"][1]["content"]
     assert env[:40] in one.text and one.text.index("Say hi") < one.text.index(env[:40])
     end = one.boundaries.message_ends[-1]  # the end of the environment message, before the generation prompt
-    assert end in one.snapshot_positions()  # turn 1 stores it; turn 2 starts with the same tokens through it
+    assert end in spaced_stops(one.boundaries, len(one.tokens), runtime.config.snapshot_min_gap)  # turn 1 stores it; turn 2 starts with the same tokens through it
     assert end > 0.9 * len(two.tokens) and two.tokens[:end] == one.tokens[:end]
 
 

@@ -15,6 +15,7 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
 from server.openapi import openapi_schema
 from server.anthropic import COUNT_TOKENS, MESSAGES
 from server.anthropic import FIELDS as ANTHROPIC_FIELDS
+from server.fields import REFUSED
 from server.responses import FIELDS as RESPONSES_FIELDS
 from server.schemas import CHAT, COMPLETION, FIELDS
 
@@ -40,7 +41,8 @@ def test_published_request_fields_are_exactly_the_accepted_ones(fuzz_server):
     for name, route in (("MessagesRequest", MESSAGES), ("CountTokensRequest", COUNT_TOKENS)):
         assert set(schemas[name]["properties"]) == {f for f, routes in ANTHROPIC_FIELDS.items() if route in routes}
         assert schemas[name]["additionalProperties"] is False
-    assert set(schemas["ResponsesRequest"]["properties"]) == set(RESPONSES_FIELDS)
+    assert set(schemas["ResponsesRequest"]["properties"]) == {f for f, r in RESPONSES_FIELDS.items()
+                                                              if r.kind != REFUSED}
     assert schemas["ResponsesRequest"]["additionalProperties"] is False
     assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 4
     assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 4
