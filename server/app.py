@@ -299,6 +299,16 @@ class Api:
         return await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
                                        req.cache_breakpoints)
 
+    async def _submit_chat(self, req) -> tuple[Prompt, Job, asyncio.Queue, threading.Event]:
+        """Render a ChatRequest or ResponsesRequest, build its grammar (structured output, forced tool calls) and
+        submit its job: (prompt, job, events, cancel)."""
+        prompt = await self._chat_prompt(req)
+        constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
+        job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
+            req.messages, req.tools, req.template_kwargs, prompt), constraint)
+        events, cancel = self._submit(job)
+        return prompt, job, events, cancel
+
     async def _renders_late_system(self) -> bool:
         """Whether the template renders a system message after a user and an assistant message (Qwen3's writes
         a system turn there; Qwen3.5's raises; DeepSeek-R1's drops it, which counts as no). Probed once."""
@@ -318,11 +328,7 @@ class Api:
     async def chat(self, request: Request):
         cfg = self.rt.config
         req = parse_chat(await _json_body(request, cfg.max_body_bytes), cfg)
-        prompt = await self._chat_prompt(req)
-        constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
-        job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
-            req.messages, req.tools, req.template_kwargs, prompt), constraint)
-        events, cancel = self._submit(job)
+        prompt, job, events, cancel = await self._submit_chat(req)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
             return StreamingResponse(self._chat_stream(events, cancel, cid, created, prompt, req),
@@ -562,11 +568,7 @@ class Api:
     async def responses(self, request: Request):
         cfg = self.rt.config
         req = parse_responses(await _json_body(request, cfg.max_body_bytes), cfg)
-        prompt = await self._chat_prompt(req)
-        constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
-        job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
-            req.messages, req.tools, req.template_kwargs, prompt), constraint)
-        events, cancel = self._submit(job)
+        prompt, job, events, cancel = await self._submit_chat(req)
         rid, created = responses.new_id("resp"), int(time.time())
         if req.options.stream:
             return StreamingResponse(self._responses_stream(events, cancel, rid, created, prompt, req),
