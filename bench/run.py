@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
     ap.add_argument("--loop-reps", type=int, default=2, help="W4/CHAT: runs per system, alternating systems")
     ap.add_argument("--before", type=Path, default=None,
-                    help="W4/CHAT: also run orchestrator from this checkout (e.g. `git worktree add /tmp/before "
-                         "4151288`, the commit before issue 18) as orchestrator-before")
+                    help="also run orchestrator from this checkout (e.g. `git worktree add /tmp/before "
+                         "4151288`, the commit before a change) as orchestrator-before")
     ap.add_argument("--tool-choice", default=None, choices=["auto", "required"],
                     help="W4: send tool_choice (default: none sent; 'required' needs grammar-constrained calls)")
     ap.add_argument("--thinking", choices=["on", "off"], default="on",
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     before = [before_system(args.before)] if args.before else []
     loop_systems = {"W4": [s for s in systems if s.kind != "llama-cpp-python"] + before,
                     "CHAT": [s for s in systems if s.kind == "orchestrator"] + before}
+    systems, names = systems + before, names + [s.name for s in before]  # W1-W3 run it too
     texts: dict[str, str] = {}
     tokens: dict[str, list[int]] = {}
     oracle: dict[tuple[str, int], int] = {}

@@ -18,7 +18,7 @@ Systems (same model file, threads, context size, n_batch/n_ubatch 512, flash att
                     helps the fleet (W3) but loses W1's B, D and "X again" (the slot just used is not yet in the
                     prompt cache when the next request picks a slot), so W1/W2 keep the default.
   orchestrator-before  orchestrator as of another checkout (`python -m bench --before DIR`: a git worktree of
-                    the commit before issue 18), run from that directory with this venv; W4/CHAT only
+                    the commit before a change), run from that directory with this venv
   llama-cpp-python  `python -m llama_cpp.server` (through bench/llama_cpp_server_norepack.py), cache true,
                     cache_type ram (2 GiB)
 On W4 (the agent tool loop, 3 agents at once) llama-server runs with -np 3 (-c is then 3 x the per-slot

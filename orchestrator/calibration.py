@@ -5,7 +5,8 @@
     batch_invariant  whether one decode step batched over sequences equals decoding each alone
     rollback         whether a checkpoint taken back inside a prefill call (Engine.checkpoint_back, llama.cpp's
                      n_rs_seq snapshots) is bit-identical to one of a prefill that stopped there (reuse.py then
-                     takes the repeat point without a llama_decode call of its own)
+                     takes a prompt's last stop, where within n_rs_seq of its end, without a llama_decode call of
+                     its own)
     state_sizes      recurrent bytes per sequence and KV bytes per token (logged: memory per slot)
     prefill_rate     prompt tokens per second of one prefill (the remote tier's fetch-or-recompute decision
                      starts from it; reuse.PrefillRate refines it from every prefill since)
@@ -288,7 +289,7 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
     if engine.n_rs_seq:
         started = time.perf_counter()
         if engine.n_rs_seq < min_segment:
-            log.info("--rs-snapshots %d is less than min_segment %d: the repeat point is a prefill stop",
+            log.info("--rs-snapshots %d is less than min_segment %d: every snapshot is a prefill stop",
                      engine.n_rs_seq, min_segment)
         elif check_rollback(engine):
             rollback = True

@@ -128,8 +128,8 @@ def _serve_parser(sub) -> None:
                         f"messages, less reuse when a conversation forks between them (default {d.snapshot_min_gap})")
     p.add_argument("--rs-snapshots", type=_non_negative, default=d.rs_snapshots, metavar="N",
                    help="recurrent-state snapshots per slot kept for rollback (llama.cpp n_rs_seq, hybrid models): "
-                        "the repeat point's checkpoint is then taken from the prompt's final prefill call instead of "
-                        "a call of its own, where checked bit-identical at start; N recurrent states more per slot "
+                        "a prompt's last stop, where within N tokens of its end, is then taken from its final prefill "
+                        "call instead of a call of its own, where checked bit-identical at start; N recurrent states more per slot "
                         f"(19 MiB each on Qwen3.5-0.8B) and a slower prefill call; 0 = off (default {d.rs_snapshots})")
     p.add_argument("--spare-checkpoints", type=_non_negative, default=d.spare_checkpoints, metavar="N",
                    help="checkpoint buffers whose memory is faulted in while the server is idle, so that a "

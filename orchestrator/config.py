@@ -36,9 +36,9 @@ class Config:
     cache_ram_mib: int = field(default_factory=default_cache_ram_mib)  # snapshot LRU budget, MiB
     checkpoint_interval: int = 512  # tokens between recurrent checkpoints inside long messages (0 = off)
     snapshot_min_gap: int = 256  # tokens: message ends closer than that to another snapshot position are not stops
-    # Recurrent-state snapshots per slot kept by llama.cpp for rollback (n_rs_seq): the repeat point's checkpoint is
-    # taken back after the prompt's final prefill call instead of being a call of its own, when at least
-    # min_segment and checked exact at start (calibration.check_rollback). Each costs one recurrent state per slot
+    # Recurrent-state snapshots per slot kept by llama.cpp for rollback (n_rs_seq): a prompt's last stop, where within
+    # n_rs_seq of its end, is taken back after the final prefill call instead of being a call of its own, when
+    # n_rs_seq >= min_segment and checked exact at start (calibration.check_rollback). Each costs one recurrent state per slot
     # (19 MiB on the 0.8b); 0 = off, the default: with 8 a 507-token prefill call of the 0.8b took 1.15x (0.94-1.32)
     # the time of one without, on a loaded 2-core EPYC (bench/results/2026-12-01/stops), more than the stop saved.
     rs_snapshots: int = 0

@@ -121,6 +121,7 @@ class Sampler:
         self._vocab = vocab
         self._grammar = grammar
         self._chain = None
+        self._data: np.ndarray | None = None  # candidates, where this chain samples outside llama_sampler_sample
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         self._chain = chain  # freed by close() from here on
         if params.temperature <= 0:
@@ -134,31 +135,36 @@ class Sampler:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
-        if grammar is not None:
-            n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-            self._ids = np.arange(n_vocab, dtype=np.int32)
-            self._data = np.zeros(n_vocab, dtype=TOKEN_DATA)
 
-    def sample(self, idx: int = -1) -> int:
+    def sample(self, idx: int = -1, logits: np.ndarray | None = None) -> int:
         """Sample from the logits of batch index `idx` of the last llama_decode (-1: its last token with logits
-        on), with llama_sampler_sample (which also accepts the token into the chain); with a grammar, the same
-        over the logits the grammar allows (llama_sampler_apply + llama_sampler_accept, as llama_sampler_sample
-        does). Raises GrammarFailed when the grammar allows no token or runs past its budget."""
-        if self._grammar is None:
+        on), with llama_sampler_sample (which also accepts the token into the chain), or from `logits` (float32,
+        (n_vocab,): stored ones) through the same steps llama_sampler_sample takes (candidates in token order,
+        llama_sampler_apply, llama_sampler_accept: llama-sampling.cpp), so both give the same token; with a
+        grammar, over the logits the grammar allows. Raises GrammarFailed when the grammar allows no token or
+        runs past its budget."""
+        if self._grammar is None and logits is None:
             return int(llama_cpp.llama_sampler_sample(self._chain, self._ctx, idx))
-        allowed = self._grammar.mask()
-        if not allowed.any():
-            raise GrammarFailed("no token fits the request's grammar at this point of the reply (a dead end in the "
-                                "schema: an empty pattern class, or bounds no string meets)")
+        if self._data is None:  # kept: a grammar samples every token this way
+            self._data = np.empty(int(llama_cpp.llama_vocab_n_tokens(self._vocab)), dtype=TOKEN_DATA)
         data = self._data
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, idx), shape=(len(data),))
-        data["id"] = self._ids
-        data["logit"] = np.where(allowed, logits, np.float32(-np.inf))
+        if logits is None:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, idx), shape=(len(data),))
+        data["id"] = np.arange(len(data), dtype=np.int32)
+        data["logit"] = logits
         data["p"] = 0.0
+        if self._grammar is not None:
+            allowed = self._grammar.mask()
+            if not allowed.any():
+                raise GrammarFailed("no token fits the request's grammar at this point of the reply (a dead end "
+                                    "in the schema: an empty pattern class, or bounds no string meets)")
+            data["logit"] = np.where(allowed, data["logit"], np.float32(-np.inf))
         cur = candidates(data)
         llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(cur))
         token = int(cur.data[cur.selected].id)
         llama_cpp.llama_sampler_accept(self._chain, token)
+        if self._grammar is None:
+            return token
         self._grammar.accept(token)
         if not llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self._grammar.prefetch()  # filtered while the token is decoded

@@ -173,11 +173,14 @@ class TaskReuse:
     `pos` of its tokens are in, and `positions` are the snapshot positions still ahead, ascending (token
     offsets into `work`). store: whether the task stores snapshots (False for a cold run, and once a cache
     flush came). cached, source: prompt tokens restored at admission and where from ("live", "ram", "disk",
-    "remote", "none"). saved, snapshot_s: entries stored so far and seconds spent saving them.
+    "remote", "none"). logits: float32 (n_vocab,), the logits after the whole prompt where admission restored
+    it entire with them (nothing to prefill; the first token is sampled from these). saved, snapshot_s: entries
+    stored so far and seconds spent saving them.
     """
 
     work: list[int]
     pos: int = 0
+    logits: np.ndarray | None = None
     positions: list[int] = field(default_factory=list)
     store: bool = False
     cached: int = 0

@@ -25,23 +25,27 @@ computed alone (as in decoding), do not. Hence these rules, each written once:
 
     a prefill segment may be stored or restored after if it has >= min_segment tokens    (`exact`)
     last restorable position of an n-token prompt = n - min_segment                       (`max_hit`)
+    ... or n itself, with the logits its prefill computed, for a byte-identical repeat    (`plans`, LOGITS)
     no prefill chunk leaves a remainder shorter than min_segment before a stop   (`chunk_end`, engine.chunk_end)
     the last stop is taken back after the final call where the engine can          (`taken_back`)
 
-(vLLM's max_cache_hit_length, which is n - 1 there). Every request stores a checkpoint exactly at max_hit, its
-*repeat point*, so a byte-identical repeat prefills only min_segment tokens (without a llama_decode call of its
-own where the engine keeps per-token recurrent snapshots and calibration found them exact: `taken_back`); snapshot positions closer than
-min_segment to the previous one are skipped; and the state after generation is not the decode state but a
-re-prefill, from the deepest state at most `max_hit` deep (the state kind's `rewind_limit` of it), of the rest
-of the prompt and the generated tokens as one batch.
+(vLLM's max_cache_hit_length, which is n - 1 there). Every request stores, after its final prefill call, the
+checkpoint at its prompt's end and the logits of its last token (the *prompt end*; no stop: the call ends
+there anyway), so a byte-identical repeat restores it and samples with no llama_decode at all, from the very
+logits its first run sampled from; a longer prompt restores it where at least min_segment tokens follow.
+Snapshot positions closer than min_segment to the previous one are skipped; and the state after generation is
+not the decode state but a re-prefill, from the prompt end, of the generated tokens as one batch.
 
 What is stored where (hybrid models; a KV-only model stores only the KV where a branch ends, state.py):
 
-    prompt  ──────────┬───────────────┬─────────────────────────┬──────────┬ n
-                      tools end       system end   (interval)   repeat point = n - min_segment
-    stored:           checkpoint      checkpoint   checkpoint   checkpoint
+    prompt  ──────────┬───────────────┬─────────────────────────┬ n
+                      tools end       system end   (interval)   prompt end
+    stored:           checkpoint      checkpoint   checkpoint   checkpoint + logits (every model kind)
     after generation: prompt + generated (+ end-of-turn) tokens ──▶ checkpoint and KV at their end
-                      (or at the prompt's end when that cannot be an exact prefill; see after_generation)
+                      (or the prompt's KV when too few were generated for an exact prefill; after_generation)
+
+Every stop is a llama_decode call of its own, with a cost that does not shrink with its tokens (the weights
+are read once per call); the prompt end costs a save (a checkpoint and n_vocab floats) and no call.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from .cache.radix import CHECKPOINT, KV, EntryKind, common_len
+import numpy as np
+
+from .cache.radix import CHECKPOINT, KV, LOGITS, EntryKind, common_len
 from .cache.snapshots import RestorePlan, SnapshotCache
 from .engine import Engine, chunk_end
 from .errors import EngineError, OrchestratorError
@@ -232,15 +238,15 @@ class Reuse:
 
     def snapshot_positions(self, job: Job, start: int = 0) -> list[int]:
         """Where the prefill of `job` from token offset `start` stops, ascending: the `spaced_stops` of its
-        boundaries and the repeat point (`max_hit`, instead of a checkpoint at the very end, which nothing could
-        restore), less those the state kind does not store and those closer than min_segment to the previous
-        stop or beyond `max_hit`. [] for a job that stores nothing (a cold run): it prefills in plain chunks, so
-        the correctness oracle does not share the split points of the runs it checks (a restore at p followed by
-        the rest must equal a prefill that never stopped at p), and costs no llama_decode call per boundary."""
+        boundaries, less those the state kind does not store and those closer than min_segment to the previous
+        stop or beyond `max_hit` (the prompt end is stored after the final call, `prefilled`, not a stop). [] for a
+        job that stores nothing (a cold run): it prefills in plain chunks, so the correctness oracle does not
+        share the split points of the runs it checks (a restore at p followed by the rest must equal a prefill
+        that never stopped at p), and costs no llama_decode call per boundary."""
         if not self.stores(job):
             return []
         n = len(job.prompt_tokens)
-        candidates = {*spaced_stops(job.boundaries, n, self.min_gap, self.checkpoint_interval), self.max_hit(n)}
+        candidates = spaced_stops(job.boundaries, n, self.min_gap, self.checkpoint_interval)
         kept, pos = [], start
         for b in self.state.snapshot_positions(sorted(candidates)):
             if self.exact(b - pos) and b <= self.max_hit(n):
@@ -254,8 +260,8 @@ class Reuse:
         return min(max(tokens, 2 * self.min_segment), self.engine.n_batch)
 
     def taken_back(self, task: Task) -> bool:
-        """Whether the task's next snapshot position is not a stop: it is its last one (the repeat point, as a
-        rule), within the engine's n_rs_seq of the end of the work, and the engine can take its checkpoint back
+        """Whether the task's next snapshot position is not a stop: it is its last one, within the engine's
+        n_rs_seq of the end of the work, and the engine can take its checkpoint back
         after the final prefill call (Engine.checkpoint_back; calibrated exact: `rollback`). A stop is a
         llama_decode call of its own, with a cost that does not shrink with its tokens (an 8-token call took
         58 ms against 1.46 s for 512 tokens on the 0.8b on a 2-core EPYC: bench/results/2026-12-01/stops); the
@@ -279,9 +285,12 @@ class Reuse:
 
     def plans(self, tokens: list[int], salt: str) -> list[RestorePlan]:
         """The restore plan of `tokens` under `salt` with each slot's live KV (stored entries are the same for
-        all; a slot holding another salt's state, or state from before a cache flush (`stale`), offers none)."""
+        all; a slot holding another salt's state, or state from before a cache flush (`stale`), offers none): the
+        whole prompt where its logits are stored (a byte-identical repeat: nothing to prefill), else at most
+        `max_hit` deep."""
         limit = self.max_hit(len(tokens))
-        return [self.cache.plan(tokens, limit, s.live if s.salt == salt and not s.stale else (), salt=salt)
+        return [self.cache.plan(tokens, limit, s.live if s.salt == salt and not s.stale else (), salt=salt,
+                                whole=True)
                 for s in self.slots]
 
     def pick_slot(self, task: Task, free: Sequence[Slot]) -> Slot:
@@ -357,15 +366,19 @@ class Reuse:
 
     def admit(self, task: Task, slot: Slot) -> None:
         """Bring the slot's sequence to the deepest reusable prefix of the task's prompt (what is reported as
-        cached is what was restored) and plan the task's snapshot positions from there."""
-        start, task.reuse.source = self._restore(slot, task.tokens, task.job.use_cache, task.job.cache_salt)
+        cached is what was restored) and plan the task's snapshot positions from there. A whole prompt restored
+        with its logits (task.reuse.logits) leaves nothing to prefill."""
+        start, task.reuse.source, task.reuse.logits = self._restore(slot, task.tokens, task.job.use_cache,
+                                                                    task.job.cache_salt)
         slot.salt = task.job.cache_salt
         task.reuse.cached = task.reuse.pos = start
         task.reuse.store = self.stores(task.job)
         task.reuse.positions = self.snapshot_positions(task.job, start)
 
-    def _restore(self, slot: Slot, tokens: list[int], use_cache: bool, salt: str) -> tuple[int, str]:
-        """Restore and return (n_tokens, tier). The KV may come from a stored entry, the slot's own sequence, or
+    def _restore(self, slot: Slot, tokens: list[int], use_cache: bool,
+                 salt: str) -> tuple[int, str, np.ndarray | None]:
+        """Restore and return (n_tokens, tier, the logits after tokens[:n_tokens] where the plan restores the
+        whole prompt with them, else None). The KV may come from a stored entry, the slot's own sequence, or
         another slot's sequence (busy or not: its state is saved and its KV part loaded here, bytes llama.cpp
         itself wrote, so the copy is exact)."""
         if use_cache:
@@ -380,7 +393,7 @@ class Reuse:
                 parts = self.cache.load(plan)
                 if parts is None:
                     continue
-                kv, checkpoint = parts
+                kv, checkpoint, logits = parts
                 try:
                     if kv is None and src is not slot:  # the KV is live in another slot: copy it as bytes
                         kv = self.state.save(self.engine, src.seq, (KV,))[KV]
@@ -391,9 +404,9 @@ class Reuse:
                     self.cache.discard(plan)
                     continue
                 slot.live = tokens[: plan.n_tokens]
-                return plan.n_tokens, plan.tier
+                return plan.n_tokens, plan.tier, None if logits is None else np.frombuffer(logits, np.float32)
         self.reset(slot)
-        return 0, "none"
+        return 0, "none", None
 
     def fork(self, first: Task, other: Task) -> None:
         """Copy the state of choice 0's sequence (`first`, its prompt just prefilled, nothing decoded yet) to the
@@ -401,7 +414,7 @@ class Reuse:
         (llama_state_seq_get_data / set_data of the whole sequence: KV and recurrent parts), so the copy is exact
         and that choice goes on as its cold run would. It stores nothing: only choice 0 keeps snapshots and its
         after-generation state. The logits of the prefill's last token are untouched (a sequence state holds
-        none), so every choice samples its first token from them. Raises EngineError (that sequence cleared)."""
+        none), so every choice samples its first token from them (or from the restored ones, reuse.logits). Raises EngineError (that sequence cleared)."""
         slot = other.slot
         try:
             self.engine.load_state(slot.seq, self.engine.save_state_view(first.slot.seq))
@@ -410,7 +423,7 @@ class Reuse:
             raise
         slot.live, slot.salt = list(first.slot.live), first.slot.salt
         r, f = other.reuse, first.reuse
-        r.cached, r.source, r.pos = f.cached, f.source, f.pos
+        r.cached, r.source, r.pos, r.logits = f.cached, f.source, f.pos, f.logits
         other.forked(first)
 
     def _with_shared(self, tokens: list[int], salt: str, plans: list[RestorePlan]) -> list[RestorePlan]:
@@ -472,7 +485,9 @@ class Reuse:
     def prefilled(self, task: Task, end: int, seconds: float = 0.0) -> None:
         """The slot's sequence now holds work[:end] of `task.reuse`, computed by prefill in the last `seconds`: its
         KV is a reusable source (unless the whole work is a too-short ubatch), and at a snapshot position a
-        checkpoint is stored. A STORE task's chunks count in `after_stats`."""
+        checkpoint is stored; at the end of a prompt, its checkpoint and the logits of its last token (the
+        engine's, before anything samples: call it right after the final llama_decode). A STORE task's chunks
+        count in `after_stats`."""
         self.prefill.observe(end - task.reuse.pos, seconds)  # ignores a chunk that was not timed (0 s)
         if task.phase == Phase.STORE:
             self.after_stats.tokens += end - task.reuse.pos
@@ -480,20 +495,32 @@ class Reuse:
         task.slot.live = task.reuse.work[:end] if self.exact(len(task.reuse.work)) else []
         r = task.reuse
         start, r.pos = r.pos, end
+        if task.phase == Phase.PREFILL and end == len(r.work) and r.store:
+            self._store_prompt_end(task)
         if not r.positions or end < r.positions[0]:
             return
         p = r.positions.pop(0)
         if not r.store:
             return
-        # the repeat point too counts as a boundary: it keeps its branch's KV, as a user-message end did when
-        # restores could leave 2 tokens to prefill
         if p == end:
-            r.saved += self._store(task, r.work[:end], (CHECKPOINT,), boundary=True)
+            r.saved += self._store(task, r.work[:end], (CHECKPOINT,), boundary=True)  # a stop
         elif start < p and self.engine.can_roll_back(task.slot.seq, p):  # taken back: no stop
             r.saved += self._store(task, r.work[:p], (CHECKPOINT,), boundary=True,
                                    save=lambda: {CHECKPOINT: self.engine.checkpoint_back(task.slot.seq, p)})
         else:  # not reached by this engine's rollback (chunk_end never lets that happen): a missed checkpoint
             log.warning("the checkpoint at %d could not be taken back after a prefill call of %d..%d", p, start, end)
+
+    def _store_prompt_end(self, task: Task) -> None:
+        """After the final prefill call of a prompt: its checkpoint (a restore point for any longer prompt, and
+        where the re-prefill after generation starts) and the logits of its last token (a byte-identical repeat
+        samples from them, `plans`). Both as boundaries: they keep their branch's KV. The KV itself is stored
+        after generation (`after_generation`). A save and no llama_decode call."""
+        r, salt = task.reuse, task.job.cache_salt
+        r.saved += self._store(task, r.work, (CHECKPOINT,), boundary=True)
+        if not self.cache.contains(r.work, LOGITS, salt=salt):
+            start = time.perf_counter()
+            r.saved += self.cache.put(r.work, LOGITS, self.engine.logits().tobytes(), True, salt=salt)
+            r.snapshot_s += time.perf_counter() - start
 
     def after_generation(self, task: Task) -> bool:
         """After the result is delivered: choose the state to store, rewind the sequence to re-prefill it
@@ -524,13 +551,17 @@ class Reuse:
                     task.reuse.saved += self._store(task, task.tokens[:start], (KV,), boundary=False)
                 return False
             work = task.tokens if unusable else full
-            if work is task.tokens and self.cache.contains(work, KV, salt=salt):
+            if work is task.tokens and self.cache.contains(work, KV, salt=salt, covered=True):
                 return False
             start = self._rewind(task)
             if not start:
                 return False
             if 0 < len(work) - start and not self.exact(len(work) - start):  # too few for an exact prefill
                 work = task.tokens
+            if start == len(work):  # back at the prompt's end, which has its checkpoint: its KV only
+                if not self.cache.contains(work, KV, salt=salt, covered=True):
+                    task.reuse.saved += self._store(task, work, (KV,), boundary=False)
+                return False
         except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
             log.warning("after-generation snapshot failed", exc_info=True)
             self.reset(task.slot)
@@ -577,14 +608,14 @@ class Reuse:
         self.after_stats.taken_over_tokens += depth
 
     def _rewind(self, task: Task) -> int:
-        """Drop the decoded tokens: back to a state the re-prefill can go on from exactly, and return its
-        position (0: none): the deepest position the state kind can rewind to (the prompt's end on a KV-only
-        model, the repeat point as a rule on a hybrid one) with the live KV."""
+        """Drop the decoded tokens (decoded one at a time, which a prefill does not reproduce): back to a state
+        the re-prefill can go on from exactly, and return its position (0: none): the deepest position of the
+        prompt the live KV and the stored checkpoints restore (its end as a rule: `_store_prompt_end`; a KV-only
+        model's prompt KV, computed by prefill, truncates to it exactly)."""
         prompt = task.tokens
-        limit = self.state.rewind_limit(len(prompt), self.max_hit(len(prompt)))
-        plan = self.cache.plan(prompt, limit, prompt, salt=task.job.cache_salt)
+        plan = self.cache.plan(prompt, len(prompt), prompt, salt=task.job.cache_salt)
         parts = self.cache.load(plan) if plan.n_tokens else None
-        if parts is None or parts[0] is not None:
+        if parts is None or parts.kv is not None:
             return 0
         self.state.restore(self.engine, task.slot.seq, plan.n_tokens, None, parts[1])
         task.slot.live = prompt[:plan.n_tokens]

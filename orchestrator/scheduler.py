@@ -26,8 +26,10 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from .cache.snapshots import SnapshotCache
-from .engine import Engine, EngineThread
+from .engine import Engine, EngineThread, token_logprob
 from .errors import EngineError, OrchestratorError, QueueFull
 from .memory import IdleWork
 from .request import Collector, Event, EventKind, Job, Phase, Result, RetryAfter, Sink, Slot, Task
@@ -316,6 +318,9 @@ class Scheduler:
         """Prefill the task's next chunk of at most `chunk` tokens (`Reuse.chunk_end`); at the end of its work,
         go on to decoding (or, in STORE, store the branch end and release the slot)."""
         work, pos = t.reuse.work, t.reuse.pos
+        if pos == len(work):  # restored whole with its logits (Reuse.plans): nothing to prefill
+            self._prefilled(t)
+            return
         end = self.reuse.chunk_end(t, chunk)
         final = end == len(work)
         # live is extended only after a chunk is decoded; a failed decode clears the sequence.
@@ -339,20 +344,24 @@ class Scheduler:
             self._guard(c, self._start, c)
 
     def _start(self, t: Task) -> None:
-        """Sample the first token from the prompt's logits and go on to decoding."""
+        """Sample the first token from the prompt's logits (the last prefill call's, or those restored with the
+        whole prompt) and go on to decoding."""
+        restored = t.reuse.logits
         if t.job.want_logits:
-            t.first_logits = self.engine.logits()
+            t.first_logits = self.engine.logits() if restored is None else restored.copy()
         t.sampler = self.engine.sampler(t.job.sampling, t.deadline)
         t.phase = Phase.DECODE
-        self._sample(t, -1)  # now: the next llama_decode overwrites these logits
+        self._sample(t, -1, restored)  # now: the next llama_decode overwrites the engine's logits
 
-    def _sample(self, t: Task, idx: int) -> None:
-        tok = t.sampler.sample(idx)
+    def _sample(self, t: Task, idx: int, logits: np.ndarray | None = None) -> None:
+        """Sample the next token from the logits at batch index `idx` of the last llama_decode, or from `logits`."""
+        tok = t.sampler.sample(idx, logits)
         if t.clock.first_token is None:
             t.clock.first_token = time.perf_counter()
         eog = self.engine.is_eog(tok)
         if t.logprobs is not None and not eog:
-            t.logprobs.append(self.engine.logprob(tok, t.job.logprobs, idx))
+            t.logprobs.append(self.engine.logprob(tok, t.job.logprobs, idx) if logits is None
+                              else token_logprob(logits, tok, t.job.logprobs))
         delta, done = t.take(tok, eog, b"" if eog else self.engine.piece(tok), self.engine.n_ctx)
         if delta:
             t.sink(t.text_event(delta))

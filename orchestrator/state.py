@@ -87,14 +87,8 @@ class StateKind(ABC):
 
     @abstractmethod
     def snapshot_positions(self, candidates: Sequence[int]) -> list[int]:
-        """Of the ascending candidate positions (template boundaries, intervals, the repeat point), those where a
-        prefill stops to store an entry."""
-
-    @abstractmethod
-    def rewind_limit(self, n_prompt: int, max_hit: int) -> int:
-        """After generation: the deepest prompt position (tokens) a sequence may be brought back to, from its own
-        KV and stored checkpoints, to re-prefill from; `max_hit` is the prompt's last restorable position
-        (Reuse.max_hit)."""
+        """Of the ascending candidate positions (template boundaries, intervals), those where a prefill stops to
+        store an entry."""
 
     # ------------------------------------------------------------------ save and restore (the engine)
 
@@ -131,9 +125,6 @@ class KVState(StateKind):
 
     def snapshot_positions(self, candidates):
         return []  # a KV entry restores any prefix: nothing to store mid-prompt
-
-    def rewind_limit(self, n_prompt, max_hit):
-        return n_prompt  # the prompt's KV, computed by prefill, truncates to its end exactly
 
     def save(self, io, seq, kinds):
         return {KV: io.save_state(seq)}
@@ -205,11 +196,6 @@ class HybridState(StateKind):
 
     def snapshot_positions(self, candidates):
         return list(candidates)
-
-    def rewind_limit(self, n_prompt, max_hit):
-        # The generated tokens were decoded one at a time, which a prefill does not reproduce: back to the
-        # deepest checkpoint a request could restore (the repeat point, as a rule).
-        return max_hit
 
     def save(self, io, seq, kinds):
         if KV not in kinds:

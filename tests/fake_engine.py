@@ -77,8 +77,8 @@ class FakeSampler:
         self.rng = np.random.default_rng(params.seed)
         self.closed = False
 
-    def sample(self, idx: int = -1) -> int:
-        logits = self.engine.logits(idx)
+    def sample(self, idx: int = -1, logits: np.ndarray | None = None) -> int:
+        logits = self.engine.logits(idx) if logits is None else logits
         if self.params.temperature <= 0:
             return int(np.argmax(logits))
         p = np.exp((logits - logits.max()) / self.params.temperature)

@@ -49,7 +49,7 @@ def test_a_conversation_the_template_rejects_is_not_restorable_and_does_not_rais
 
 def test_over_http_a_text_answer_with_thinking_on_leaves_no_after_generation_work(runtime, client):
     """A chat answer that the next user turn would not restore is not re-prefilled: the cache keeps the prompt's
-    KV up to its repeat point and nothing longer, and the answer equals its cold run."""
+    KV to its end and nothing longer, and the answer equals its cold run."""
     runtime.scheduler.drain()
     runtime.cache.clear()
     stats = runtime.scheduler.reuse.after_stats
@@ -60,7 +60,7 @@ def test_over_http_a_text_answer_with_thinking_on_leaves_no_after_generation_wor
     runtime.scheduler.drain()
     prompt_len = warm["usage"]["prompt_tokens"]
     kv_lengths = {len(tokens) for kind, _tier, tokens in runtime.cache.entries() if str(kind) == "kv"}
-    assert kv_lengths == {prompt_len - runtime.engine.min_segment}  # the prompt's KV at its repeat point
+    assert kv_lengths == {prompt_len}  # the prompt's KV, to its end
     assert (stats.unrestorable, stats.answer) == (before[0] + 1, before[1])
     assert stats.tokens == before[2]  # nothing re-prefilled after generation
     cold = client.post("/v1/chat/completions", json=dict(body, cache_prompt=False)).json()

@@ -133,9 +133,9 @@ def test_plan_needs_kv_covering_the_checkpoint_or_live_tokens():
     c.put(a, KV, b"kv30")
     plan = c.plan(prompt, len(prompt) - 2)
     assert plan.n_tokens == 20 and plan.tier == "ram"
-    kv, rec = c.load(plan)
+    kv, rec, _ = c.load(plan)
     assert (kv, rec) == (b"kv30", b"r20")
-    assert c.load(plan) == (b"kv30", b"r20")  # restoring copies, never consumes
+    assert c.load(plan) == (b"kv30", b"r20", None)  # restoring copies, never consumes
     assert c.plan(a, len(a) - 2).n_tokens == 20  # at least two tokens left to prefill
 
 
@@ -182,7 +182,7 @@ def test_an_entry_larger_than_the_ram_budget_goes_straight_to_disk(tmp_path):
         assert s.ram_bytes == 50 and s.disk_entries == 1 and s.rejected_too_large == 0
         plan = c.plan([1, 2, 3, 4, 5, 6, 7], 5)
         assert plan.n_tokens == 3 and plan.tier == "disk"
-        assert c.load(plan) == (b"k" * 500, b"r" * 50)  # read from disk, not promoted (it cannot fit)
+        assert c.load(plan) == (b"k" * 500, b"r" * 50, None)  # read from disk, not promoted (it cannot fit)
         assert c.stats().ram_bytes == 50
         c.check()
 
@@ -207,7 +207,7 @@ def test_entries_the_disk_tier_evicts_leave_the_index(tmp_path):
         assert plan(91).n_tokens == 0  # spilled, then evicted from disk: gone from the index too
         oldest_on_disk = plan(92)
         assert (oldest_on_disk.n_tokens, oldest_on_disk.tier) == (4, "disk")
-        assert c.load(oldest_on_disk) == (None, bytes([92]) * 500)
+        assert c.load(oldest_on_disk) == (None, bytes([92]) * 500, None)
         # The promotion spilled a RAM entry; the disk tier made room by evicting 93 (92 was just read).
         c.check()
         assert plan(93).n_tokens == 0 and plan(92).tier == "live" and plan(94).tier == "disk"
@@ -300,7 +300,7 @@ def test_a_third_tier_is_one_class_entries_spill_down_the_list_and_are_promoted_
     assert where[7] == "ram" and where[6] == "mid" and where[1] == "far"
     plan = c.plan([1, 7, 9], 2, live_tokens=[1, 7])
     assert (plan.n_tokens, plan.tier) == (2, "far")
-    assert c.load(plan) == (None, bytes([1]) * 60)  # promoted: 7 spills to mid, mid's 6 to far
+    assert c.load(plan) == (None, bytes([1]) * 60, None)  # promoted: 7 spills to mid, mid's 6 to far
     c.check()
     assert {t[0]: tier for _kind, tier, t in c.entries()}[1] == "ram"
     assert [s.name for s in c.stats().tiers] == ["ram", "mid", "far"]

@@ -126,9 +126,9 @@ def test_tool_arguments_with_other_spacing_are_the_same_prompt(client, runtime):
     assert len(tokens) == 1
     same_as_cold(client, spaced)
     r = same_as_cold(client, compact)
-    # The whole prompt is shared: the first request's repeat point (min_segment tokens before its end) is restored.
+    # The whole prompt is shared: the first request's prompt end and logits are restored, nothing is prefilled.
     n = len(prompt_of(runtime, compact).tokens)
-    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == n - runtime.scheduler.min_segment
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == n
 
 
 def test_tool_arguments_in_another_key_order_are_another_prompt(client, runtime):

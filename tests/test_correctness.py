@@ -50,14 +50,14 @@ def test_shared_tools_and_system_prefix_different_user_tails(runtime):
     assert second.boundaries.tools_end < second.boundaries.system_end
 
 
-def test_byte_identical_repeat_restores_deepest_shorter_snapshot(runtime):
+def test_byte_identical_repeat_restores_the_whole_prompt(runtime):
     msgs = [sys_msg(), user("Summarise the module layout.")]
     first = assert_same_as_cold(runtime, msgs, TOOLS)
     assert first.result.cached_tokens == 0
     again = assert_same_as_cold(runtime, msgs, TOOLS)
-    # At least min_segment tokens are always prefilled; the first run stored a checkpoint exactly there (its
-    # repeat point), so an identical request prefills only those.
-    assert again.result.cached_tokens == len(again.tokens) - runtime.scheduler.min_segment
+    # The first run stored the checkpoint at its prompt's end and the logits of its last token: an identical
+    # request restores the whole prompt and samples from them, with no prefill.
+    assert again.result.cached_tokens == len(again.tokens)
 
 
 def test_turn_two_extension(runtime):
@@ -77,10 +77,9 @@ def test_tool_call_turn_extends_the_previous_prompt_end(runtime):
     msgs2 = msgs + [call, {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18, "sky": "clear"}'}]
     second = assert_same_as_cold(runtime, msgs2, TOOLS)
     # The assistant turn after the last user query keeps its <think> block, so the whole previous prompt
-    # (which ended with "<think>\n") is a prefix: the previous request's repeat point (min_segment tokens before
-    # its end, the last position an identical request could restore) is restored.
+    # (which ended with "<think>\n") is a prefix: the previous request's prompt end is restored.
     assert second.tokens[: len(first.tokens)] == first.tokens
-    assert second.result.cached_tokens == len(first.tokens) - runtime.scheduler.min_segment
+    assert second.result.cached_tokens == len(first.tokens)
 
 
 def test_x_then_y_then_x_again(runtime):
@@ -90,7 +89,7 @@ def test_x_then_y_then_x_again(runtime):
     y1 = assert_same_as_cold(runtime, y)
     assert y1.result.cached_tokens == 0
     x2 = assert_same_as_cold(runtime, x)
-    assert x2.result.cached_tokens == x2.boundaries.message_ends[-1]
+    assert x2.result.cached_tokens == len(x2.tokens)  # x's prompt end and logits outlived y
 
 
 def test_history_rewrite_with_thinking_hits_through_previous_user_message(runtime):
@@ -180,6 +179,7 @@ def test_random_prefill_splits_are_bit_identical(which, runtime, q4_runtime):
     text = " ".join(rng.choice(["alpha", "beta", "{\"k\": 1}", "数据", "🙂", "def f(x):", "\n\n"]) for _ in range(300))
     tokens = runtime.engine.tokenize(text)
     cold = runtime.scheduler.run(Job(tokens, max_tokens=1, use_cache=False, want_logits=True))
+    cold_shorter = runtime.scheduler.run(Job(tokens[:-1], max_tokens=1, use_cache=False, want_logits=True))
     n = len(tokens)
     for _ in range(4):
         cuts = sorted(rng.sample(range(2, n - 2), 6)) + [n - rng.randint(2, 9)]  # some cuts close to the end
@@ -189,13 +189,18 @@ def test_random_prefill_splits_are_bit_identical(which, runtime, q4_runtime):
         assert np.array_equal(warm.first_logits, cold.first_logits)
         runtime.scheduler.drain()
         kept, pos = [], 0
-        for c in sorted(set(cuts) | {n - m}):  # n - m: the repeat point the scheduler adds
+        for c in sorted(set(cuts)):
             if c - pos >= m and n - c >= m:
                 kept.append(c)
                 pos = c
         again = runtime.scheduler.run(Job(tokens, boundaries=cuts, max_tokens=1, want_logits=True))
-        assert again.cached_tokens == max(kept)
+        assert again.cached_tokens == n  # a repeat: the prompt end and its logits
         assert np.array_equal(again.first_logits, cold.first_logits)
+        runtime.scheduler.drain()
+        # one token shorter: restored at the deepest cut with at least m tokens after it, then prefilled
+        shorter = runtime.scheduler.run(Job(tokens[:-1], boundaries=cuts, max_tokens=1, want_logits=True))
+        assert shorter.cached_tokens == max([c for c in kept if n - 1 - c >= m], default=0)
+        assert np.array_equal(shorter.first_logits, cold_shorter.first_logits)
 
 
 @pytest.mark.parametrize("wait", [True, False])

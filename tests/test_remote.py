@@ -209,7 +209,7 @@ def test_a_second_cache_sharing_only_redis_plans_and_loads_through_a_checkpoint_
     plan = reader.plan(prompt, len(prompt) - 4)
     assert (plan.n_tokens, plan.tier) == (260, "remote")
     assert reader.transfer_s(plan) > 0
-    kv, checkpoint = reader.load(plan)
+    kv, checkpoint, _ = reader.load(plan)
     assert (kv, checkpoint) == (payload(8000, 3), payload(1000, 2))
     reader.check()
     assert reader.plan(prompt, len(prompt) - 4).tier == "ram"  # promoted

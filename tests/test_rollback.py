@@ -1,4 +1,4 @@
-"""The repeat point taken back from the prompt's final prefill call (llama.cpp's per-token recurrent snapshots,
+"""The last stop of a prompt taken back from its final prefill call (llama.cpp's per-token recurrent snapshots,
 n_rs_seq: Engine.checkpoint_back) instead of a llama_decode call of its own, and calibration turning that off
 where it is not bit-identical (issue 30)."""
 
@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator import calibration
 from orchestrator.engine import Engine
+from orchestrator.request import Job
 
 from .conftest import assert_same_as_cold
 
@@ -33,27 +34,39 @@ def spy(rt, monkeypatch) -> tuple[list[tuple[int, int]], list[int]]:
     return calls, backs
 
 
-def test_repeat_point_is_taken_back_not_a_stop_and_equals_cold(start, monkeypatch):
+# The next turn: the template renders the answered generation prompt otherwise, so the prompt diverges after
+# the user message's end, the first prompt's last stop (its prompt end is no prefix)
+NEXT = MESSAGES + [{"role": "assistant", "content": "The parser and the docs."},
+                   {"role": "user", "content": "And which are slow?"}]
+
+
+def last_stop(turn, rt) -> int:
+    """The last snapshot position of a turn's prompt (its last message end here)."""
+    return rt.scheduler.reuse.snapshot_positions(
+        Job(turn.tokens, turn.boundaries, use_cache=True))[-1]
+
+
+def test_the_last_stop_is_taken_back_not_a_stop_and_equals_cold(start, monkeypatch):
     rt = start(rs_snapshots=8)
     assert rt.engine.n_rs_seq == 8 and rt.engine.rollback  # checked bit-identical at start on this CPU
     calls, backs = spy(rt, monkeypatch)
     first = assert_same_as_cold(rt, MESSAGES)
-    n, m = len(first.tokens), rt.engine.min_segment
-    assert n < 256  # one call for the whole prompt (n_batch 256): a call ending at n - m would be a stop
-    assert backs == [n - m]
-    assert all(end != n - m for _, end in calls)
-    # an identical request restores the taken-back checkpoint and prefills min_segment tokens, equal to cold
-    again = assert_same_as_cold(rt, MESSAGES)
-    assert again.result.cached_tokens == n - m
+    n, p = len(first.tokens), last_stop(first, rt)
+    assert n < 256 and n - p <= 8  # one call for the whole prompt (n_batch 256): a call ending at p is a stop
+    assert backs == [p]
+    assert all(end != p for _, end in calls)
+    # the next turn restores the taken-back checkpoint, equal to cold
+    nxt = assert_same_as_cold(rt, NEXT)
+    assert nxt.tokens[:p] == first.tokens[:p] and nxt.tokens[:n] != first.tokens
+    assert nxt.result.cached_tokens == p
 
 
-def test_without_snapshots_the_repeat_point_is_a_stop(start, monkeypatch):
+def test_without_snapshots_the_last_stop_is_a_stop(start, monkeypatch):
     rt = start(rs_snapshots=0)
     assert rt.engine.n_rs_seq == 0 and not rt.engine.rollback
     calls, backs = spy(rt, monkeypatch)
     first = assert_same_as_cold(rt, MESSAGES)
-    n, m = len(first.tokens), rt.engine.min_segment
-    assert backs == [] and any(end == n - m for _, end in calls)
+    assert backs == [] and any(end == last_stop(first, rt) for _, end in calls)
 
 
 def test_calibration_turns_rollback_off_where_not_bit_identical(start, monkeypatch):
@@ -67,7 +80,7 @@ def test_calibration_turns_rollback_off_where_not_bit_identical(start, monkeypat
     assert rt.engine.n_rs_seq == 8 and not rt.engine.rollback
     calls, backs = spy(rt, monkeypatch)
     first = assert_same_as_cold(rt, MESSAGES)
-    assert backs == [] and any(end == len(first.tokens) - rt.engine.min_segment for _, end in calls)
+    assert backs == [] and any(end == last_stop(first, rt) for _, end in calls)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from orchestrator import calibration
 from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.engine import SamplingParams
 from orchestrator.errors import EngineError, InvalidRequest, RequestCancelled, RequestTimeout
-from orchestrator.cache.radix import CHECKPOINT, KV, common_len
+from orchestrator.cache.radix import CHECKPOINT, KV, LOGITS, common_len
 from orchestrator.request import Collector, Event, EventKind, Job, Phase, Slot, Task
 from orchestrator.reuse import Reuse
 from orchestrator.scheduler import Scheduler
@@ -148,16 +148,19 @@ def test_calibration_finds_the_fakes_thresholds():
 # ---------------------------------------------------------------- the rule, positions and restores
 
 
-def test_shared_prefix_restores_the_boundary_and_a_repeat_restores_the_repeat_point(make):
+def test_shared_prefix_restores_the_boundary_and_a_repeat_restores_the_whole_prompt(make):
     eng, cache, s = make()
     a, b = SYSTEM + TAILS[0], SYSTEM + TAILS[1]
     first = same_as_cold(s, a, [len(SYSTEM)])
-    assert first.cached_tokens == 0 and first.snapshots_saved == 2  # the boundary and the repeat point
-    assert (str(CHECKPOINT), len(SYSTEM)) in kinds_at(cache)
+    assert first.cached_tokens == 0 and first.snapshots_saved == 3  # the boundary; the prompt end and its logits
+    assert {(str(CHECKPOINT), len(SYSTEM)), (str(CHECKPOINT), len(a)), (str(LOGITS), len(a))} <= kinds_at(cache)
     assert same_as_cold(s, b, [len(SYSTEM)]).cached_tokens == len(SYSTEM)
-    again = same_as_cold(s, b, [len(SYSTEM)])
-    assert again.cached_tokens == s.reuse.max_hit(len(b)) == len(b) - MS
-    assert again.restore_source in ("live", "ram")
+    before = eng.prefilled_tokens
+    again = s.run(job(b, [len(SYSTEM)]))
+    s.drain()
+    assert eng.prefilled_tokens == before  # nothing prefilled: sampled from the stored logits
+    assert again.cached_tokens == len(b) and again.restore_source in ("live", "ram")
+    same_as_cold(s, b, [len(SYSTEM)])  # the same first-step logits and tokens as the cold run
 
 
 def test_snapshot_positions_are_built_once_filtered_by_min_segment():
@@ -165,10 +168,11 @@ def test_snapshot_positions_are_built_once_filtered_by_min_segment():
     eng.calibrate(MS)
     reuse = Reuse(eng, SnapshotCache([RamTier(1 << 20)], state=eng.state), [Slot(0)], checkpoint_interval=10)
     j = job(range(1, 41), boundaries=[3, 5, 12, 30, 38, 99])
-    # boundaries 3 (closer than MS to the start), 5, 12, 30, 38 (beyond the repeat point, 40 - MS = 36); an
-    # interval checkpoint at 22 (10 after the boundary 12: the other stretches are shorter than 10)
-    assert reuse.snapshot_positions(j) == [5, 12, 22, 30, 36]
-    assert reuse.snapshot_positions(j, start=20) == [30, 36]  # from a restored position: 22 is too close
+    # boundaries 3 (closer than MS to the start), 5, 12, 30, 38 (beyond the last restorable position, 40 - MS =
+    # 36); an interval checkpoint at 22 (10 after the boundary 12: the other stretches are shorter than 10); no
+    # stop near the end: the prompt end is stored after the final call
+    assert reuse.snapshot_positions(j) == [5, 12, 22, 30]
+    assert reuse.snapshot_positions(j, start=20) == [30]  # from a restored position: 22 is too close
     cold = job(range(1, 41), [5, 12], use_cache=False)
     assert reuse.snapshot_positions(cold) == []  # a cold run stores nothing: it never stops
     kv = FakeEngine(hybrid=False, exact_from=MS)
@@ -180,14 +184,14 @@ def test_interval_checkpoints_keep_min_gap_before_the_next_boundary():
     eng = FakeEngine(exact_from=MS)
     eng.calibrate(MS)
     cache = SnapshotCache([RamTier(1 << 20)], state=eng.state)
-    j = job(range(1, 114), boundaries=[4, 49, 75])  # repeat point 113 - MS = 109
+    j = job(range(1, 114), boundaries=[4, 49, 75])  # last restorable position 113 - MS = 109
     # interval positions count from each boundary: 14..44, then 59, 69, then 85, 95, 105
     assert Reuse(eng, cache, [Slot(0)], checkpoint_interval=10).snapshot_positions(j) == [
-        4, 14, 24, 34, 44, 49, 59, 69, 75, 85, 95, 105, 109]
-    # a gap of 6: 44 goes (5 tokens before the boundary 49); 69 stays (exactly 6 before 75); boundaries and the
-    # repeat point are not interval checkpoints and stay
+        4, 14, 24, 34, 44, 49, 59, 69, 75, 85, 95, 105]
+    # a gap of 6: 44 goes (5 tokens before the boundary 49); 69 stays (exactly 6 before 75); boundaries are not
+    # interval checkpoints and stay
     gapped = Reuse(eng, cache, [Slot(0)], checkpoint_interval=10, min_gap=6).snapshot_positions(j)
-    assert gapped == [4, 14, 24, 34, 49, 59, 69, 75, 85, 95, 105, 109]
+    assert gapped == [4, 14, 24, 34, 49, 59, 69, 75, 85, 95, 105]
 
 
 def test_the_gap_is_applied_once_in_reuse_to_the_raw_message_ends_and_to_interval_checkpoints():
@@ -199,11 +203,11 @@ def test_the_gap_is_applied_once_in_reuse_to_the_raw_message_ends_and_to_interva
     j = job(range(1, 201), boundaries=Boundaries(tools_end=None, system_end=10, message_ends=(10, 30, 40, 60)))
     # no gap: every message end, interval checkpoints every 25 after 60 (the stretches before are shorter)
     assert Reuse(eng, cache, [Slot(0)], checkpoint_interval=25).snapshot_positions(j) == [
-        10, 30, 40, 60, 85, 110, 135, 160, 185, 196]
+        10, 30, 40, 60, 85, 110, 135, 160, 185]
     # a gap of 15: the message end 30 goes (10 from 40, taken first: from the last end backwards), and so does
     # the interval checkpoint 35 of the stretch 10..40 (5 before 40); 185, 15 before the prompt's end, stays
     gapped = Reuse(eng, cache, [Slot(0)], checkpoint_interval=25, min_gap=15).snapshot_positions(j)
-    assert gapped == [10, 40, 60, 85, 110, 135, 160, 185, 196]
+    assert gapped == [10, 40, 60, 85, 110, 135, 160, 185]
 
 
 def test_one_chunk_end_rule_for_the_engine_and_the_scheduler():
@@ -444,19 +448,21 @@ def test_after_generation_too_few_tokens_for_an_exact_prefill_store_the_prompts_
     prompt = SYSTEM + TAILS[0]
     s.run(job(prompt, max_tokens=1))  # one generated token: shorter than min_segment beyond the prompt
     s.drain()
-    assert kinds_at(cache) == {(str(KV), len(prompt))}
+    assert kinds_at(cache) == {(str(KV), len(prompt)), (str(LOGITS), len(prompt))}
 
 
-def test_after_generation_of_an_identical_repeat_the_prompts_end_is_stored(make):
+def test_after_generation_of_an_identical_repeat_nothing_more_is_stored(make):
     eng, cache, s = make()
     prompt = SYSTEM + TAILS[0]
     r = s.run(job(prompt, max_tokens=8))
     s.drain()
     full = len(prompt) + len(r.completion_tokens) + (r.finish_reason == "stop")
     assert {n for k, n in kinds_at(cache) if k == str(KV)} == {full}
-    assert s.run(job(prompt, max_tokens=8)).completion_tokens == r.completion_tokens
-    s.drain()  # the state after these tokens is stored already: the prompt's end instead
-    assert (str(KV), len(prompt)) in kinds_at(cache)
+    stored = kinds_at(cache)
+    again = s.run(job(prompt, max_tokens=8))
+    assert again.completion_tokens == r.completion_tokens and again.cached_tokens == len(prompt)
+    s.drain()  # the state after these tokens is stored already, and its KV covers the prompt's end
+    assert kinds_at(cache) == stored
 
 
 def test_after_generation_is_skipped_where_the_next_request_would_not_restore_it(make):
@@ -471,16 +477,16 @@ def test_after_generation_is_skipped_where_the_next_request_would_not_restore_it
     r = s.run(job(prompt, [len(SYSTEM)], max_tokens=12, restorable_after=never))
     s.drain()
     assert seen == [r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else [])]
-    # the prompt's KV up to the repeat point, saved without any re-prefill
-    assert {n for k, n in kinds_at(cache) if k == str(KV)} == {len(prompt) - MS}
+    # the prompt's KV, saved without any re-prefill
+    assert {n for k, n in kinds_at(cache) if k == str(KV)} == {len(prompt)}
     st_ = s.reuse.after_stats
     assert (st_.unrestorable, st_.answer, st_.prompt_end, st_.tokens) == (1, 0, 0, 0)
     r2 = s.run(job(SYSTEM + TAILS[1], [len(SYSTEM)], max_tokens=12, restorable_after=lambda g: True))
     s.drain()
     full = len(SYSTEM + TAILS[1]) + len(r2.completion_tokens) + (r2.finish_reason == "stop")
     assert (str(KV), full) in kinds_at(cache) and s.reuse.after_stats.answer == 1
-    # the saved KV and the repeat point's checkpoint serve the prompt's extensions, exactly
-    assert same_as_cold(s, prompt + [3, 3, 4, 4], [len(SYSTEM)]).cached_tokens == len(prompt) - MS
+    # the saved KV and the prompt end's checkpoint serve the prompt's extensions, exactly
+    assert same_as_cold(s, prompt + [3, 3, 4, 4], [len(SYSTEM)]).cached_tokens == len(prompt)
 
 
 def test_a_request_alone_prefills_in_larger_chunks_and_shares_the_cores_in_small_ones(make):
@@ -633,7 +639,7 @@ def test_a_request_that_extends_the_answer_takes_the_after_generation_work_over(
     assert len(a.completion_tokens) > 2 * 8
     s.drain()
     eng.on_decode = None
-    assert fired[0] <= len(prompt) - MS  # the re-prefill started from the prompt's repeat point ...
+    assert fired[0] == len(prompt)  # the re-prefill started from the prompt's end ...
     assert (b.cached_tokens, b.restore_source) == (fired[0] + 8, "live")  # ... and was taken over one chunk on
     assert s.reuse.after_stats.taken_over == 1 and s.reuse.after_stats.preempted == 0
     cold = s.run(job(nxt[0], max_tokens=6, use_cache=False))
@@ -649,8 +655,8 @@ def test_a_kv_only_model_restores_any_shared_prefix_without_checkpoints(make):
     b = SYSTEM[:33] + [62] + SYSTEM[34:] + TAILS[1]  # diverges mid-message, at no boundary
     same_as_cold(s, a)
     assert same_as_cold(s, b).cached_tokens == 33
-    assert {k for k, _ in kinds_at(cache)} == {str(KV)}
-    assert same_as_cold(s, b).cached_tokens == len(b) - MS
+    assert {k for k, _ in kinds_at(cache)} == {str(KV), str(LOGITS)}  # no checkpoints
+    assert same_as_cold(s, b).cached_tokens == len(b)  # a repeat: restored whole, with its logits
 
 
 def test_a_flush_forgets_the_slots_live_kv_too(make):
@@ -780,7 +786,8 @@ def test_random_traffic_equals_cold_runs_and_never_over_reports(make, parts, dat
             bound = max([common_len(j.prompt_tokens, e) for e in earlier] + [0])
             peers = [b.prompt_tokens for b in batch if b is not j]
             bound = max([bound] + [common_len(j.prompt_tokens, p) for p in peers])
-            assert r.cached_tokens <= min(bound, len(j.prompt_tokens) - MS) or r.cached_tokens == 0
+            n = len(j.prompt_tokens)  # at most n - MS restored, or the whole of a prompt seen before
+            assert r.cached_tokens <= bound and (r.cached_tokens <= max(n - MS, 0) or r.cached_tokens == n)
         earlier += [j.prompt_tokens + r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else [])
                     for j, r in zip(batch, got)]
         cache.check()
@@ -828,7 +835,7 @@ def test_n_choices_restore_once_and_only_choice_0_stores_after_generation(make):
     j = hot(tokens, [len(SYSTEM)], n=3, seed=5, max_tokens=10)
     rs = s.run_choices(j)
     assert s.drain(30)
-    assert all(r.cached_tokens == len(tokens) - MS and r.restore_source == rs[0].restore_source for r in rs)
+    assert all(r.cached_tokens == len(tokens) and r.restore_source == rs[0].restore_source for r in rs)
     ends = [tokens + r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else []) for r in rs]
     assert cache.contains(ends[0], KV)
     assert not any(cache.contains(e, KV) for e in ends[1:] if e != ends[0])

@@ -33,14 +33,17 @@ def served(request, tiny_model):
 
 
 def expected_hit(first, second, m: int) -> int:
-    """The deepest checkpoint the first request stored (its boundaries and its repeat point, m = min_segment
-    tokens before its end) that prefixes the second prompt and leaves m tokens to prefill."""
+    """The deepest checkpoint the first request stored (its boundaries and its prompt end) that prefixes the
+    second prompt and leaves m = min_segment tokens to prefill (or is the whole second prompt: a repeat)."""
     n = len(first.tokens)
     stored, pos = [first.result.cached_tokens], first.result.cached_tokens
-    for b in sorted(set(first.boundaries.positions(n)) | {n - m}):  # the scheduler's segment rule
+    for b in sorted(set(first.boundaries.positions(n))):  # the scheduler's segment rule
         if b - pos >= m and n - b >= m:
             stored.append(b)
             pos = b
+    stored.append(n)
+    if first.tokens == second.tokens:
+        return n
     shared = [p for p in stored if p <= len(second.tokens) - m and first.tokens[:p] == second.tokens[:p]]
     return max(shared, default=0)
 
@@ -69,7 +72,7 @@ def test_turns_hit_the_detected_boundaries_and_equal_cold_runs(served):
             end = max(e for e in prev.boundaries.message_ends if e is not None)
             assert prev.tokens[:end] == cur.tokens[:end]
             # ... and the hit is exactly the deepest stored snapshot that prefixes this prompt.
-            m = rt.scheduler.min_segment  # a boundary at the very end is reached only up to the repeat point
+            m = rt.scheduler.min_segment
             assert cur.result.cached_tokens == expected_hit(prev, cur, m) >= min(end, len(prev.tokens) - m)
         prev = cur
         rt.cache.check()

@@ -7,7 +7,7 @@ import random
 import shutil
 
 
-from orchestrator.cache.radix import CHECKPOINT, KV
+from orchestrator.cache.radix import CHECKPOINT, KV, LOGITS
 from orchestrator.reuse import spaced_stops
 
 from .conftest import assert_same_as_cold, run_chat
@@ -62,8 +62,9 @@ def test_two_conversations_alternate_under_a_six_snapshot_budget_and_keep_the_sh
     first = assert_same_as_cold(probe, [system, {"role": "user", "content": "hello"}], max_tokens=2)
     n = len(first.tokens)
     snapshot = len(probe.engine.save_state(0))  # whole state after the ~1,500-token prefix
+    logits = 4 * probe.engine.n_vocab  # the prompt end's logits, stored with every request
     probe.close()
-    rt = start(cache_ram_mib=max(1, 6 * snapshot // MiB), snapshot_min_gap=0)  # a snapshot at every message end
+    rt = start(cache_ram_mib=max(1, 6 * (snapshot + logits) // MiB), snapshot_min_gap=0)  # a stop at every message end
     convs = {"a": [system], "b": [system]}
     rng = random.Random(2)
     shared_end = None
@@ -151,7 +152,7 @@ def test_interval_checkpoints_serve_a_divergence_inside_a_long_message(start):
     shared = next(i for i, (x, y) in enumerate(zip(hit.tokens, rt.prompts.chat(a, None, {}).tokens)) if x != y)
     assert shared > 1000 and hit.result.cached_tokens == (shared // 256) * 256
     kinds = {k for k, _tier, _t in rt.cache.entries()}
-    assert kinds == {CHECKPOINT, KV}
+    assert kinds == {CHECKPOINT, KV, LOGITS}
 
 
 def test_short_messages_do_not_each_stop_the_prefill_and_the_next_turn_still_hits_by_the_rewrite_point(start):

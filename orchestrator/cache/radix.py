@@ -10,6 +10,7 @@ The tree knows tokens and entry ids only; bytes live in the tiers (`orchestrator
 A node's depth is the number of tokens from the root to it. A node holds at most one entry per kind
 (`EntryKind`):
   * CHECKPOINT: a recurrent checkpoint, the recurrent state after exactly `depth` tokens;
+  * LOGITS: the logits after the last of those tokens (where a prompt ended);
   * KV: the attention KV of those `depth` tokens. KV is a prefix-closed quantity (vLLM: "downward-closed"): the
         KV of D covers every position of B and A too, so a checkpoint at any ancestor plus a KV entry in its
         subtree restores that ancestor (load KV, load checkpoint, truncate the KV).
@@ -33,6 +34,9 @@ class EntryKind(str, Enum):
 
     CHECKPOINT = "checkpoint"  # the recurrent state at one position (llama.cpp: a PARTIAL_ONLY sequence state)
     KV = "kv"  # the attention KV of a prefix (or the whole state where it is KV only, or cannot be split)
+    LOGITS = "logits"  # the logits of the last of `depth` tokens as the prefill ending there computed them
+    #                    (float32, shape (n_vocab,)): stored where a prompt ends, so that a byte-identical repeat
+    #                    samples its first token with no llama_decode (reuse.py)
 
     def __str__(self) -> str:
         return self.value
@@ -47,7 +51,7 @@ class EntryKind(str, Enum):
     __hash__ = str.__hash__  # a member and its value are the same dict key
 
 
-CHECKPOINT, KV = EntryKind.CHECKPOINT, EntryKind.KV
+CHECKPOINT, KV, LOGITS = EntryKind.CHECKPOINT, EntryKind.KV, EntryKind.LOGITS
 
 
 @dataclass(eq=False)

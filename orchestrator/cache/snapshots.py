@@ -1,15 +1,16 @@
 """Snapshot cache: a radix tree of token prefixes (the index) over an ordered list of storage tiers (the bytes).
 
-Knows tokens and bytes, nothing of llama.cpp or HTTP. Entries come in two kinds (`EntryKind`, radix.py):
-CHECKPOINT (a recurrent checkpoint: llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and KV
-(the attention KV of a prefix, stored where a branch ends). Which kinds a model has is its `StateKind`'s
+Knows tokens and bytes, nothing of llama.cpp or HTTP. Entries come in three kinds (`EntryKind`, radix.py):
+CHECKPOINT (a recurrent checkpoint: llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY), KV
+(the attention KV of a prefix, stored where a branch ends) and LOGITS (where a prompt ends: a plan with
+`whole=True` restores that prompt entire, with no prefill). Which kinds a model has is its `StateKind`'s
 `entry_kinds` (state.py); how deep they restore and what a new entry supersedes follows from what the kinds can
 do (`PrefixRules`, rules.py): on a hybrid model a restore of position p needs a checkpoint at p and KV covering
 p (a KV entry at or below p in the tree, or the live sequence when it holds tokens[:p]); on a KV-only model any
 prefix of a KV entry restores.
 
     plan = cache.plan(tokens, max_tokens, live_tokens)   # deepest restorable position, and from what
-    parts = cache.load(plan)                            # bytes of both parts (copies; entries stay)
+    parts = cache.load(plan)                            # bytes of its parts (copies; entries stay)
 
 Tiers (`orchestrator.cache.tiers`): every entry is stored first in tiers[0], the hot tier (RAM), whose resident
 bytes never exceed its budget, checked before an insert. When an entry must leave it, the `EvictionPolicy`
@@ -46,11 +47,11 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from .keys import disk_key, salt_id, salt_of_key
 from .policy import Candidate, EvictionPolicy
-from .radix import CHECKPOINT, KV, EntryKind, RadixTree, common_len
+from .radix import CHECKPOINT, KV, LOGITS, EntryKind, RadixTree, common_len
 from .rules import PrefixRules, StoresKinds
 from .tiers import GuardedTier, Tier, TierStats
 
@@ -65,15 +66,31 @@ class RestorePlan:
     """How to restore the deepest reusable prefix of a prompt.
 
     n_tokens: prompt tokens restored (0: nothing). checkpoint_id: the recurrent checkpoint at n_tokens. kv_id:
-    the stored KV entry covering n_tokens, or None when the live sequence's own KV is used. tier: the name of
-    the tier the slowest part comes from ("ram", "disk", "remote"), "live" for live KV and a checkpoint in the
-    hot tier (or none), or "none".
+    the stored KV entry covering n_tokens, or None when the live sequence's own KV is used. logits_id: the
+    LOGITS entry at n_tokens when the plan restores a whole prompt with the logits of its last token (None: the
+    restore is followed by a prefill). tier: the name of the tier the slowest part comes from ("ram", "disk",
+    "remote"), "live" for live KV and the rest (if any) in the hot tier, or "none".
     """
 
     n_tokens: int = 0
     checkpoint_id: int | None = None
     kv_id: int | None = None
     tier: str = "none"
+    logits_id: int | None = None
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """The ids of the stored entries the plan reads."""
+        return tuple(i for i in (self.checkpoint_id, self.kv_id, self.logits_id) if i is not None)
+
+
+class Parts(NamedTuple):
+    """The bytes of a plan's stored parts (`SnapshotCache.load`): kv None when the live sequence's KV serves,
+    checkpoint None where the model has none, logits None unless the plan has a logits_id."""
+
+    kv: bytes | None
+    checkpoint: bytes | None
+    logits: bytes | None = None
 
 
 @dataclass
@@ -184,50 +201,58 @@ class SnapshotCache:
         return self._trees[self._meta[eid].salt]
 
     def plan(self, tokens: Sequence[int], max_tokens: int, live_tokens: Sequence[int] = (), *,
-             salt: str = "") -> RestorePlan:
+             salt: str = "", whole: bool = False) -> RestorePlan:
         """The deepest position p <= max_tokens that the entries stored under `salt` restore (with the live
         sequence's KV where the state kind can use it): on a hybrid model a checkpoint at tokens[:p] and KV
         covering p, on a KV-only model KV covering p.
 
+        whole: the whole of `tokens` instead, with its logits (p = len(tokens), logits_id set), where a LOGITS
+        entry for exactly `tokens` is stored and the rest restores that deep; else as without it.
         `live_tokens`: tokens whose KV the live sequence holds, computed by prefill (usable KV source; the
         caller passes () when the live sequence belongs to another salt).
         """
         with self._lock:
             self._tick += 1
             tree = self._trees.get(salt_id(salt), _EMPTY)
-            n, checkpoint_id, kv_id = self.rules.match(tree, tokens, max_tokens, common_len(live_tokens, tokens))
+            live = common_len(live_tokens, tokens)
+            logits_id = tree.find(tokens, LOGITS) if whole and tokens else None
+            if logits_id is not None:
+                n, checkpoint_id, kv_id = self.rules.match(tree, tokens, len(tokens), live)
+                if n == len(tokens):
+                    return RestorePlan(n, checkpoint_id, kv_id, self._tier_name(checkpoint_id, kv_id, logits_id),
+                                       logits_id)
+            n, checkpoint_id, kv_id = self.rules.match(tree, tokens, max_tokens, live)
             if n <= 0:
                 return RestorePlan()
             return RestorePlan(n, checkpoint_id, kv_id, self._tier_name(checkpoint_id, kv_id))
 
-    def _tier_name(self, checkpoint_id: int | None, kv_id: int | None) -> str:
+    def _tier_name(self, checkpoint_id: int | None, kv_id: int | None, logits_id: int | None = None) -> str:
         """Where the slowest of a plan's stored parts is: the deepest tier among them; "live" when the KV is the
         live sequence's and the rest (if any) is in the hot tier."""
-        level = max((self._meta[i].level for i in (checkpoint_id, kv_id) if i is not None), default=HOT)
+        level = max((self._meta[i].level for i in (checkpoint_id, kv_id, logits_id) if i is not None), default=HOT)
         return "live" if level == HOT and kv_id is None else self.tiers[level].name
 
-    def load(self, plan: RestorePlan) -> tuple[bytes | None, bytes | None] | None:
-        """(kv bytes or None for live KV, checkpoint bytes or None where the plan has none) of a plan, promoting
-        entries of lower tiers to the hot tier.
+    def load(self, plan: RestorePlan) -> Parts | None:
+        """The bytes of a plan's parts, promoting entries of lower tiers to the hot tier.
 
         Returns None if a part is gone (evicted, or corrupt on disk); that part is then dropped from the index
         and the caller plans again. A plan's ids name entries of the salt it was made for; `load` needs no salt.
         """
         with self._lock:
-            pinned = {i for i in (plan.checkpoint_id, plan.kv_id) if i is not None}
+            pinned = set(plan.ids)
             try:
-                checkpoint = self._fetch(plan.checkpoint_id, pinned) if plan.checkpoint_id is not None else None
-                kv = self._fetch(plan.kv_id, pinned) if plan.kv_id is not None else None
+                got = [self._fetch(i, pinned) if i is not None else None
+                       for i in (plan.kv_id, plan.checkpoint_id, plan.logits_id)]
             finally:
                 self._settle()  # promotions make room by spilling, and spills make lower tiers evict
-            if (plan.checkpoint_id is not None and checkpoint is None) or (plan.kv_id is not None and kv is None):
+            if len([g for g in got if g is not None]) < len(plan.ids):
                 return None
-            return kv, checkpoint
+            return Parts(*got)
 
     def discard(self, plan: RestorePlan) -> int:
         """Drop the entries a plan names (llama.cpp refused to restore them). Returns how many were dropped."""
         with self._lock:
-            gone = [i for i in (plan.checkpoint_id, plan.kv_id) if i is not None and i in self._meta]
+            gone = [i for i in plan.ids if i in self._meta]
             for eid in gone:
                 self._forget(eid, shared=True)
             self._stats.dropped += len(gone)
@@ -258,11 +283,17 @@ class SnapshotCache:
             meta.level, meta.nbytes, meta.source = HOT, len(data), None
         return data
 
-    def contains(self, tokens: Sequence[int], kind: EntryKind = CHECKPOINT, *, salt: str = "") -> bool:
-        """Whether an entry of `kind` for exactly `tokens` is stored under `salt` (in any tier)."""
+    def contains(self, tokens: Sequence[int], kind: EntryKind = CHECKPOINT, *, salt: str = "",
+                 covered: bool = False) -> bool:
+        """Whether an entry of `kind` for exactly `tokens` is stored under `salt` (in any tier); with `covered`
+        and a prefix-closed kind, or one for tokens that extend them (KV: it restores `tokens` too)."""
         with self._lock:
             tree = self._trees.get(salt_id(salt))
-            return tree is not None and tree.find(tokens, kind) is not None
+            if tree is None or not tokens:
+                return False
+            if covered and EntryKind(kind).prefix_closed:
+                return tree.kv_covering(tokens, len(tokens)) is not None
+            return tree.find(tokens, kind) is not None
 
     # ------------------------------------------------------------------ shared tiers
 
