@@ -242,7 +242,7 @@ def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: P
     with open(log, "ab") as fh:
         popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp, workload, instrument),
                                  stdout=fh,
-                                 stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+                                 stderr=subprocess.STDOUT, cwd=s.root or ROOT, env=env)  # -m puts the cwd first
     r = Running(s, f"http://127.0.0.1:{port}", popen, log, tmp)
     deadline = time.monotonic() + ready_timeout_s
     with httpx.Client(timeout=5.0) as c:

@@ -181,6 +181,7 @@ class TaskReuse:
     work: list[int]
     pos: int = 0
     logits: np.ndarray | None = None
+    end_due: bool = False  # the prompt's end is prefilled and not stored yet (Reuse.store_prompt_end)
     positions: list[int] = field(default_factory=list)
     store: bool = False
     cached: int = 0

@@ -485,9 +485,8 @@ class Reuse:
     def prefilled(self, task: Task, end: int, seconds: float = 0.0) -> None:
         """The slot's sequence now holds work[:end] of `task.reuse`, computed by prefill in the last `seconds`: its
         KV is a reusable source (unless the whole work is a too-short ubatch), and at a snapshot position a
-        checkpoint is stored; at the end of a prompt, its checkpoint and the logits of its last token (the
-        engine's, before anything samples: call it right after the final llama_decode). A STORE task's chunks
-        count in `after_stats`."""
+        checkpoint is stored; at the end of a prompt, its checkpoint and logits are due (`store_prompt_end`). A
+        STORE task's chunks count in `after_stats`."""
         self.prefill.observe(end - task.reuse.pos, seconds)  # ignores a chunk that was not timed (0 s)
         if task.phase == Phase.STORE:
             self.after_stats.tokens += end - task.reuse.pos
@@ -495,8 +494,7 @@ class Reuse:
         task.slot.live = task.reuse.work[:end] if self.exact(len(task.reuse.work)) else []
         r = task.reuse
         start, r.pos = r.pos, end
-        if task.phase == Phase.PREFILL and end == len(r.work) and r.store:
-            self._store_prompt_end(task)
+        r.end_due = task.phase == Phase.PREFILL and end == len(r.work) and r.store
         if not r.positions or end < r.positions[0]:
             return
         p = r.positions.pop(0)
@@ -510,12 +508,21 @@ class Reuse:
         else:  # not reached by this engine's rollback (chunk_end never lets that happen): a missed checkpoint
             log.warning("the checkpoint at %d could not be taken back after a prefill call of %d..%d", p, start, end)
 
-    def _store_prompt_end(self, task: Task) -> None:
-        """After the final prefill call of a prompt: its checkpoint (a restore point for any longer prompt, and
-        where the re-prefill after generation starts) and the logits of its last token (a byte-identical repeat
-        samples from them, `plans`). Both as boundaries: they keep their branch's KV. The KV itself is stored
-        after generation (`after_generation`). A save and no llama_decode call."""
+    def store_prompt_end(self, task: Task) -> None:
+        """Where the prompt's end is due (its final prefill call is done, `prefilled`): its checkpoint (a restore
+        point for any longer prompt, and where the re-prefill after generation starts) and the logits of its
+        last token (a byte-identical repeat samples from them, `plans`), both as boundaries (they keep their
+        branch's KV; the KV itself is stored after generation). A save and no llama_decode call. Call it once the
+        first token is sampled, before the next llama_decode (that changes both the state and the logits): the
+        scheduler does, so the save is not in the time to first token; `after_generation` does too, for a reply
+        that ended at its first token. A sequence that llama.cpp cleared meanwhile (a failed task) stores
+        nothing."""
         r, salt = task.reuse, task.job.cache_salt
+        if not r.end_due:
+            return
+        r.end_due = False
+        if not task.slot.live:
+            return
         r.saved += self._store(task, r.work, (CHECKPOINT,), boundary=True)
         if not self.cache.contains(r.work, LOGITS, salt=salt):
             start = time.perf_counter()
@@ -535,6 +542,7 @@ class Reuse:
         generated for an exact prefill from the rewind point. Nothing when that is stored already, or when the
         sequence cannot be rewound.
         """
+        self.store_prompt_end(task)
         if not task.reuse.store:
             return False
         salt = task.job.cache_salt
@@ -610,7 +618,7 @@ class Reuse:
     def _rewind(self, task: Task) -> int:
         """Drop the decoded tokens (decoded one at a time, which a prefill does not reproduce): back to a state
         the re-prefill can go on from exactly, and return its position (0: none): the deepest position of the
-        prompt the live KV and the stored checkpoints restore (its end as a rule: `_store_prompt_end`; a KV-only
+        prompt the live KV and the stored checkpoints restore (its end as a rule: `store_prompt_end`; a KV-only
         model's prompt KV, computed by prefill, truncates to it exactly)."""
         prompt = task.tokens
         plan = self.cache.plan(prompt, len(prompt), prompt, salt=task.job.cache_salt)

@@ -342,6 +342,7 @@ class Scheduler:
             self._guard(c, self.reuse.fork, t, c)
         for c in [c for c in forks if c.phase == Phase.FORK] + [t]:  # all from the same logits, untouched by copies
             self._guard(c, self._start, c)
+        self._guard(t, self.reuse.store_prompt_end, t)  # after the first tokens: not in their time
 
     def _start(self, t: Task) -> None:
         """Sample the first token from the prompt's logits (the last prefill call's, or those restored with the
