@@ -163,6 +163,28 @@ def test_shared_prefix_restores_the_boundary_and_a_repeat_restores_the_whole_pro
     same_as_cold(s, b, [len(SYSTEM)])  # the same first-step logits and tokens as the cold run
 
 
+@pytest.mark.parametrize("max_tokens", [6, 1])
+def test_the_prompt_end_is_saved_after_the_first_token_is_delivered(make, max_tokens):
+    """The prompt end's checkpoint and logits are no part of the time to first token: stored once the first
+    token went to the caller (a reply ending at its first token stores them before the after-generation work)."""
+    eng, cache, s = make()
+    prompt = SYSTEM + TAILS[0]
+    seen, done = [], threading.Event()
+
+    def sink(ev: Event) -> None:
+        if not seen:  # the first event a caller gets: the first token, or the whole one-token reply
+            seen.append(cache.contains(prompt, CHECKPOINT) or cache.contains(prompt, LOGITS))
+        if ev.kind != EventKind.TEXT:
+            done.set()
+
+    s.submit(job(prompt, [len(SYSTEM)], max_tokens=max_tokens), sink)
+    assert done.wait(30)
+    s.drain()
+    assert seen == [False]
+    assert {(str(CHECKPOINT), len(prompt)), (str(LOGITS), len(prompt))} <= kinds_at(cache)
+    assert same_as_cold(s, prompt, [len(SYSTEM)], max_tokens=max_tokens).cached_tokens == len(prompt)
+
+
 def test_snapshot_positions_are_built_once_filtered_by_min_segment():
     eng = FakeEngine(exact_from=MS)
     eng.calibrate(MS)
