@@ -38,9 +38,12 @@ not the decode state but a re-prefill, from the prompt end, of the generated tok
 
 What is stored where (hybrid models; a KV-only model stores only the KV where a branch ends, state.py):
 
-    prompt  ──────────┬───────────────┬─────────────────────────┬ n
-                      tools end       system end   (interval)   prompt end
-    stored:           checkpoint      checkpoint   checkpoint   checkpoint + logits (every model kind)
+    prompt  ──────────┬───────────────┬─────────────────────────┬────────────────┬ n
+                      tools end       system end   (interval)   (repeat point)   prompt end
+    stored:           checkpoint      checkpoint   checkpoint   checkpoint       checkpoint + logits (every kind)
+
+The repeat point, n - min_segment, is a stop only after a long last stretch (REPEAT_TAIL): a next turn that
+re-renders the generation prompt restores it instead of the last stop before that stretch.
     after generation: prompt + generated (+ end-of-turn) tokens ──▶ checkpoint and KV at their end
                       (or the prompt's KV when too few were generated for an exact prefill; after_generation)
 
@@ -208,6 +211,14 @@ class Reuse:
     prefill: the measured prefill speed, against which a fetch from a shared tier is weighed.
     """
 
+    # Tokens after a prompt's last stop from which its repeat point, n - min_segment, is a stop too. The next turn of
+    # a conversation re-renders the generation prompt (Qwen3.5: "<think>\n" becomes the answer's think block), so it
+    # diverges within the last min_segment tokens, and restores the last stop before them: the repeat point saves it
+    # re-prefilling that tail, a call of its own (about 90 ms more than its tokens inside a full ubatch, 12 tokens'
+    # worth, bench/results/2026-12-01/one-run) that pays from a tail of a few dozen tokens; a short last message
+    # (W1's 43-token user line) is re-prefilled instead (bench/results/2026-12-02/w5: a 1,500-token tool result).
+    REPEAT_TAIL = 64
+
     def __init__(self, engine: Engine, cache: SnapshotCache, slots: Sequence[Slot], checkpoint_interval: int = 0,
                  prefill: PrefillRate | None = None, min_gap: int = 0):
         self.engine, self.cache, self.slots = engine, cache, slots
@@ -238,15 +249,19 @@ class Reuse:
 
     def snapshot_positions(self, job: Job, start: int = 0) -> list[int]:
         """Where the prefill of `job` from token offset `start` stops, ascending: the `spaced_stops` of its
-        boundaries, less those the state kind does not store and those closer than min_segment to the previous
-        stop or beyond `max_hit` (the prompt end is stored after the final call, `prefilled`, not a stop). [] for a
-        job that stores nothing (a cold run): it prefills in plain chunks, so the correctness oracle does not
-        share the split points of the runs it checks (a restore at p followed by the rest must equal a prefill
-        that never stopped at p), and costs no llama_decode call per boundary."""
+        boundaries, and the *repeat point* (`max_hit`) where at least REPEAT_TAIL tokens follow the last of them,
+        less those the state kind does not store and those closer than min_segment to the previous stop or beyond
+        `max_hit` (the prompt end is stored after the final call, `prefilled`, not a stop). [] for a job that
+        stores nothing (a cold run): it prefills in plain chunks, so the correctness oracle does not share the
+        split points of the runs it checks (a restore at p followed by the rest must equal a prefill that never
+        stopped at p), and costs no llama_decode call per boundary."""
         if not self.stores(job):
             return []
         n = len(job.prompt_tokens)
         candidates = spaced_stops(job.boundaries, n, self.min_gap, self.checkpoint_interval)
+        last = max((c for c in candidates if c <= self.max_hit(n)), default=0)
+        if self.max_hit(n) - last >= self.REPEAT_TAIL:
+            candidates.append(self.max_hit(n))
         kept, pos = [], start
         for b in self.state.snapshot_positions(sorted(candidates)):
             if self.exact(b - pos) and b <= self.max_hit(n):

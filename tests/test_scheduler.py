@@ -202,6 +202,27 @@ def test_snapshot_positions_are_built_once_filtered_by_min_segment():
     assert Reuse(kv, SnapshotCache([RamTier(1)], state=kv.state), [Slot(0)]).snapshot_positions(j) == []
 
 
+def test_a_long_tail_after_the_last_stop_gets_the_repeat_point_a_short_one_does_not():
+    eng = FakeEngine(exact_from=MS)
+    eng.calibrate(MS)
+    reuse = Reuse(eng, SnapshotCache([RamTier(1 << 20)], state=eng.state), [Slot(0)])
+    long_tail = 10 + Reuse.REPEAT_TAIL + MS  # the repeat point lies REPEAT_TAIL after the boundary at 10
+    assert reuse.snapshot_positions(job(range(1, long_tail + 1), boundaries=[10])) == [10, long_tail - MS]
+    short = job(range(1, long_tail), boundaries=[10])  # one token shorter: re-prefilled by a next turn instead
+    assert reuse.snapshot_positions(short) == [10]
+
+
+def test_the_next_turn_diverging_in_the_generation_prompt_restores_the_repeat_point(make):
+    """A next turn that re-renders the last few tokens (the generation prompt) cannot restore the prompt end; after
+    a long last message it restores the repeat point, min_segment before the end, and equals its cold run."""
+    eng, cache, s = make()
+    tool_result = [(3 * i) % 59 + 2 for i in range(Reuse.REPEAT_TAIL + 8)]
+    prompt = SYSTEM + tool_result + [60, 61]  # [60, 61]: the generation prompt
+    same_as_cold(s, prompt, [len(SYSTEM)])
+    nxt = SYSTEM + tool_result + [60, 62, 63, 5, 6, 7, 8, 9]  # rendered otherwise from its second token on
+    assert same_as_cold(s, nxt, [len(SYSTEM)]).cached_tokens == len(prompt) - MS
+
+
 def test_interval_checkpoints_keep_min_gap_before_the_next_boundary():
     eng = FakeEngine(exact_from=MS)
     eng.calibrate(MS)
