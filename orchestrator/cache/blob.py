@@ -8,7 +8,8 @@ Little-endian throughout (`nbytes` = 59 + 4 * n_tokens + payload bytes):
          8       2  format version, u16 (FORMAT_VERSION)
         10      32  fingerprint of model and state layout (refused if not the reader's own)
         42       1  kind, u8: 0 "kv" (the attention KV of the prefix; the whole state where it is KV only or
-                    cannot be split), 1 "checkpoint" (the recurrent state after the prefix)
+                    cannot be split), 1 "checkpoint" (the recurrent state after the prefix), 2 "logits" (the
+                    float32 logits after the prefix's last token, where a prompt ended)
         43       4  n_tokens, u32
         47       8  payload length in bytes, u64
         55       4  CRC-32 of bytes [0, 55) + token ids + payload, u32
@@ -35,7 +36,7 @@ from .tiers import Stored
 MAGIC = b"ORCSNAP\0"
 FORMAT_VERSION = 2
 FINGERPRINT_BYTES = 32
-KINDS = (EntryKind.KV, EntryKind.CHECKPOINT)  # index = the kind byte
+KINDS = (EntryKind.KV, EntryKind.CHECKPOINT, EntryKind.LOGITS)  # index = the kind byte (new kinds go last)
 
 HEADER = struct.Struct("<8sH32sBIQI")  # magic, version, fingerprint, kind, n_tokens, payload bytes, crc32
 _CHECKED = HEADER.size - 4  # header bytes covered by the checksum: all but the checksum itself
