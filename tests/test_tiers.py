@@ -101,8 +101,8 @@ def test_spilled_conversation_survives_a_restart(start, tmp_path):
     rt2 = start(**kw)
     assert rt2.cache.stats().disk_entries > 0
     from_disk = assert_same_as_cold(rt2, turn, max_tokens=4)
-    # The same prompt again: the deepest of its own snapshots at least two tokens short of its end.
-    assert from_disk.result.cached_tokens == from_disk.boundaries.message_ends[-1] > from_ram.result.cached_tokens
+    # The same prompt again: restored whole from its prompt end (checkpoint and logits) on disk.
+    assert from_disk.result.cached_tokens == len(from_disk.tokens) > from_ram.result.cached_tokens
     assert from_disk.result.restore_source == "disk"
     # An edited earlier assistant message hits through the message before it.
     edited = [dict(m) for m in turn]
