@@ -121,7 +121,9 @@ class Sampler:
         self._vocab = vocab
         self._grammar = grammar
         self._chain = None
-        self._data: np.ndarray | None = None  # candidates, where this chain samples outside llama_sampler_sample
+        # candidates and their token ids, where this chain samples outside llama_sampler_sample (made once)
+        self._data: np.ndarray | None = None
+        self._ids: np.ndarray | None = None
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         self._chain = chain  # freed by close() from here on
         if params.temperature <= 0:
@@ -146,11 +148,12 @@ class Sampler:
         if self._grammar is None and logits is None:
             return int(llama_cpp.llama_sampler_sample(self._chain, self._ctx, idx))
         if self._data is None:  # kept: a grammar samples every token this way
-            self._data = np.empty(int(llama_cpp.llama_vocab_n_tokens(self._vocab)), dtype=TOKEN_DATA)
+            n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+            self._data, self._ids = np.empty(n_vocab, dtype=TOKEN_DATA), np.arange(n_vocab, dtype=np.int32)
         data = self._data
         if logits is None:
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, idx), shape=(len(data),))
-        data["id"] = np.arange(len(data), dtype=np.int32)
+        data["id"] = self._ids  # the samplers reorder the candidates in place
         data["logit"] = logits
         data["p"] = 0.0
         if self._grammar is not None:

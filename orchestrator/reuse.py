@@ -429,7 +429,8 @@ class Reuse:
         (llama_state_seq_get_data / set_data of the whole sequence: KV and recurrent parts), so the copy is exact
         and that choice goes on as its cold run would. It stores nothing: only choice 0 keeps snapshots and its
         after-generation state. The logits of the prefill's last token are untouched (a sequence state holds
-        none), so every choice samples its first token from them (or from the restored ones, reuse.logits). Raises EngineError (that sequence cleared)."""
+        none), so every choice samples its first token from them (or from the restored ones, reuse.logits).
+        Raises EngineError (that sequence cleared)."""
         slot = other.slot
         try:
             self.engine.load_state(slot.seq, self.engine.save_state_view(first.slot.seq))
@@ -532,17 +533,12 @@ class Reuse:
         scheduler does, so the save is not in the time to first token; `after_generation` does too, for a reply
         that ended at its first token. A sequence that llama.cpp cleared meanwhile (a failed task) stores
         nothing."""
-        r, salt = task.reuse, task.job.cache_salt
+        r = task.reuse
         if not r.end_due:
             return
         r.end_due = False
-        if not task.slot.live:
-            return
-        r.saved += self._store(task, r.work, (CHECKPOINT,), boundary=True)
-        if not self.cache.contains(r.work, LOGITS, salt=salt):
-            start = time.perf_counter()
-            r.saved += self.cache.put(r.work, LOGITS, self.engine.logits().tobytes(), True, salt=salt)
-            r.snapshot_s += time.perf_counter() - start
+        if task.slot.live:
+            r.saved += self._store(task, r.work, (CHECKPOINT, LOGITS), boundary=True)
 
     def after_generation(self, task: Task) -> bool:
         """After the result is delivered: choose the state to store, rewind the sequence to re-prefill it
@@ -650,15 +646,22 @@ class Reuse:
 
     def _store(self, task: Task, tokens: list[int], kinds: tuple[EntryKind, ...], boundary: bool,
                save: Callable[[], dict] | None = None) -> int:
-        """Save the entries of `kinds` (those the state kind has) missing for `tokens` from the slot's current
-        state (one full save gives both KV and checkpoint), or as `save` gives them; returns how many were
-        stored."""
+        """Save the entries of `kinds` (those the state kind has, and LOGITS: the engine's logits of the last
+        llama_decode) missing for `tokens` from the slot's current state (one full save gives both KV and
+        checkpoint), or as `save` gives them; returns how many were stored."""
         salt = task.job.cache_salt
-        missing = [k for k in kinds if k in self.state.entry_kinds and not self.cache.contains(tokens, k, salt=salt)]
+        missing = [k for k in kinds if (k in self.state.entry_kinds or k is LOGITS)
+                   and not self.cache.contains(tokens, k, salt=salt)]
         if not missing:
             return 0
         start = time.perf_counter()
-        data = save() if save else self.state.save(self.engine, task.slot.seq, missing)
+        if save:
+            data = save()
+        else:
+            state_kinds = [k for k in missing if k is not LOGITS]
+            data = self.state.save(self.engine, task.slot.seq, state_kinds) if state_kinds else {}
+            if LOGITS in missing:
+                data[LOGITS] = self.engine.logits().tobytes()
         stored = sum(self.cache.put(tokens, k, data[k], boundary, salt=salt) for k in missing)
         task.reuse.snapshot_s += time.perf_counter() - start
         return stored
