@@ -196,7 +196,7 @@ class Runtime:
         naming the field when it cannot be built or llama.cpp refuses it."""
         found = grammar.build(structure, tools, self.prompts.output_format, opens_reasoning, self.grammar_budget)
         if found is not None:
-            param = "response_format" if structure.response is not None else "tool_choice"
+            param = structure.param
             deadline = time.perf_counter() + self.config.timeout if self.config.timeout else None
             self.engine.check_grammar(found.gbnf, found.triggers, param, deadline)
         return found

@@ -36,15 +36,18 @@ import base64
 import binascii
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import Config
 from orchestrator.errors import InvalidRequest
+from orchestrator.output.grammar import Structure
 from orchestrator.output.parsing import ParsedOutput
 from orchestrator.request import Result
 
 from . import fields
+from .context_edits import EDIT as CLEAR_TOOL_USES
+from .context_edits import ClearToolUses
 from .fields import HINT, HONOURED, REFUSED, Rule
 from .schemas import (MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, check_prompt_size, conversation,
                       thinking_from_effort)
@@ -61,14 +64,15 @@ FIELDS: dict[str, Rule] = {
     "system": Rule(HONOURED, _BOTH, "a string or text blocks; a block starting `x-anthropic-billing-header:` is "
                                     "dropped"),
     "tools": Rule(HONOURED, _BOTH, "client tools; `defer_loading: true` ones are left out of the prompt"),
-    "tool_choice": Rule(HONOURED, _BOTH, '"none" drops the tools; "auto", "any", "tool" leave the choice to the '
-                                         "model"),
+    "tool_choice": Rule(HONOURED, _BOTH, '"none" drops the tools; "any" and "tool" force a call, '
+                                         "`disable_parallel_tool_use` at most one (a grammar enforces them)"),
     "thinking": Rule(HONOURED, _BOTH, 'enabled/adaptive: thinking on; disabled or absent: off; `display: '
                                       '"omitted"` answers thinking blocks with their signature only'),
     "output_config": Rule(HONOURED, _BOTH, '`effort`: "low" and above keep thinking as `thinking` says; '
-                                           "`format` is refused"),
-    "context_management": Rule(HONOURED, _BOTH, "`clear_thinking_20251015` edits are applied; "
-                                                "`clear_tool_uses_20250919` is refused"),
+                                           "`format` json_schema: a grammar enforces it"),
+    "output_format": Rule(HONOURED, _BOTH, "the structured-outputs beta's name for `output_config.format`"),
+    "context_management": Rule(HONOURED, _BOTH, "`clear_thinking_20251015` and `clear_tool_uses_20250919` edits "
+                                                "are applied (see Claude Code)"),
     "cache_control": Rule(HONOURED, _BOTH, "automatic caching: the conversation's end is always a boundary"),
     "max_tokens": Rule(HONOURED, (MESSAGES,), "required; thinking counts against it"),
     "stop_sequences": Rule(HONOURED, (MESSAGES,), "up to 16 strings"),
@@ -100,6 +104,10 @@ class MessagesRequest:
     cache_breakpoints: tuple[tuple[int, int], ...] = ()
     late_system: int | None = None  # index in `messages`' source of a system message after the leading ones
     omit_thinking: bool = False  # thinking.display "omitted": thinking blocks carry their signature only
+    structure: Structure = field(default_factory=Structure)  # output_config.format, tool_choice
+    clear_tool_uses: ClearToolUses | None = None  # a context_management edit, applied once rendered
+    applied_edits: list[dict] = field(default_factory=list)  # the answer's context_management.applied_edits
+    prompt_cache_key: str = ""  # the Messages API has none: no slot routing hint
 
 
 def _cache_control(block: dict, p: str) -> bool:
@@ -326,16 +334,17 @@ def _convert(body: dict, max_messages: int, keep_thinking: int | None, deferred:
     return conv, origin
 
 
-def _context_management(raw: Any) -> int | None:
-    """context_management -> how many of the latest assistant turns with thinking keep it (None: all), as
-    Anthropic documents the edits (platform.claude.com/docs/en/build-with-claude/context-editing):
-    clear_thinking_20251015 with `keep` "all" or {"type": "thinking_turns", "value": N} (default 1).
-    clear_tool_uses_20250919 is refused: this server does not clear tool results for the client."""
+def _context_management(raw: Any) -> tuple[int | None, ClearToolUses | None]:
+    """context_management -> (how many of the latest assistant turns with thinking keep it (None: all), the
+    tool-result clearing to apply once the prompt is rendered), as Anthropic documents the edits
+    (platform.claude.com/docs/en/build-with-claude/context-editing): clear_thinking_20251015 with `keep` "all" or
+    {"type": "thinking_turns", "value": N} (default 1); clear_tool_uses_20250919 (server/context_edits.py)."""
     if raw is None:
-        return None
+        return None, None
     if not isinstance(raw, dict) or not isinstance(raw.get("edits", []), list) or set(raw) - {"edits"}:
         raise _bad("'context_management' must be {\"edits\": [...]}", "context_management")
     keep: int | None = None
+    clear: ClearToolUses | None = None
     for j, edit in enumerate(raw.get("edits", [])):
         q = f"context_management.edits[{j}]"
         kind = edit.get("type") if isinstance(edit, dict) else None
@@ -348,25 +357,45 @@ def _context_management(raw: Any) -> int | None:
                 raise _bad(f"'{q}.keep' must be \"all\" or {{\"type\": \"thinking_turns\", \"value\": N}}",
                            f"{q}.keep")
             keep = n if keep is None else min(keep, n)
-        elif kind == "clear_tool_uses_20250919":
-            raise _bad(f"'{q}.type' clear_tool_uses_20250919 is not supported: this server does not clear old tool "
-                       f"results (the client can leave them out of the messages)", f"{q}.type")
+        elif kind == CLEAR_TOOL_USES:
+            if clear is not None:
+                raise _bad(f"'{q}': only one {CLEAR_TOOL_USES} edit may be given", q)
+            clear = ClearToolUses.parse(edit, q)
         else:
-            raise _bad(f"'{q}.type' must be clear_thinking_20251015; got {json.dumps(kind)[:60]}", f"{q}.type")
-    return keep
+            raise _bad(f"'{q}.type' must be clear_thinking_20251015 or {CLEAR_TOOL_USES}; got "
+                       f"{json.dumps(kind)[:60]}", f"{q}.type")
+    return keep, clear
 
 
 def _output_config(raw: Any) -> bool | None:
     """output_config -> the thinking switch its `effort` asks for (server/schemas.py thinking_from_effort), or
-    None. `format` (structured output) is refused: the grammar is not wired to this route."""
+    None. Its `format` is read by _output_format."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise _bad("'output_config' must be an object", "output_config")
     for key in raw:
-        if key != "effort" and raw[key] is not None:
-            raise _bad(f"'output_config.{str(key)[:40]}' is not supported: only effort is", f"output_config.{key}")
+        if key not in ("effort", "format") and raw[key] is not None:
+            raise _bad(f"'output_config.{str(key)[:40]}' is not supported: effort and format are",
+                       f"output_config.{key}")
     return thinking_from_effort(raw.get("effort"), "output_config.effort")
+
+
+def _output_format(body: dict) -> tuple[dict | None, str]:
+    """(the JSON schema the answer's text must be valid against, or None; the field it came from), from
+    Anthropic's structured outputs: `output_config.format` {"type": "json_schema", "schema": {...}}, or the
+    beta's top-level `output_format` of the same shape (not both)."""
+    config = body.get("output_config")
+    found = [(f, v) for f, v in (("output_config.format", config.get("format") if isinstance(config, dict) else None),
+                                 ("output_format", body.get("output_format"))) if v is not None]
+    if not found:
+        return None, "output_config.format"
+    if len(found) > 1:
+        raise _bad("give 'output_config.format' or 'output_format', not both", "output_format")
+    param, raw = found[0]
+    if not isinstance(raw, dict) or raw.get("type") != "json_schema" or not isinstance(raw.get("schema"), dict):
+        raise _bad(f"'{param}' must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param)
+    return raw["schema"], param
 
 
 _REF = re.compile(r"messages\[(\d+)\](\.tool_calls\[(\d+)\])?")
@@ -424,11 +453,12 @@ def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict]]:
     return out or None, deferred
 
 
-def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
-    """'auto', 'any', 'tool' or 'none'. Not enforced by constrained decoding: 'none' drops the tools from the
-    prompt; the others leave the choice to the model (a named tool must be in `tools`)."""
+def _tool_choice(raw: Any, tools: list[dict] | None) -> tuple[str, str | None, bool]:
+    """(the choice, as grammar.Structure's tool_choice: "auto", "required" or "none"; the tool a "tool" choice
+    names; whether several calls may be made). "none" drops the tools from the prompt; "any" and "tool" are
+    enforced by a grammar (output/grammar.py), as is `disable_parallel_tool_use`."""
     if raw is None:
-        return "auto"
+        return "auto", None, True
     if not isinstance(raw, dict) or raw.get("type") not in TOOL_CHOICES:
         raise _bad("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"} (with \"name\" for "
                    "\"tool\")", "tool_choice")
@@ -438,7 +468,8 @@ def _tool_choice(raw: Any, tools: list[dict] | None) -> str:
     if raw["type"] == "tool" and not any(t["function"]["name"] == raw.get("name") for t in tools or ()):
         raise _bad(f"'tool_choice.name' names the tool {json.dumps(raw.get('name'))[:60]}, which is not in 'tools'",
                    "tool_choice.name")
-    return raw["type"]
+    choice = {"auto": "auto", "none": "none"}.get(raw["type"], "required")
+    return choice, raw.get("name") if raw["type"] == "tool" else None, not raw.get("disable_parallel_tool_use")
 
 
 def _thinking(raw: Any) -> tuple[bool, bool]:
@@ -489,18 +520,24 @@ def parse_messages(body: Any, cfg: Config | None = None, route: str = MESSAGES) 
     _cache_control(body, "")  # a valid mark only: the end of the last message is always a boundary
     options = _generation(body, cfg) if route == MESSAGES else None
     tools, deferred = _tools(body.get("tools"))
-    if _tool_choice(body.get("tool_choice"), tools) == "none":
+    choice, name, parallel = _tool_choice(body.get("tool_choice"), tools)
+    if choice == "none":
         tools = None
     thinking, omit = _thinking(body.get("thinking"))
     effort = _output_config(body.get("output_config"))  # an effort can only turn thinking off, never on
     kwargs = {"enable_thinking": thinking and effort is not False}
-    conv, origin = _convert(body, cfg.max_messages, _context_management(body.get("context_management")), deferred)
+    schema, format_field = _output_format(body)
+    structure = Structure(response=schema, tool_choice=choice, tool_name=name, parallel_tool_calls=parallel,
+                          response_field=format_field, schema_path=f"{format_field}.schema")
+    keep_thinking, clear = _context_management(body.get("context_management"))
+    conv, origin = _convert(body, cfg.max_messages, keep_thinking, deferred)
     try:
         messages, breakpoints, late = conversation(conv, len(conv))
     except InvalidRequest as e:
         raise _translate(e, origin) from e
     return MessagesRequest(messages=messages, tools=tools, template_kwargs=kwargs, options=options,
-                           cache_breakpoints=breakpoints, late_system=late, omit_thinking=omit)
+                           cache_breakpoints=breakpoints, late_system=late, omit_thinking=omit,
+                           structure=structure, clear_tool_uses=clear)
 
 
 # ------------------------------------------------------------------ answers
@@ -536,6 +573,12 @@ def stop_reason(r: Result, has_calls: bool, stop: tuple[str, ...], full_text: st
         if rest.startswith(s):
             return "stop_sequence", s
     return "end_turn", None
+
+
+def context_management(req: MessagesRequest) -> dict:
+    """The answer's `context_management` field: the edits applied to this request's prompt, as Anthropic
+    reports them (`applied_edits`), or nothing when none was."""
+    return {"context_management": {"applied_edits": req.applied_edits}} if req.applied_edits else {}
 
 
 def usage(r: Result) -> dict:

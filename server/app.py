@@ -300,10 +300,11 @@ class Api:
         return await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
                                        req.cache_breakpoints)
 
-    async def _submit_chat(self, req) -> tuple[Prompt, Job, asyncio.Queue, threading.Event]:
-        """Render a ChatRequest or ResponsesRequest, build its grammar (structured output, forced tool calls) and
-        submit its job: (prompt, job, events, cancel)."""
-        prompt = await self._chat_prompt(req)
+    async def _submit_chat(self, req, prompt: Prompt | None = None
+                           ) -> tuple[Prompt, Job, asyncio.Queue, threading.Event]:
+        """Render a ChatRequest, ResponsesRequest or MessagesRequest (unless `prompt` is its rendered prompt), build
+        its grammar (structured output, forced tool calls) and submit its job: (prompt, job, events, cancel)."""
+        prompt = prompt or await self._chat_prompt(req)
         constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
         job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
             req.messages, req.tools, req.template_kwargs, prompt), constraint)
@@ -451,15 +452,29 @@ class Api:
     # ------------------------------------------------------------------ Anthropic Messages API
 
     async def _messages_prompt(self, request: Request, route: str) -> tuple[MessagesRequest, Prompt]:
+        """The request and its prompt, with its clear_tool_uses edit applied where the rendered prompt passes the
+        edit's trigger (server/context_edits.py): rendered again with the old tool results cleared, kept if it
+        frees at least clear_at_least tokens."""
         cfg = self.rt.config
         req = parse_messages(await _json_body(request, cfg.max_body_bytes), cfg, route)
-        return req, await self._chat_prompt(req)
+        prompt = await self._chat_prompt(req)
+        edit = req.clear_tool_uses
+        if edit is None or not edit.triggered(len(prompt.tokens), req.messages):
+            return req, prompt
+        messages, breakpoints, n_cleared = edit.apply(req.messages, req.cache_breakpoints)
+        if not n_cleared:
+            return req, prompt
+        cleared = dataclasses.replace(req, messages=messages, cache_breakpoints=breakpoints, late_system=None)
+        edited = await self._chat_prompt(cleared)
+        freed = len(prompt.tokens) - len(edited.tokens)
+        if freed < max(edit.clear_at_least, 1):
+            return req, prompt
+        cleared.applied_edits = [edit.applied(n_cleared, freed)]
+        return cleared, edited
 
     async def messages(self, request: Request):
         req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
-        job = self._job(prompt, req.options, restorable_after=self.rt.prompts.restorable_after(
-            req.messages, req.tools, req.template_kwargs, prompt))
-        events, cancel = self._submit(job)
+        prompt, job, events, cancel = await self._submit_chat(req, prompt)
         mid = f"msg_{uuid.uuid4().hex}"
         if req.options.stream:
             return StreamingResponse(self._messages_stream(events, cancel, mid, prompt, req),
@@ -471,7 +486,8 @@ class Api:
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
             "content": anthropic.content_blocks(out, req.omit_thinking), "stop_reason": reason, "stop_sequence": sequence,
-            "usage": anthropic.usage(r), "timings": _timings(r)}, headers=_tier_header(r))
+            "usage": anthropic.usage(r), **anthropic.context_management(req), "timings": _timings(r)},
+            headers=_tier_header(r))
 
     def _stop_reason(self, r: Result, has_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
         """Anthropic's (stop_reason, stop_sequence); which stop string ended the text is read from the text of
@@ -541,7 +557,7 @@ class Api:
             out += close()
             reason, sequence = self._stop_reason(r, bool(calls), req.options.stop)
             out.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                               "usage": anthropic.usage(r)}))
+                                               "usage": anthropic.usage(r), **anthropic.context_management(req)}))
             out.append(event("message_stop", {}))
             return out
 
@@ -561,8 +577,12 @@ class Api:
         return gen()
 
     async def count_tokens(self, request: Request):
-        _req, prompt = await self._messages_prompt(request, anthropic.COUNT_TOKENS)
-        return JSONResponse({"input_tokens": len(prompt.tokens)})
+        req, prompt = await self._messages_prompt(request, anthropic.COUNT_TOKENS)
+        body = {"input_tokens": len(prompt.tokens)}
+        if req.applied_edits:  # as Anthropic's count_tokens reports context editing: the length before it
+            freed = sum(e["cleared_input_tokens"] for e in req.applied_edits)
+            body["context_management"] = {"original_input_tokens": len(prompt.tokens) + freed}
+        return JSONResponse(body)
 
     # ------------------------------------------------------------------ OpenAI Responses API
 

@@ -164,6 +164,13 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
         "type": {"const": "custom"}, "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
         "input_schema": {"type": "object"}, "cache_control": cache_control,
         "defer_loading": {"type": "boolean", "description": "true: left out of the prompt"}}}
+    json_format = {"type": "object", "required": ["type", "schema"], "properties": {
+        "type": {"const": "json_schema"}, "schema": {"type": "object"}}}
+
+    def count(kind: str) -> dict:
+        return {"type": "object", "required": ["type", "value"], "properties": {
+            "type": {"const": kind}, "value": {"type": "integer", "minimum": 0}}}
+
     return {
         "model": {"type": "string", "maxLength": MAX_ID_CHARS},
         "messages": {"type": "array", "minItems": 1, "maxItems": cfg.max_messages, "items": message},
@@ -180,12 +187,20 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
             {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["adaptive", "disabled"]},
                                                                     "display": {"enum": ["summarized", "omitted"]}}}]},
         "output_config": {"type": "object", "additionalProperties": False, "properties": {
-            "effort": {"enum": list(EFFORT_OFF + EFFORT_ON)}}},
+            "effort": {"enum": list(EFFORT_OFF + EFFORT_ON)}, "format": json_format}},
+        "output_format": dict(json_format, description="the structured-outputs beta's output_config.format"),
         "context_management": {"type": "object", "additionalProperties": False, "properties": {
-            "edits": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
-                "type": {"const": "clear_thinking_20251015"},
-                "keep": {"anyOf": [{"const": "all"}, {"type": "object", "required": ["type", "value"], "properties": {
-                    "type": {"const": "thinking_turns"}, "value": {"type": "integer", "minimum": 0}}}]}}}}}},
+            "edits": {"type": "array", "items": {"oneOf": [
+                {"type": "object", "required": ["type"], "properties": {
+                    "type": {"const": "clear_thinking_20251015"},
+                    "keep": {"anyOf": [{"const": "all"}, count("thinking_turns")]}}},
+                {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+                    "type": {"const": "clear_tool_uses_20250919"},
+                    "trigger": {"anyOf": [count("input_tokens"), count("tool_uses")]}, "keep": count("tool_uses"),
+                    "clear_at_least": count("input_tokens"), "exclude_tools": {"type": "array", "items": {
+                        "type": "string"}},
+                    "clear_tool_inputs": {"anyOf": [{"type": "boolean"}, {"type": "array", "items": {
+                        "type": "string"}}]}}}]}}}},
         "container": {"type": "null", "description": "refused: no code-execution containers"},
         "mcp_servers": {"type": "null", "description": "refused: no MCP servers"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit},

@@ -480,7 +480,8 @@ def parse_responses(body: Any, cfg: Config | None = None) -> ResponsesRequest:
     if choice == "none":
         tools = None
     structure = Structure(response=_text_format(body.get("text")), tool_choice=choice, tool_name=forced,
-                          parallel_tool_calls=body.get("parallel_tool_calls") is not False)
+                          parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+                          response_field="text.format", schema_path="text.format.schema")
     thinking = _reasoning(body.get("reasoning"))
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     turns = _convert(body, cfg.max_messages)

@@ -87,15 +87,17 @@ def test_clear_thinking_keeps_the_latest_turns_thinking_as_anthropic_documents(r
 
 
 @pytest.mark.parametrize("change,param", [
-    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management.edits[0].type"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses"}}]}},
+     "context_management.edits[0].keep"),
     ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": 3}]}},
      "context_management.edits[0].keep"),
+    ({"context_management": {"edits": [{"type": "compact_20260112"}]}}, "context_management.edits[0].type"),
     ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
     ({"thinking": {"type": "adaptive", "display": "full"}}, "thinking.display"),
     ({"container": "c1"}, "container"),
     ({"tools": [dict(TOOL, defer_loading="yes")]}, "tools[0].defer_loading"),
-], ids=["clear_tool_uses", "keep", "effort", "format", "display", "container", "defer_loading"])
+], ids=["clear_tool_uses keep", "keep", "unknown edit", "effort", "format", "display", "container", "defer_loading"])
 def test_what_cannot_be_honoured_is_a_400_naming_it(live_server, change, param):
     r = post(live_server.url, {**loop(), **change})
     assert r.status_code == 400 and param in r.json()["error"]["message"], r.text

@@ -349,3 +349,24 @@ def test_engine_logits_are_untouched_by_the_grammar(runtime, fresh_cache):
     assert np.array_equal(engine.logits(), before)
     engine.clear(0)
     runtime.scheduler.reuse.reset(runtime.scheduler.slots[0])
+
+
+def test_grammar_errors_name_each_routes_own_field():
+    """The same contradictory schema, given as chat's response_format, Responses' text.format and the Messages
+    API's output_config.format: the 400 names the field the request used."""
+    from server.anthropic import parse_messages
+    from server.responses import parse_responses
+    from server.schemas import parse_chat
+
+    bad = {"type": "integer", "minimum": 5, "maximum": 1}
+    chat = parse_chat({"model": "m", "messages": MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": bad}}}).structure
+    responses = parse_responses({"model": "m", "input": "x", "text": {"format": {
+        "type": "json_schema", "name": "n", "schema": bad}}}).structure
+    messages = parse_messages({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                               "output_config": {"format": {"type": "json_schema", "schema": bad}}}).structure
+    for structure, param in ((chat, "response_format.json_schema.schema"), (responses, "text.format.schema"),
+                             (messages, "output_config.format.schema")):
+        with pytest.raises(InvalidRequest) as e:
+            grammar.build(structure, None, QWEN35, False)
+        assert e.value.param == param

@@ -239,12 +239,22 @@ class Structure:
     {"type": "object"}; `json_schema`: its schema).
     tool_choice: "auto" or "required" ("none" drops the tools before this). tool_name: the function a named
     tool_choice forces, else None. parallel_tool_calls: False allows at most one call.
+    response_field, schema_path, tool_choice_field: the request's own names for these (chat's by default;
+    /v1/responses says `text.format`, /v1/messages `output_config.format`), which errors name.
     """
 
     response: dict | None = None
     tool_choice: str = "auto"
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    response_field: str = "response_format"
+    schema_path: str = "response_format.json_schema.schema"
+    tool_choice_field: str = "tool_choice"
+
+    @property
+    def param(self) -> str:
+        """The field a grammar built from this structure is named by in errors."""
+        return self.response_field if self.response is not None else self.tool_choice_field
 
 
 @dataclass(frozen=True)
@@ -390,23 +400,23 @@ def build(structure: Structure, tools: list[dict] | None, fmt: OutputFormat, ope
     if structure.response is None and not forced and not one_call:
         return None
     if fmt.name == "harmony":
-        param = "response_format" if structure.response is not None else \
-            "tool_choice" if forced else "parallel_tool_calls"
+        param = structure.response_field if structure.response is not None else \
+            structure.tool_choice_field if forced else "parallel_tool_calls"
         raise InvalidRequest(f"'{param}' cannot be enforced for this model: its harmony output (channels) has no "
                              f"grammar here", param=param)
     rules = _Rules(budget)
     many = structure.parallel_tool_calls
     if forced:
-        body = _calls(rules, fmt, tools, structure.tool_name, many, "tool_choice")
+        body = _calls(rules, fmt, tools, structure.tool_name, many, structure.tool_choice_field)
     elif structure.response is not None:
-        response = rules.json(structure.response, "response", "response_format.json_schema.schema")
+        response = rules.json(structure.response, "response", structure.schema_path)
         body = response
         if tools:  # the model may still call a tool instead of answering
-            body = f"{response} | {_calls(rules, fmt, tools, None, many, 'response_format')}"
+            body = f"{response} | {_calls(rules, fmt, tools, None, many, structure.response_field)}"
     else:  # tool_choice auto, at most one call: free text until a call starts, then exactly one call
         return Constraint(rules.text(_calls(rules, fmt, tools, None, False, "parallel_tool_calls"), "tools"),
                           triggers=fmt.call_starts)
-    param = "tool_choice" if forced else "response_format"
+    param = structure.tool_choice_field if forced else structure.response_field
     if opens_reasoning and fmt.think is not None:
         close = fmt.think[1]
         return Constraint(rules.text(f'{_literal(close)} "\\n"? "\\n"? ({body})', param), triggers=(close,))
