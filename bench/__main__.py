@@ -30,6 +30,8 @@ COMMANDS = {
     "stops": "stops",
     "grammar-guard": "grammar_guard",
     "w5": "w5",
+    "engine-gap": "engine_gap",
+    "cold": "cold",
 }
 
 

@@ -1,0 +1,128 @@
+"""Cold requests, orchestrator against llama-server, interleaved and repeated: issue 30's "every cold request
+within 1.02x of llama-server's TTFT", with the repetitions one side-by-side run does not have.
+
+    python -m bench cold                        # W1-W3's cold requests, 5 rounds, synthetic qwen3.5-0.8b
+    python -m bench cold --reps 7 --workloads W1
+
+The cold requests are those of W1-W3 (bench/scenarios.py) that share no token with an earlier request of their
+round: W1's A of each round (507 and 2,066 tokens), W2's first turn (746), W3's first agent's first turn (2,180).
+Both servers run at once with the side-by-side benchmark's flags (bench/systems.py), caches on, as they serve
+a workload. Each round sends every cold request to both, in a new random order, each made new to both caches by
+a round-numbered tag at the start of its first tool's description or first message (so each server does its usual cold work: orchestrator its
+snapshot stops, llama-server its checkpoints), and waits until both are idle between requests. TTFT as the
+side-by-side benchmark measures it (bench/client.py). Prints the median TTFT per request and system, the ratio
+of medians and the per-round ratios' range; writes bench/results/<date>/cold/cold.json. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+from pathlib import Path
+
+import httpx
+
+from bench.client import request_body, send
+from bench.common import results_dir, write_json
+from bench.render import Renderer
+from bench.report import oracle
+from bench.run import default_model
+from bench.scenarios import Req, Scale, w1, w2, w3
+from bench.systems import SYSTEMS, launch, omp_policy
+
+SYSTEM_NAMES = ("orchestrator", "llama-server")
+
+
+def cold_requests(rend: Renderer, scale: Scale, workloads: list[str]) -> list[Req]:
+    """The requests of `workloads` whose oracle is 0 (no token shared with an earlier request of their round),
+    one per distinct prompt."""
+    pt = lambda b: len(rend.tokens(b))  # noqa: E731
+    gens = {"W1": lambda: w1(rend.tokenize, scale, pt), "W2": lambda: w2(rend.tokenize, scale),
+            "W3": lambda: w3(rend.tokenize, scale, pt)}
+    out: dict[str, Req] = {}
+    for w in workloads:
+        by_round: dict[str, list[Req]] = {}
+        for q in gens[w]():
+            by_round.setdefault(q.round, []).append(q)
+        for reqs in by_round.values():
+            for q, o in zip(reqs, oracle([rend.tokens(x.body) for x in reqs])):
+                if o == 0:
+                    out.setdefault(rend.text(q.body), q)
+    return list(out.values())
+
+
+def fresh(body: dict, tag: str) -> dict:
+    """`body` with `tag` at the start of what the prompt starts with (the first tool's description where there are
+    tools: Qwen3.5's template writes them before the system text; else the first message): new to every cache,
+    the rest unchanged."""
+    body = copy.deepcopy(body)
+    if body.get("tools"):
+        fn = body["tools"][0]["function"]
+        fn["description"] = f"{tag} {fn.get('description', '')}"
+    else:
+        first = body["messages"][0]
+        first["content"] = f"{tag}\n{first['content']}"
+    return body
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--port", type=int, default=8420)
+    ap.add_argument("--omp", choices=["default", "passive"], default="default")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    model = a.model or default_model()
+    scale = Scale.named("default")
+    rend = Renderer(model)
+    reqs = cold_requests(rend, scale, [w.strip().upper() for w in a.workloads.split(",")])
+    out = a.out or results_dir() / "cold"
+    servers = {name: launch(SYSTEMS[name], model, a.port + i, a.threads, scale.ctx_size, out / "logs",
+                            4096 if name == "orchestrator" else None, omp_wait_policy=omp_policy(a.omp))
+               for i, name in enumerate(SYSTEM_NAMES)}
+    runs: list[dict] = []
+    rng = random.Random(0)
+    try:
+        with httpx.Client() as client:
+            for rnd in range(a.reps + 1):  # round 0 warms both and is not counted
+                for i, q in enumerate(reqs):
+                    body = fresh(q.body, f"Run {rnd}.{i}.")
+                    order = list(SYSTEM_NAMES)
+                    rng.shuffle(order)
+                    for name in order:
+                        s, srv = SYSTEMS[name], servers[name]
+                        srv.wait_idle()
+                        o = send(client, srv.url, s.api, request_body(s.api, s.kind, body, "", a.max_tokens, False))
+                        if not o.ok:
+                            raise RuntimeError(f"{name} failed {q.workload} {q.label}: {o.error[:200]}")
+                        print(f"round {rnd} {q.workload} {q.round} {q.label:<16} {name:<13} TTFT {o.ttft_s:7.3f} s "
+                              f"prompt {o.prompt_tokens} cached {o.cached_tokens}", flush=True)
+                        if rnd:
+                            runs.append({"round": rnd, "workload": q.workload, "request": f"{q.round} {q.label}",
+                                         "system": name, "ttft_s": o.ttft_s, "prompt_tokens": o.prompt_tokens,
+                                         "cached_tokens": o.cached_tokens, "timings": o.server_timings})
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    summary = []
+    print(f"\n{'request':<28} {'tokens':>6} {'orchestrator':>12} {'llama-server':>12} {'ratio':>6}  per round")
+    for key in dict.fromkeys(r["request"] for r in runs):
+        mine = {n: [r for r in runs if r["request"] == key and r["system"] == n] for n in SYSTEM_NAMES}
+        t = {n: [r["ttft_s"] for r in mine[n]] for n in SYSTEM_NAMES}
+        per_round = [x / y for x, y in zip(t["orchestrator"], t["llama-server"])]
+        row = {"request": key, "prompt_tokens": mine["orchestrator"][0]["prompt_tokens"],
+               "orchestrator_s": statistics.median(t["orchestrator"]), "llama_server_s": statistics.median(
+                   t["llama-server"]), "ratio_min": min(per_round), "ratio_max": max(per_round)}
+        row["ratio"] = row["orchestrator_s"] / row["llama_server_s"]
+        summary.append(row)
+        print(f"{key:<28} {row['prompt_tokens']:>6} {row['orchestrator_s']:12.3f} {row['llama_server_s']:12.3f} "
+              f"{row['ratio']:6.3f}  {row['ratio_min']:.3f}-{row['ratio_max']:.3f}")
+    write_json(out / "cold.json", {"model": str(model), "threads": a.threads, "reps": a.reps, "omp": a.omp,
+                                   "summary": summary, "runs": runs})
+    return 0
