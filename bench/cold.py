@@ -3,15 +3,17 @@ within 1.02x of llama-server's TTFT", with the repetitions one side-by-side run 
 
     python -m bench cold                        # W1-W3's cold requests, 5 rounds, synthetic qwen3.5-0.8b
     python -m bench cold --reps 7 --workloads W1
+    python -m bench cold --workloads W2 --variant rs8="--rs-snapshots 8"   # an orchestrator with more flags too
 
 The cold requests are those of W1-W3 (bench/scenarios.py) that share no token with an earlier request of their
 round: W1's A of each round (507 and 2,066 tokens), W2's first turn (746), W3's first agent's first turn (2,180).
-Both servers run at once with the side-by-side benchmark's flags (bench/systems.py), caches on, as they serve
+Both servers (and each --variant orchestrator) run at once with the side-by-side benchmark's flags (bench/systems.py), caches on, as they serve
 a workload. Each round sends every cold request to both, in a new random order, each made new to both caches by
 a round-numbered tag at the start of its first tool's description or first message (so each server does its usual cold work: orchestrator its
 snapshot stops, llama-server its checkpoints), and waits until both are idle between requests. TTFT as the
-side-by-side benchmark measures it (bench/client.py). Prints the median TTFT per request and system, the ratio
-of medians and the per-round ratios' range; writes bench/results/<date>/cold/cold.json. Not a test.
+side-by-side benchmark measures it (bench/client.py). Prints, per request and orchestrator, the median TTFT against
+llama-server's, the ratio of medians and the per-round ratios' range; writes bench/results/<date>/cold/cold.json.
+Not a test.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from bench.render import Renderer
 from bench.report import oracle
 from bench.run import default_model
 from bench.scenarios import Req, Scale, w1, w2, w3
-from bench.systems import SYSTEMS, launch, omp_policy
+from bench.systems import SYSTEMS, launch, omp_policy, orchestrator_variants
 
-SYSTEM_NAMES = ("orchestrator", "llama-server")
+PEER = "llama-server"
 
 
 def cold_requests(rend: Renderer, scale: Scale, workloads: list[str]) -> list[Req]:
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--port", type=int, default=8420)
     ap.add_argument("--omp", choices=["default", "passive"], default="default")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also an orchestrator started with more flags (named orchestrator-NAME)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     model = a.model or default_model()
@@ -83,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     rend = Renderer(model)
     reqs = cold_requests(rend, scale, [w.strip().upper() for w in a.workloads.split(",")])
     out = a.out or results_dir() / "cold"
-    servers = {name: launch(SYSTEMS[name], model, a.port + i, a.threads, scale.ctx_size, out / "logs",
-                            4096 if name == "orchestrator" else None, omp_wait_policy=omp_policy(a.omp))
-               for i, name in enumerate(SYSTEM_NAMES)}
+    systems = {s.name: s for s in [SYSTEMS["orchestrator"], *orchestrator_variants(a.variant), SYSTEMS[PEER]]}
+    servers = {}
+    for i, s in enumerate(systems.values()):
+        servers[s.name] = launch(s, model, a.port + i, a.threads, scale.ctx_size, out / "logs",
+                                 4096 if s.kind == "orchestrator" else None, omp_wait_policy=omp_policy(a.omp))
     runs: list[dict] = []
     rng = random.Random(0)
     try:
@@ -93,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(a.reps + 1):  # round 0 warms both and is not counted
                 for i, q in enumerate(reqs):
                     body = fresh(q.body, f"Run {rnd}.{i}.")
-                    order = list(SYSTEM_NAMES)
+                    order = list(systems)
                     rng.shuffle(order)
                     for name in order:
-                        s, srv = SYSTEMS[name], servers[name]
+                        s, srv = systems[name], servers[name]
                         srv.wait_idle()
                         o = send(client, srv.url, s.api, request_body(s.api, s.kind, body, "", a.max_tokens, False))
                         if not o.ok:
@@ -111,18 +117,21 @@ def main(argv: list[str] | None = None) -> int:
         for srv in servers.values():
             srv.stop()
     summary = []
-    print(f"\n{'request':<28} {'tokens':>6} {'orchestrator':>12} {'llama-server':>12} {'ratio':>6}  per round")
+    print(f"\n{'request':<28} {'system':<24} {'tokens':>6} {'TTFT s':>8} {PEER + ' s':>15} {'ratio':>6}  per round")
     for key in dict.fromkeys(r["request"] for r in runs):
-        mine = {n: [r for r in runs if r["request"] == key and r["system"] == n] for n in SYSTEM_NAMES}
-        t = {n: [r["ttft_s"] for r in mine[n]] for n in SYSTEM_NAMES}
-        per_round = [x / y for x, y in zip(t["orchestrator"], t["llama-server"])]
-        row = {"request": key, "prompt_tokens": mine["orchestrator"][0]["prompt_tokens"],
-               "orchestrator_s": statistics.median(t["orchestrator"]), "llama_server_s": statistics.median(
-                   t["llama-server"]), "ratio_min": min(per_round), "ratio_max": max(per_round)}
-        row["ratio"] = row["orchestrator_s"] / row["llama_server_s"]
-        summary.append(row)
-        print(f"{key:<28} {row['prompt_tokens']:>6} {row['orchestrator_s']:12.3f} {row['llama_server_s']:12.3f} "
-              f"{row['ratio']:6.3f}  {row['ratio_min']:.3f}-{row['ratio_max']:.3f}")
+        t = {n: [r["ttft_s"] for r in runs if r["request"] == key and r["system"] == n] for n in systems}
+        for name in [n for n in systems if n != PEER]:
+            per_round = [x / y for x, y in zip(t[name], t[PEER])]
+            row = {"request": key, "system": name, "prompt_tokens": next(
+                       r["prompt_tokens"] for r in runs if r["request"] == key),
+                   "ttft_s": statistics.median(t[name]), "peer_s": statistics.median(t[PEER]),
+                   "ratio_of_sums": sum(t[name]) / sum(t[PEER]), "ratio_min": min(per_round),
+                   "ratio_max": max(per_round)}
+            row["ratio"] = row["ttft_s"] / row["peer_s"]
+            summary.append(row)
+            print(f"{key:<28} {name:<24} {row['prompt_tokens']:>6} {row['ttft_s']:8.3f} {row['peer_s']:15.3f} "
+                  f"{row['ratio']:6.3f}  {row['ratio_min']:.3f}-{row['ratio_max']:.3f}")
     write_json(out / "cold.json", {"model": str(model), "threads": a.threads, "reps": a.reps, "omp": a.omp,
+                                   "systems": {n: list(s.extra) for n, s in systems.items()}, "peer": PEER,
                                    "summary": summary, "runs": runs})
     return 0
