@@ -17,16 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.errors import InvalidRequest
+from .schemas import _bad
 
 EDIT = "clear_tool_uses_20250919"
 PLACEHOLDER = "[This tool result was cleared to save context.]"
 DEFAULT_TRIGGER_TOKENS = 100_000
 DEFAULT_KEEP = 3
-
-
-def _bad(message: str, param: str) -> InvalidRequest:
-    return InvalidRequest(message, param=param)
 
 
 def _count(raw: Any, q: str, kinds: tuple[str, ...], default: tuple[str, int] | None) -> tuple[str, int] | None:
