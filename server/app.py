@@ -464,6 +464,7 @@ class Api:
         messages, breakpoints, n_cleared = edit.apply(req.messages, req.cache_breakpoints)
         if not n_cleared:
             return req, prompt
+        # req.messages already has its late system messages as the template takes them (_chat_prompt above)
         cleared = dataclasses.replace(req, messages=messages, cache_breakpoints=breakpoints, late_system=None)
         edited = await self._chat_prompt(cleared)
         freed = len(prompt.tokens) - len(edited.tokens)

@@ -25,7 +25,7 @@ DEFAULT_TRIGGER_TOKENS = 100_000
 DEFAULT_KEEP = 3
 
 
-def _count(raw: Any, q: str, kinds: tuple[str, ...], default: tuple[str, int] | None) -> tuple[str, int] | None:
+def _count(raw: Any, q: str, kinds: tuple[str, ...], default: tuple[str, int]) -> tuple[str, int]:
     """{"type": KIND, "value": N} (N a non-negative integer) -> (KIND, N); None -> `default`."""
     if raw is None:
         return default
@@ -72,7 +72,6 @@ class ClearToolUses:
         inputs: bool | frozenset[str] = raw_inputs if isinstance(raw_inputs, bool) else False
         if raw_inputs is not None and not isinstance(raw_inputs, bool):
             inputs = _names(raw_inputs, f"{q}.clear_tool_inputs")
-        assert trigger is not None and keep is not None and least is not None
         return cls(trigger=trigger, keep=keep[1], clear_at_least=least[1], exclude=exclude, inputs=inputs)
 
     def triggered(self, n_tokens: int, messages: list[dict]) -> bool:

@@ -47,8 +47,11 @@ def test_defaults_are_anthropics():
 def test_all_but_the_kept_most_recent_uses_are_cleared_outside_exclude_tools():
     messages = parse_messages(body(5)).messages
     edit = ClearToolUses.parse({"type": EDIT, "keep": {"type": "tool_uses", "value": 2}}, "e")
-    out, _, n = edit.apply(messages, ())
+    tool_at = [i for i, m in enumerate(messages) if m["role"] == "tool"]
+    marks = ((tool_at[0], len(messages[tool_at[0]]["content"])), (tool_at[4], 7))
+    out, moved, n = edit.apply(messages, marks)
     assert n == 3 and results(out)[:3] == [PLACEHOLDER] * 3
+    assert moved == ((tool_at[0], len(PLACEHOLDER)), (tool_at[4], 7))  # a mark in a cleared result ends with it
     assert results(out)[3:] == results(messages)[3:] and PLACEHOLDER not in results(messages)
     out, _, n = ClearToolUses.parse({"type": EDIT, "keep": {"type": "tool_uses", "value": 0},
                                      "exclude_tools": ["grep"]}, "e").apply(messages, ())
