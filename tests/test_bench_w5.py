@@ -37,3 +37,13 @@ def test_moved_puts_every_system_text_first_and_keeps_the_rest_in_order():
     texts = [w5._text_of(i["content"]) for i in codex["input"] if i.get("role") == "developer"]
     assert w5._text_of(moved["input"][0]["content"]) == "\n\n".join(texts)
     assert json.dumps(moved["input"][1:]) == json.dumps([i for i in codex["input"] if i.get("role") != "developer"])
+
+
+def test_an_omitted_thinking_blocks_signature_is_part_of_the_compared_answer():
+    """Claude Code asks for thinking with display "omitted": the block's only content is its signature_delta,
+    which holds the thinking (server/anthropic.py), so W5's warm-against-cold comparison must see it."""
+    sig = {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "orchestrator1.eA"}}
+    assert w5._delta_text("content_block_delta", sig) == "orchestrator1.eA"
+    text = {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "hi"}}
+    assert w5._delta_text("content_block_delta", text) == "hi"
+    assert w5._delta_text("content_block_start", {"content_block": {"type": "thinking"}}) == ""
