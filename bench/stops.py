@@ -3,6 +3,7 @@ a llama_decode call of their own (issue 30).
 
     python -m bench stops exact  --preset tiny --n-rs-seq 8       # (a) rollback checkpoints vs stopped ones
     python -m bench stops cost   --preset qwen3.5-0.8b --reps 7   # (b) one call vs calls split at the stops
+    python -m bench stops cost   --preset qwen3.5-0.8b --tokens 752 --splits '512,240;464,17,51,212,8'  # given splits
     python -m bench stops overhead --preset qwen3.5-0.8b          # what n_rs_seq costs every prefill call
     python -m bench stops align  --preset qwen3.5-0.8b --reps 7   # (c) chunk ends moved onto a boundary
     python -m bench stops memory --preset qwen3.5-0.8b            # (d) context memory per slot by n_rs_seq
@@ -239,11 +240,17 @@ def cost(a) -> dict:
                 decode_calls(e, tok, sizes)
             return run
 
-        variants[f"one call {n}"] = plain([n])
-        variants[f"stop at repeat point ({n - m},{m})"] = plain([n - m, m])
-        variants[f"stops ({boundary},{n - m - boundary},{m})"] = plain([boundary, n - m - boundary, m])
-        variants["one call + 8-token call"] = plain([n - 8, 8])
-        variants["one call + 2-token call"] = plain([n - 2, 2])
+        if a.splits:  # given call structures, the first the reference of the ratios
+            for sizes in a.splits:
+                if sum(sizes) != n:
+                    raise SystemExit(f"--splits: {sizes} sums to {sum(sizes)}, not --tokens {n}")
+                variants[f"calls ({','.join(map(str, sizes))})"] = plain(sizes)
+        else:
+            variants[f"one call {n}"] = plain([n])
+            variants[f"stop at repeat point ({n - m},{m})"] = plain([n - m, m])
+            variants[f"stops ({boundary},{n - m - boundary},{m})"] = plain([boundary, n - m - boundary, m])
+            variants["one call + 8-token call"] = plain([n - 8, 8])
+            variants["one call + 2-token call"] = plain([n - 2, 2])
         e.clear(0)
         e.decode(0, tok, 0)
         ck_bytes = e.state_size(0, partial=True)
@@ -378,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-rs-seq-list", type=lambda s: [int(x) for x in s.split(",")], default=[0, 8],
                     help="cost/memory: comma-separated n_rs_seq values")
     ap.add_argument("--boundary-back", type=int, default=41, help="cost: a boundary this far before the end")
+    ap.add_argument("--splits", type=lambda s: [[int(x) for x in part.split(",")] for part in s.split(";")],
+                    default=None, help="cost: call structures to compare instead of the default ones, e.g. "
+                                       "'512,240;240,241,267,4' (each sums to --tokens; ratios to the first)")
     ap.add_argument("--boundary", type=int, default=0, help="align: boundary position (default n_batch * 4/3)")
     ap.add_argument("--slots", type=int, default=4, help="memory: n_seq_max")
     ap.add_argument("--min-segment", type=int, default=0, help="skip measuring it (0: measure)")
