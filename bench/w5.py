@@ -289,8 +289,9 @@ def run_round(reqs: list[W5Req], systems: list[tuple[System, tuple[str, ...]]], 
 
 def summarize(records: list[dict]) -> list[dict]:
     """Per (system, session, shape): requests served/refused, Σ TTFT (median over rounds), cached share, and how
-    many answers differ from their cold run."""
-    cold = {(r["session"], r["shape"], r["turn"]): r["output"] for r in records if r["cold"] and r["ok"]}
+    many answers differ from their cold run. An empty cold answer is no reference (two empty strings compare
+    equal whatever the servers did), so it is not counted as compared."""
+    cold = {(r["session"], r["shape"], r["turn"]): r["output"] for r in records if r["cold"] and r["ok"] and r["output"]}
     rows = []
     keys = sorted({(r["system"], r["session"], r["shape"]) for r in records if not r["cold"]})
     for system, session, shape in keys:

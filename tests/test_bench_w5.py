@@ -47,3 +47,12 @@ def test_an_omitted_thinking_blocks_signature_is_part_of_the_compared_answer():
     text = {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "hi"}}
     assert w5._delta_text("content_block_delta", text) == "hi"
     assert w5._delta_text("content_block_start", {"content_block": {"type": "thinking"}}) == ""
+
+
+def test_an_empty_cold_answer_is_not_counted_as_compared():
+    def rec(turn, cold, output):
+        return {"system": "orchestrator", "session": w5.CLAUDE, "shape": "cli", "turn": turn, "round": 0 if cold else 1,
+                "cold": cold, "ok": True, "output": output, "ttft_s": 1.0, "prompt_tokens": 10, "cached_tokens": 0,
+                "error": ""}
+    rows = w5.summarize([rec(1, False, ""), rec(1, True, ""), rec(2, False, "a"), rec(2, True, "b")])
+    assert (rows[0]["compared"], rows[0]["differ"]) == (1, 1)
