@@ -46,7 +46,10 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_SERVER = ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server"
+# The llama-server binary every bench runs: bench/install_llama_server.sh's build, or another build of it named by
+# $LLAMA_SERVER (e.g. one linked against shared libraries, to compare builds of the same llama.cpp).
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER")
+                    or ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server")
 # `launch`'s default, and the benches' `--omp passive`: OpenMP's passive wait. On a 2-core machine shared with other
 # jobs llama-server's OpenMP threads otherwise spin between graph nodes (it also polls for work, --poll 50):
 # measured on a cold 507-token prompt, 5.2-5.6 CPU-s and 8-10 s TTFT spinning vs 2.2 CPU-s and 3-4 s passive,
