@@ -1,0 +1,32 @@
+// long-lived: load once, then one cold prefill of N synthetic ids per line read on stdin; prints seconds per line
+// As run: built like pf.c (gcc -O2 -o /tmp/x/pfl pfl.c ...), driven by proto.py; see README.md.
+#include "llama.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+static double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+int main(int argc,char**argv){
+  const char*path=argv[1]; int n=atoi(argv[2]);
+  llama_backend_init();
+  struct llama_model_params mp=llama_model_default_params(); mp.use_extra_bufts=false; mp.n_gpu_layers=0;
+  struct llama_model*m=llama_model_load_from_file(path,mp);
+  struct llama_context_params cp=llama_context_default_params();
+  cp.n_ctx=n+64; cp.n_batch=512; cp.n_ubatch=512; cp.n_seq_max=1; cp.kv_unified=false; cp.n_threads=2; cp.n_threads_batch=2;
+  cp.no_perf=true; cp.swa_full=true; cp.flash_attn_type=LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  struct llama_context*c=llama_init_from_model(m,cp);
+  llama_batch b=llama_batch_init(512,0,1);
+  char line[64];
+  printf("ready\n"); fflush(stdout);
+  while(fgets(line,sizeof line,stdin)){
+    llama_memory_seq_rm(llama_get_memory(c),0,-1,-1);
+    double t0=now();
+    for(int pos=0;pos<n;pos+=512){
+      int e=pos+512<n?pos+512:n; b.n_tokens=e-pos;
+      for(int i=0;i<b.n_tokens;i++){b.token[i]=1000+((pos+i)*7919)%100000;b.pos[i]=pos+i;b.n_seq_id[i]=1;b.seq_id[i][0]=0;b.logits[i]=0;}
+      if(e==n)b.logits[b.n_tokens-1]=1;
+      if(llama_decode(c,b)){fprintf(stderr,"decode failed\n");return 1;}
+    }
+    printf("%.3f\n",now()-t0); fflush(stdout);
+  }
+  return 0;
+}
