@@ -1,5 +1,5 @@
 // long-lived: load once, then one cold prefill of N synthetic ids per line read on stdin; prints seconds per line
-// As run: built like pf.c (gcc -O2 -o /tmp/x/pfl pfl.c ...), driven by proto.py; see README.md.
+// As run: built like pf.c (gcc -O2 -o /tmp/x/pfl pfl.c ...), driven by proto.py; SPIN_MS=200 busy-waits before each timed prefill (default 0); see README.md.
 #include "llama.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,6 +19,7 @@ int main(int argc,char**argv){
   printf("ready\n"); fflush(stdout);
   while(fgets(line,sizeof line,stdin)){
     llama_memory_seq_rm(llama_get_memory(c),0,-1,-1);
+    { double s=now(); double ms=getenv("SPIN_MS")?atof(getenv("SPIN_MS")):0; volatile double x=0; while(now()-s<ms/1000) x+=1; }
     double t0=now();
     for(int pos=0;pos<n;pos+=512){
       int e=pos+512<n?pos+512:n; b.n_tokens=e-pos;
