@@ -1,13 +1,13 @@
-// prefill N synthetic token ids (1000 + 7919 i mod 100000) cold in 512-token calls, like bench/engine_gap.py's engine_prefill; prints seconds per rep
+// prefill N synthetic token ids cold (prefill.h), REPS times in one fresh process, 1 s idle before each; prints seconds per rep
 // Built and run from /tmp/x (commands as run): gcc -O2 -o /tmp/x/pf pf.c -I$S/include -I$S/ggml/include -Lbuild-shared/bin -lllama
 //   -Wl,-rpath,$PWD/build-shared/bin  (in bench/.llama-server, S=llama_cpp_python-0.3.36/vendor/llama.cpp; build-shared: the
 //   cmake build of README.md); usage: pf MODEL.gguf N_TOKENS REPS
 #include "llama.h"
+#include "prefill.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
-static double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 int main(int argc,char**argv){
   const char*path=argv[1]; int n=atoi(argv[2]); int reps=atoi(argv[3]);
   llama_backend_init();
@@ -21,14 +21,9 @@ int main(int argc,char**argv){
   for(int r=0;r<reps;r++){
     sleep(1);
     llama_memory_clear(llama_get_memory(c),true);
-    double t0=now();
-    for(int pos=0;pos<n;pos+=512){
-      int e=pos+512<n?pos+512:n; b.n_tokens=e-pos;
-      for(int i=0;i<b.n_tokens;i++){b.token[i]=1000+((pos+i)*7919)%100000;b.pos[i]=pos+i;b.n_seq_id[i]=1;b.seq_id[i][0]=0;b.logits[i]=0;}
-      if(e==n)b.logits[b.n_tokens-1]=1;
-      if(llama_decode(c,b)){fprintf(stderr,"decode failed\n");return 1;}
-    }
-    printf("%.3f\n",now()-t0); fflush(stdout);
+    double s=prefill(c,b,n);
+    if(s<0){fprintf(stderr,"decode failed\n");return 1;}
+    printf("%.3f\n",s); fflush(stdout);
   }
   return 0;
 }

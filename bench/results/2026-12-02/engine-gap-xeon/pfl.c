@@ -1,11 +1,11 @@
 // long-lived: load once, then one cold prefill of N synthetic ids per line read on stdin; prints seconds per line
 // As run: built like pf.c (gcc -O2 -o /tmp/x/pfl pfl.c ... -lggml-cpu -lggml-base), driven by proto.py; SPIN_MS=200 busy-waits before each timed prefill, SWA_FULL=0 and TP=1 (an attached ggml threadpool) set llama-server's own; see README.md.
 #include "llama.h"
+#include "prefill.h"
 #include "ggml-cpu.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
-static double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 int main(int argc,char**argv){
   const char*path=argv[1]; int n=atoi(argv[2]);
   llama_backend_init();
@@ -22,14 +22,9 @@ int main(int argc,char**argv){
   while(fgets(line,sizeof line,stdin)){
     llama_memory_seq_rm(llama_get_memory(c),0,-1,-1);
     { double s=now(); double ms=getenv("SPIN_MS")?atof(getenv("SPIN_MS")):0; volatile double x=0; while(now()-s<ms/1000) x+=1; }
-    double t0=now();
-    for(int pos=0;pos<n;pos+=512){
-      int e=pos+512<n?pos+512:n; b.n_tokens=e-pos;
-      for(int i=0;i<b.n_tokens;i++){b.token[i]=1000+((pos+i)*7919)%100000;b.pos[i]=pos+i;b.n_seq_id[i]=1;b.seq_id[i][0]=0;b.logits[i]=0;}
-      if(e==n)b.logits[b.n_tokens-1]=1;
-      if(llama_decode(c,b)){fprintf(stderr,"decode failed\n");return 1;}
-    }
-    printf("%.3f\n",now()-t0); fflush(stdout);
+    double s=prefill(c,b,n);
+    if(s<0){fprintf(stderr,"decode failed\n");return 1;}
+    printf("%.3f\n",s); fflush(stdout);
   }
   return 0;
 }
