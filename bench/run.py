@@ -42,8 +42,8 @@ from bench.common import ROOT
 from bench.render import Renderer
 from bench import agentloop
 from bench.scenarios import Req, Scale, chat, w1, w2, w3, w4
-from bench.systems import (LLAMA_SERVER, SYSTEMS, RssSampler, Running, before_system, cold_variant,
-                           launch, omp_policy, orchestrator_variants)
+from bench.systems import (SYSTEMS, RssSampler, Running, before_system, cold_variant,
+                           launch, llama_server_binary, omp_policy, orchestrator_variants)
 
 LOOPS = ("W4", "CHAT")
 
@@ -68,7 +68,7 @@ def missing_dependencies(systems) -> list[str]:
             found = False
         if not found:
             missing.append(mod)
-    if any(s.kind == "llama-server" for s in systems) and not LLAMA_SERVER.exists():
+    if any(s.kind == "llama-server" for s in systems) and not llama_server_binary().exists():
         missing += [tool for tool in ("cmake", "ninja") if shutil.which(tool) is None]
     return missing
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_dependencies(systems)
     if missing:
         ap.error(f"missing {', '.join(missing)}: install the bench extra first (pip install -e '.[bench]')")
-    if any(s.kind == "llama-server" for s in systems) and not LLAMA_SERVER.exists():
+    if any(s.kind == "llama-server" for s in systems) and not llama_server_binary().exists():
         log("llama-server is not built; running bench/install_llama_server.sh (several minutes on 2 cores)")
         subprocess.run(["bash", str(ROOT / "bench" / "install_llama_server.sh")], check=True)
     args.model = args.model or default_model()

@@ -46,16 +46,27 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-# The llama-server binary every bench runs: bench/install_llama_server.sh's build, or another build of it named by
-# $LLAMA_SERVER (e.g. one linked against shared libraries, to compare builds of the same llama.cpp).
-LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER")
-                    or ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server")
+LLAMA_SERVER = ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server"
 # `launch`'s default, and the benches' `--omp passive`: OpenMP's passive wait. On a 2-core machine shared with other
 # jobs llama-server's OpenMP threads otherwise spin between graph nodes (it also polls for work, --poll 50):
 # measured on a cold 507-token prompt, 5.2-5.6 CPU-s and 8-10 s TTFT spinning vs 2.2 CPU-s and 3-4 s passive,
 # interleaved. On a quiet machine passive halves one-token decode for every server, so `python -m bench` uses
 # OpenMP's default (`--omp default`). Set OMP_WAIT_POLICY yourself to override either.
 OMP_WAIT_POLICY = "PASSIVE"
+
+
+def llama_server_binary() -> Path:
+    """The llama-server every bench runs: the file $LLAMA_SERVER names where it is set (another build of the same
+    llama.cpp, e.g. one linked against shared libraries: bench/results/2026-12-02/engine-gap-xeon/), else
+    bench/install_llama_server.sh's build (LLAMA_SERVER), which may not exist yet. Raises FileNotFoundError when
+    $LLAMA_SERVER names no file: building the default would not make that one exist."""
+    named = os.environ.get("LLAMA_SERVER")
+    if not named:
+        return LLAMA_SERVER
+    if not Path(named).is_file():
+        raise FileNotFoundError(f"$LLAMA_SERVER={named} is not a file: build it, or unset LLAMA_SERVER to run "
+                                f"bench/install_llama_server.sh's build")
+    return Path(named)
 
 
 @dataclass(frozen=True)
@@ -208,7 +219,7 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
         return cmd + list(s.flags(workload))
     if s.kind == "llama-server":
         n_slots = 1 if s.cold else np_flag(s.flags(workload))  # an explicit -np splits -c among the slots
-        cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+        cmd = [str(llama_server_binary()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
                "-c", str(ctx * max(n_slots, 1)),
                "-t", str(threads), "-tb", str(threads), "-b", "512", "-ub", "512", "--no-repack", "-fa", "off",
                "--jinja", "--no-webui", "--seed", "1234"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import report
-from bench.systems import orchestrator_variants, write_ab
+from bench.systems import LLAMA_SERVER, llama_server_binary, orchestrator_variants, write_ab
 
 
 def test_oracle_is_longest_prefix_shared_with_any_earlier_prompt():
@@ -164,3 +164,15 @@ def test_every_results_folder_has_a_readme_and_a_row_in_the_index():
             assert f"]({rel}/)" in index, f"bench/results/README.md has no row for {rel}/"
         elif not (folder / "README.md").is_file():
             assert f"{folder.name}/" in (folder.parent / "README.md").read_text(), f"nothing describes {rel}/"
+
+
+def test_llama_server_binary_is_the_file_llama_server_names_else_the_install_scripts_build(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    assert llama_server_binary() == LLAMA_SERVER
+    other = tmp_path / "llama-server"
+    other.write_text("")
+    monkeypatch.setenv("LLAMA_SERVER", str(other))
+    assert llama_server_binary() == other
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="LLAMA_SERVER"):
+        llama_server_binary()
