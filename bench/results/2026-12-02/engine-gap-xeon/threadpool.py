@@ -7,7 +7,6 @@ from bench.engine_gap import engine_prefill
 class TPP(ctypes.Structure):
     _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
                 ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
-libdir = llama_cpp.llama_cpp._base_path if hasattr(llama_cpp.llama_cpp, "_base_path") else None
 import pathlib
 base = pathlib.Path(llama_cpp.__file__).parent / "lib"
 cpu = ctypes.CDLL(str(base / "libggml-cpu.so"))
