@@ -556,9 +556,10 @@ def content_blocks(out: ParsedOutput, omit_thinking: bool = False) -> list[dict]
 
 
 def tool_use(call: dict) -> dict:
-    """An OpenAI-shaped parsed tool call as a tool_use block."""
+    """An OpenAI-shaped parsed tool call as a tool_use block, its id in the Messages API's form (`toolu_…`, as
+    the hosted API writes them; the parser's `call_…` id keeps its random part)."""
     args = call["function"]["arguments"]
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
             "input": json.loads(args) if isinstance(args, str) else args}
 
 

@@ -141,7 +141,7 @@ def test_tool_use_answers_stream_and_go_back_as_tool_results(claude, runtime, mo
     messages = [{"role": "user", "content": "Is Dune on the shelf?"}]
     scripted(runtime, monkeypatch, "I will look it up.\n\n" + CALL)
     r = ask(claude, messages, tools=TOOLS)
-    assert r.stop_reason == "tool_use"
+    assert r.stop_reason == "tool_use" and r.content[1].id.startswith("toolu_")
     assert [b.type for b in r.content] == ["text", "tool_use"] and r.content[0].text == "I will look it up."
     use = r.content[1]
     assert use.name == "find_book" and use.input == {"title": "Dune"} and use.id
