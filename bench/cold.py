@@ -4,6 +4,7 @@ within 1.02x of llama-server's TTFT", with the repetitions one side-by-side run 
     python -m bench cold                        # W1-W3's cold requests, 5 rounds, synthetic qwen3.5-0.8b
     python -m bench cold --reps 7 --workloads W1
     python -m bench cold --workloads W2 --variant rs8="--rs-snapshots 8"   # an orchestrator with more flags too
+    python -m bench cold --repeat --max-tokens 16 --variant nocache=--no-cache  # issue 30's whole "done when"
 
 The cold requests are those of W1-W3 (bench/scenarios.py) that share no token with an earlier request of their
 round: W1's A of each round (507 and 2,066 tokens), W2's first turn (746), W3's first agent's first turn (2,180).
@@ -13,7 +14,12 @@ a round-numbered tag at the start of its first tool's description or first messa
 snapshot stops, llama-server its checkpoints), and waits until both are idle between requests. TTFT as the
 side-by-side benchmark measures it (bench/client.py). Prints, per request and orchestrator, the median TTFT against
 llama-server's, the ratio of medians and the per-round ratios' range; writes bench/results/<date>/cold/cold.json.
-Not a test.
+
+With --repeat, each system gets every cold request a second time right after its first (the exact repeat, W1's D):
+its TTFT against llama-server's repeat, and its answer against the same system's cold answer. Each orchestrator
+variant's cold answer is also compared with plain orchestrator's (a `--no-cache` variant makes that the
+cache-off reference), so one run holds cold TTFT, repeat TTFT and cached == cold. Greedy answers of
+--max-tokens tokens; TTFT is still the first streamed token. Not a test.
 """
 
 from __future__ import annotations
@@ -69,6 +75,52 @@ def fresh(body: dict, tag: str) -> dict:
     return body
 
 
+def _kind(run: dict) -> str:
+    return run.get("kind", "cold")  # runs written before --repeat existed have no kind
+
+
+def summarize(runs: list[dict], systems: list[str]) -> list[dict]:
+    """Per request, kind ("cold" or "repeat") and system other than llama-server: median TTFT (s) against
+    llama-server's of the same request and kind, the ratio of medians and of sums, the per-round ratios' range.
+    `runs`: the run records main() writes (round, request, system, kind, ttft_s, prompt_tokens, output)."""
+    out = []
+    for key in dict.fromkeys(r["request"] for r in runs):
+        for kind in dict.fromkeys(_kind(r) for r in runs if r["request"] == key):
+            sel = {n: sorted((r for r in runs if r["request"] == key and _kind(r) == kind
+                              and r["system"] == n), key=lambda r: r["round"]) for n in systems}
+            t = {n: [r["ttft_s"] for r in rs] for n, rs in sel.items()}
+            for name in [n for n in systems if n != PEER and t[n] and t[PEER]]:
+                per_round = [x / y for x, y in zip(t[name], t[PEER])]
+                row = {"request": key, "kind": kind, "system": name,
+                       "prompt_tokens": sel[name][0]["prompt_tokens"],
+                       "ttft_s": statistics.median(t[name]), "peer_s": statistics.median(t[PEER]),
+                       "ratio_of_sums": sum(t[name]) / sum(t[PEER]), "ratio_min": min(per_round),
+                       "ratio_max": max(per_round)}
+                row["ratio"] = row["ttft_s"] / row["peer_s"]
+                out.append(row)
+    return out
+
+
+def answer_checks(runs: list[dict], systems: list[str]) -> list[dict]:
+    """cached == cold, per request: every repeat answer of every system (llama-server too) against its own cold
+    answer of the same round, and every other orchestrator's cold answer against plain orchestrator's. Rows:
+    request, kind, system, against (a system name), answers compared, differ (count)."""
+    cold = {(r["round"], r["request"], r["system"]): r["output"] for r in runs if _kind(r) == "cold"}
+    out = []
+    for key in dict.fromkeys(r["request"] for r in runs):
+        for name in systems:
+            mine = [r for r in runs if r["request"] == key and r["system"] == name]
+            checks = [("repeat", name, [r for r in mine if _kind(r) == "repeat"])]
+            if name not in ("orchestrator", PEER) and "orchestrator" in systems:
+                checks.append(("cold", "orchestrator", [r for r in mine if _kind(r) == "cold"]))
+            for kind, against, rs in checks:
+                if rs:
+                    out.append({"request": key, "kind": kind, "system": name, "against": against,
+                                "answers": len(rs),
+                                "differ": sum(r["output"] != cold[(r["round"], key, against)] for r in rs)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
@@ -80,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--omp", choices=["default", "passive"], default="default")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="also an orchestrator started with more flags (named orchestrator-NAME)")
+    ap.add_argument("--repeat", action="store_true",
+                    help="send each cold request a second time to the same system (the exact repeat)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     model = a.model or default_model()
@@ -94,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
                                  4096 if s.kind == "orchestrator" else None, omp_wait_policy=omp_policy(a.omp))
     runs: list[dict] = []
     rng = random.Random(0)
+
+    def one(client: httpx.Client, name: str, body: dict, q: Req, rnd: int, kind: str):
+        s, srv = systems[name], servers[name]
+        srv.wait_idle()
+        o = send(client, srv.url, s.api, request_body(s.api, s.kind, body, "", a.max_tokens, False))
+        if not o.ok:
+            raise RuntimeError(f"{name} failed {q.workload} {q.label} ({kind}): {o.error[:200]}")
+        print(f"round {rnd} {q.workload} {q.round} {q.label:<16} {name:<24} {kind:<6} TTFT {o.ttft_s:7.3f} s "
+              f"prompt {o.prompt_tokens} cached {o.cached_tokens}", flush=True)
+        return o
+
     try:
         with httpx.Client() as client:
             for rnd in range(a.reps + 1):  # round 0 warms both and is not counted
@@ -102,36 +167,28 @@ def main(argv: list[str] | None = None) -> int:
                     order = list(systems)
                     rng.shuffle(order)
                     for name in order:
-                        s, srv = systems[name], servers[name]
-                        srv.wait_idle()
-                        o = send(client, srv.url, s.api, request_body(s.api, s.kind, body, "", a.max_tokens, False))
-                        if not o.ok:
-                            raise RuntimeError(f"{name} failed {q.workload} {q.label}: {o.error[:200]}")
-                        print(f"round {rnd} {q.workload} {q.round} {q.label:<16} {name:<13} TTFT {o.ttft_s:7.3f} s "
-                              f"prompt {o.prompt_tokens} cached {o.cached_tokens}", flush=True)
-                        if rnd:
-                            runs.append({"round": rnd, "workload": q.workload, "request": f"{q.round} {q.label}",
-                                         "system": name, "ttft_s": o.ttft_s, "prompt_tokens": o.prompt_tokens,
-                                         "cached_tokens": o.cached_tokens, "timings": o.server_timings})
+                        for kind in ("cold", "repeat") if a.repeat else ("cold",):
+                            o = one(client, name, body, q, rnd, kind)
+                            if rnd:
+                                runs.append({"round": rnd, "workload": q.workload, "request": f"{q.round} {q.label}",
+                                             "system": name, "kind": kind, "ttft_s": o.ttft_s,
+                                             "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
+                                             "output": o.output, "timings": o.server_timings})
     finally:
         for srv in servers.values():
             srv.stop()
-    summary = []
-    print(f"\n{'request':<28} {'system':<24} {'tokens':>6} {'TTFT s':>8} {PEER + ' s':>15} {'ratio':>6}  per round")
-    for key in dict.fromkeys(r["request"] for r in runs):
-        t = {n: [r["ttft_s"] for r in runs if r["request"] == key and r["system"] == n] for n in systems}
-        for name in [n for n in systems if n != PEER]:
-            per_round = [x / y for x, y in zip(t[name], t[PEER])]
-            row = {"request": key, "system": name, "prompt_tokens": next(
-                       r["prompt_tokens"] for r in runs if r["request"] == key),
-                   "ttft_s": statistics.median(t[name]), "peer_s": statistics.median(t[PEER]),
-                   "ratio_of_sums": sum(t[name]) / sum(t[PEER]), "ratio_min": min(per_round),
-                   "ratio_max": max(per_round)}
-            row["ratio"] = row["ttft_s"] / row["peer_s"]
-            summary.append(row)
-            print(f"{key:<28} {name:<24} {row['prompt_tokens']:>6} {row['ttft_s']:8.3f} {row['peer_s']:15.3f} "
-                  f"{row['ratio']:6.3f}  {row['ratio_min']:.3f}-{row['ratio_max']:.3f}")
+    summary = summarize(runs, list(systems))
+    print(f"\n{'request':<28} {'kind':<6} {'system':<24} {'tokens':>6} {'TTFT s':>8} {PEER + ' s':>15} {'ratio':>6}"
+          f"  per round")
+    for row in summary:
+        print(f"{row['request']:<28} {row['kind']:<6} {row['system']:<24} {row['prompt_tokens']:>6} "
+              f"{row['ttft_s']:8.3f} {row['peer_s']:15.3f} {row['ratio']:6.3f}  "
+              f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}")
+    for row in answer_checks(runs, list(systems)):
+        print(f"{row['request']:<28} {row['kind']:<6} {row['system']:<24} against {row['against']}: "
+              f"{row['differ']} of {row['answers']} answers differ")
     write_json(out / "cold.json", {"model": str(model), "threads": a.threads, "reps": a.reps, "omp": a.omp,
                                    "systems": {n: list(s.extra) for n, s in systems.items()}, "peer": PEER,
-                                   "summary": summary, "runs": runs})
+                                   "max_tokens": a.max_tokens, "repeat": a.repeat, "summary": summary,
+                                   "answers": answer_checks(runs, list(systems)), "runs": runs})
     return 0

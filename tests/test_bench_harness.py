@@ -176,3 +176,30 @@ def test_llama_server_binary_is_the_file_llama_server_names_else_the_install_scr
     monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="LLAMA_SERVER"):
         llama_server_binary()
+
+
+def test_cold_bench_compares_repeats_and_variants_with_the_right_cold_answer():
+    from bench.cold import answer_checks, summarize
+
+    def run(rnd, system, kind, ttft, output):
+        return {"round": rnd, "request": "r1 A", "system": system, "kind": kind, "ttft_s": ttft,
+                "prompt_tokens": 507, "output": output}
+    runs = [run(1, "orchestrator", "cold", 4.0, "abc"), run(1, "orchestrator", "repeat", 0.05, "abc"),
+            run(1, "orchestrator-nocache", "cold", 4.2, "abc"), run(1, "llama-server", "cold", 3.9, "xyz"),
+            run(1, "llama-server", "repeat", 0.1, "xyz"),
+            run(2, "orchestrator", "cold", 4.4, "abd"), run(2, "orchestrator", "repeat", 0.03, "abX"),
+            run(2, "orchestrator-nocache", "cold", 4.1, "abd"), run(2, "llama-server", "cold", 4.1, "xyz"),
+            run(2, "llama-server", "repeat", 0.2, "xyz")]
+    systems = ["orchestrator", "orchestrator-nocache", "llama-server"]
+    rows = {(r["kind"], r["system"]): r for r in summarize(runs, systems)}
+    assert set(rows) == {("cold", "orchestrator"), ("cold", "orchestrator-nocache"), ("repeat", "orchestrator")}
+    rep = rows[("repeat", "orchestrator")]
+    assert rep["ratio_min"] == pytest.approx(0.03 / 0.2) and rep["ratio_max"] == pytest.approx(0.5)
+    assert rep["ratio_of_sums"] == pytest.approx(0.08 / 0.3)
+    assert rows[("cold", "orchestrator")]["ratio"] == pytest.approx(4.2 / 4.0)
+    checks = {(c["kind"], c["system"], c["against"]): (c["answers"], c["differ"]) for c in answer_checks(runs, systems)}
+    # round 2's repeat answered "abX" where its own cold answer was "abd"; the variant matched orchestrator's
+    # cold answer in each round (a different one per round), and llama-server's answers are its own
+    assert checks == {("repeat", "orchestrator", "orchestrator"): (2, 1),
+                      ("cold", "orchestrator-nocache", "orchestrator"): (2, 0),
+                      ("repeat", "llama-server", "llama-server"): (2, 0)}
