@@ -184,11 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['request']:<28} {row['kind']:<6} {row['system']:<24} {row['prompt_tokens']:>6} "
               f"{row['ttft_s']:8.3f} {row['peer_s']:15.3f} {row['ratio']:6.3f}  "
               f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}")
-    for row in answer_checks(runs, list(systems)):
+    answers = answer_checks(runs, list(systems))
+    for row in answers:
         print(f"{row['request']:<28} {row['kind']:<6} {row['system']:<24} against {row['against']}: "
               f"{row['differ']} of {row['answers']} answers differ")
     write_json(out / "cold.json", {"model": str(model), "threads": a.threads, "reps": a.reps, "omp": a.omp,
                                    "systems": {n: list(s.extra) for n, s in systems.items()}, "peer": PEER,
                                    "max_tokens": a.max_tokens, "repeat": a.repeat, "summary": summary,
-                                   "answers": answer_checks(runs, list(systems)), "runs": runs})
+                                   "answers": answers, "runs": runs})
     return 0
