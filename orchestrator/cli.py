@@ -187,6 +187,11 @@ def _serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health, and enable cache "
                         "administration (default: $ORCHESTRATOR_API_KEY; none = no authentication, no "
                         "administration). Prefer the environment variable: arguments show in `ps`")
+    p.add_argument("--admin-key", type=_api_key, default=os.environ.get("ORCHESTRATOR_ADMIN_KEY") or None,
+                   help="the operator's key: only it may flush the cache, read /metrics and /v1/cache/stats and see "
+                        "/health's queue and cache figures, which tell one tenant what others do; the --api-key "
+                        "then serves requests only (default: $ORCHESTRATOR_ADMIN_KEY; none = the --api-key is also "
+                        "the operator's)")
     p.add_argument("--max-body-size", type=_positive, default=d.max_body_mib, metavar="MiB",
                    help=f"largest request body accepted, MiB (default {d.max_body_mib}; 413 above)")
     p.add_argument("--max-messages", type=_positive, default=d.max_messages, metavar="N",
@@ -226,7 +231,7 @@ def _config(a: argparse.Namespace) -> Config:
                  snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints, rs_snapshots=a.rs_snapshots,
                  decode_batching=a.decode_batching,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
-                 api_key=a.api_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
+                 api_key=a.api_key, admin_key=a.admin_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
                  max_tokens_limit=a.max_tokens_limit, max_prompt_kib=a.max_prompt_size,
                  max_prompt_parts=a.max_prompt_parts, grammar_budget=a.grammar_budget,
                  grammar_max_schema=a.grammar_max_schema, grammar_memory_mib=a.grammar_memory,

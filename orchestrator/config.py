@@ -70,6 +70,8 @@ class Config:
     decode_batching: str = "auto"  # "auto": batch slots' decode steps when bit-identical to alone; "on"; "off"
     calibration_file: Path | None = None  # where measured kernel facts are kept across restarts; None: re-measure
     api_key: str | None = None  # Bearer key required on every endpoint but /health; None = no authentication
+    # The operator's key (administration: flush, /metrics, /v1/cache/stats, /health's full view); None: api_key
+    admin_key: str | None = None
     max_body_mib: int = 16  # largest request body accepted, MiB (413 above)
     max_messages: int = 4096  # most messages in one chat request (400 above)
     max_tokens_limit: int = 32768  # most completion tokens a request may ask for (400 above)
@@ -103,3 +105,20 @@ class Config:
     @property
     def max_prompt_bytes(self) -> int:
         return self.max_prompt_kib * 1024
+
+    @property
+    def operator_key(self) -> str | None:
+        """The key of the administration routes: --admin-key, else --api-key (None: no key at all)."""
+        return self.admin_key or self.api_key
+
+    @property
+    def max_choices(self) -> int:
+        """Most choices (`n`) one request may ask for: each takes a slot, and one slot is always left to other
+        requests (one request cannot hold every slot while others wait)."""
+        return max(1, self.parallel - 1)
+
+    @property
+    def max_rendered_chars(self) -> int:
+        """Most characters one render of the chat template may produce: twice the prompt budget (the template's
+        markup and the tools' JSON add to the caller's text; a template that repeats it is stopped there)."""
+        return 2 * self.max_prompt_bytes

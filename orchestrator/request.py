@@ -93,6 +93,7 @@ class Job:
     prepare_s: dict[str, float] = field(default_factory=dict)  # seconds spent before submission, by phase
     #                                                            (render, tokenize, boundaries: Prompt's)
     n: int = 1
+    tenant: str = ""  # who the queue is fair between (the server's: cache_salt, else prompt_cache_key)
 
     def check(self, n_ctx: int, n_slots: int) -> None:
         """Whether a scheduler of `n_slots` slots of `n_ctx` tokens can run this job. Raises InvalidRequest (n

@@ -168,7 +168,7 @@ class Runtime:
         if cfg.cache_enabled:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)
-        template = load_template(engine, cfg.chat_template)
+        template = load_template(engine, cfg.chat_template, cfg.max_rendered_chars)
         return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template,
                                                                            cfg.parse_special_in_content),
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval, n_slots=cfg.parallel,

@@ -83,6 +83,8 @@ class Scheduler:
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = threading.Condition()
         self._order = itertools.count()
+        self._admissions = itertools.count()
+        self._admitted: dict[str, int] = {}  # tenant -> when it last got a slot (`_fair_order`)
         self._retry = RetryAfter()
         self._closed = False
         self._idle = IdleWork(engine)
@@ -101,12 +103,31 @@ class Scheduler:
             if self._closed:
                 raise OrchestratorError("the server is shutting down")
             idle = sum(s.task is None for s in self.slots)
+            pushed_out = None
             if len(self._waiting) >= self.queue_size + idle:
-                raise QueueFull(len(self._waiting), self._retry.seconds(len(self._waiting), len(self.slots)))
+                pushed_out = self._make_room(job.tenant)
             limit = self.timeout_s if job.timeout_s is None else job.timeout_s
             self._waiting.append(Task(job, sink, cancel, next(self._order), limit))
             self._cond.notify_all()
+        if pushed_out is not None:
+            pushed_out.deliver(Event(EventKind.ERROR, error=QueueFull(
+                len(self._waiting), self._retry.seconds(len(self._waiting), len(self.slots)))))
         return cancel
+
+    def _make_room(self, tenant: str) -> Task:
+        """A full queue and an arrival from `tenant`: the newest queued request of the tenant that holds the most
+        of the queue leaves it (its caller gets QueueFull, 429), if that tenant holds more than `tenant` would
+        with the arrival; else the arrival is refused (QueueFull raised). So a burst from one tenant fills the
+        queue only while nobody else waits, and never pushes another tenant out (longest-queue drop). Called
+        with the lock held; returns the task pushed out, for the caller to tell outside the lock."""
+        held = collections.Counter(t.job.tenant for t in self._waiting)
+        heaviest, count = held.most_common(1)[0]
+        if count <= held[tenant] + 1:
+            raise QueueFull(len(self._waiting), self._retry.seconds(len(self._waiting), len(self.slots)))
+        victim = max((t for t in self._waiting if t.job.tenant == heaviest), key=lambda t: t.order)
+        self._waiting.remove(victim)
+        victim.phase = Phase.DONE
+        return victim
 
     def run(self, job: Job) -> Result:
         """Submit and wait (for tests, benchmarks and the CLI): choice 0's result. Raises the job's error."""
@@ -215,7 +236,7 @@ class Scheduler:
         """Start waiting requests, oldest first, unless one must wait for an earlier one's snapshot
         (`Reuse.must_wait`). A STORE slot is not busy for them: taken over or preempted (`Reuse.choose`)."""
         with self._cond:
-            queued = list(self._waiting)
+            queued = self._fair_order(list(self._waiting))
         for task in queued:
             free, storing = self._room()
             if len(free) + len(storing) < task.job.n:
@@ -224,10 +245,27 @@ class Scheduler:
                 continue
             with self._cond:
                 self._waiting.remove(task)
+            self._admitted[task.job.tenant] = next(self._admissions)
             for t in [task] + task.fork():  # choice 0 first: it picks the slot that restores most
                 if task.phase == Phase.DONE:
                     break  # choice 0 failed: the others are never placed
                 self._guard(t, self._place, t, *self._room())
+
+    def _fair_order(self, queued: list[Task]) -> list[Task]:
+        """The queued tasks in the order they are offered slots: round robin over tenants (`Job.tenant`). A
+        tenant's k-th queued request ranks after the slots it already holds plus k; on a tie the tenant admitted
+        least recently goes first, then arrival order. One tenant's burst does not make the others wait behind
+        all of it."""
+        running = collections.Counter(t.job.tenant for t in self._active() if t.phase != Phase.STORE)
+        tenants = set(running) | {t.job.tenant for t in queued}
+        self._admitted = {k: v for k, v in self._admitted.items() if k in tenants}  # bounded by who is here
+        seen: collections.Counter = collections.Counter()
+        ranked = []
+        for t in queued:  # in arrival order
+            tenant = t.job.tenant
+            ranked.append((running[tenant] + seen[tenant], self._admitted.get(tenant, -1), t.order, t))
+            seen[tenant] += 1
+        return [r[-1] for r in sorted(ranked, key=lambda r: r[:3])]
 
     def _room(self) -> tuple[list[Slot], list[Slot]]:
         """(free slots, slots storing an after-generation state: never busy for a waiting request)."""

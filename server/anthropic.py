@@ -49,7 +49,8 @@ from . import fields
 from .context_edits import EDIT as CLEAR_TOOL_USES
 from .context_edits import ClearToolUses
 from .fields import HINT, HONOURED, REFUSED, Rule
-from .schemas import (MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, check_prompt_size, conversation,
+from .schemas import (MAX_ID_CHARS, GenerationOptions, _bad, _num, _options, body_fields, check_prompt_size,
+                      conversation,
                       thinking_from_effort)
 
 MESSAGES, COUNT_TOKENS = "messages", "count_tokens"
@@ -178,7 +179,7 @@ def _thinking_text(block: dict, q: str) -> str:
     return text
 
 
-def _result_parts(content: Any, q: str, deferred: dict[str, dict]) -> list[dict]:
+def _result_parts(content: Any, q: str, deferred: dict[str, str]) -> list[dict]:
     """A tool_result's content -> text parts. A `tool_reference` block (the answer of a tool search) is the
     referenced deferred tool's definition, as JSON text: the tool is "loaded" where the search answered, so the
     tools block at the start of the prompt stays the same from turn to turn."""
@@ -191,12 +192,12 @@ def _result_parts(content: Any, q: str, deferred: dict[str, dict]) -> list[dict]
             if not isinstance(name, str) or name not in deferred:
                 r = f"{q}[{j}].tool_name"
                 raise _bad(f"'{r}' {json.dumps(name)[:60]} is not a tool with defer_loading in 'tools'", r)
-            block = {"type": "text", "text": json.dumps(deferred[name], ensure_ascii=False)}
+            block = {"type": "text", "text": deferred[name]}
         blocks.append(block)
     return _text_blocks(blocks, q)
 
 
-def _user(m: dict, p: str, blocks: list, conv: list[dict], origin: list, deferred: dict[str, dict]) -> None:
+def _user(m: dict, p: str, blocks: list, conv: list[dict], origin: list, deferred: dict[str, str]) -> None:
     texts = []
     for j, block in enumerate(blocks):
         q = f"{p}.content[{j}]"
@@ -287,7 +288,7 @@ def _thinking_turns(raw: list, keep: int | None) -> set[int]:
     return set(with_thinking[len(with_thinking) - keep:]) if keep else set()
 
 
-def _convert(body: dict, max_messages: int, keep_thinking: int | None, deferred: dict[str, dict]
+def _convert(body: dict, max_messages: int, keep_thinking: int | None, deferred: dict[str, str]
              ) -> tuple[list[dict], list[tuple[str, list[str]]]]:
     """(OpenAI-style messages, the Anthropic path each came from, with the paths of its tool_use blocks).
     keep_thinking: the number of most recent assistant turns with thinking whose thinking is rendered (None:
@@ -416,8 +417,8 @@ def _translate(e: InvalidRequest, origin: list[tuple[str, list[str]]]) -> Invali
     return InvalidRequest(_REF.sub(sub, e.message), param=param, code=e.code)
 
 
-def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict]]:
-    """(the OpenAI-style tools to render, the tools with `defer_loading: true` by name). Deferred tools are not
+def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, str]]:
+    """(the OpenAI-style tools to render, the JSON text of each tool with `defer_loading: true`, by name). Deferred tools are not
     rendered, as Anthropic's tool search documents ("not loaded into context" until a search references them,
     see _result_parts): Claude Code sends a placeholder that way ("never call this tool")."""
     if raw is None:
@@ -425,7 +426,7 @@ def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict]]:
     if not isinstance(raw, list):
         raise _bad("'tools' must be a list", "tools")
     out: list[dict] = []
-    deferred: dict[str, dict] = {}
+    deferred: dict[str, str] = {}
     for j, t in enumerate(raw):
         q = f"tools[{j}]"
         if not isinstance(t, dict):
@@ -447,7 +448,7 @@ def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict]]:
         if t.get("defer_loading") is not None and not isinstance(t["defer_loading"], bool):
             raise _bad(f"'{q}.defer_loading' must be true or false", f"{q}.defer_loading")
         if t.get("defer_loading"):
-            deferred[t["name"]] = fn
+            deferred[t["name"]] = json.dumps(fn, ensure_ascii=False)  # one string, however often referenced
         else:
             out.append({"type": "function", "function": fn})
     return out or None, deferred
@@ -516,7 +517,7 @@ def parse_messages(body: Any, cfg: Config | None = None, route: str = MESSAGES) 
     model = body.get("model")
     if not isinstance(model, str) or len(model) > MAX_ID_CHARS:
         raise _bad(f"'model' must be a string of at most {MAX_ID_CHARS} characters", "model")
-    check_prompt_size(body, cfg, ("system", "messages", "tools"))  # count_tokens too
+    check_prompt_size(body_fields(body, ("system", "messages", "tools")), cfg)  # count_tokens too
     _cache_control(body, "")  # a valid mark only: the end of the last message is always a boundary
     options = _generation(body, cfg) if route == MESSAGES else None
     tools, deferred = _tools(body.get("tools"))
@@ -531,6 +532,8 @@ def parse_messages(body: Any, cfg: Config | None = None, route: str = MESSAGES) 
                           response_field=format_field, schema_path=f"{format_field}.schema")
     keep_thinking, clear = _context_management(body.get("context_management"))
     conv, origin = _convert(body, cfg.max_messages, keep_thinking, deferred)
+    # what will be rendered: tool_reference blocks have become their tools' definitions
+    check_prompt_size([(path, m) for m, (path, _) in zip(conv, origin)] + [("tools", tools)], cfg)
     try:
         messages, breakpoints, late = conversation(conv, len(conv))
     except InvalidRequest as e:

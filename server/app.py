@@ -8,8 +8,9 @@ Request-level extensions: `cache_prompt` (false = cold run, the cache is neither
 `cache_salt` (tenant isolation) and `chat_template_kwargs` (e.g. {"enable_thinking": false}). Responses add
 `timings` (llama-server's name).
 
-With `Config.api_key` set, every route but /health needs `Authorization: Bearer <key>` (401 otherwise); cache
-administration (flush) is off (403) on a server without a key.
+With `Config.api_key` set, every route but /health needs `Authorization: Bearer <key>` (401 otherwise). The
+operator's routes (cache flush and stats, /metrics, /health's full view) need the operator key (`--admin-key`,
+else the API key; a tenant's key gets 403); cache administration (flush) is off (403) on a server without a key.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from .anthropic import MessagesRequest, parse_messages
 from . import logprobs
 from . import responses
 from .responses import ResponsesRequest, parse_responses
-from .schemas import GenerationOptions, late_system_as_user, parse_chat, parse_completion
+from .schemas import GenerationOptions, check_nesting, late_system_as_user, parse_chat, parse_completion
 
 log = logging.getLogger("orchestrator.server")
 REPLICA_HEADER = "x-orchestrator-replica"  # on every response: which replica served it (--replica-name)
@@ -63,11 +64,11 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _json_body(request: Request, limit_bytes: int):
-    """The request body parsed as JSON, read at most `limit_bytes` bytes far.
+async def _read_body(request: Request, limit_bytes: int) -> bytes:
+    """The request body, read at most `limit_bytes` bytes far.
 
     Raises UnsupportedMediaType (415) for a Content-Type other than JSON (none at all is accepted),
-    PayloadTooLarge (413) past the limit, InvalidRequest (400) for a body that is not JSON.
+    PayloadTooLarge (413) past the limit, RequestCancelled (499) when the client leaves meanwhile.
     """
     content_type = request.headers.get("content-type")
     if content_type is not None and not _is_json(content_type):
@@ -85,10 +86,17 @@ async def _json_body(request: Request, limit_bytes: int):
             chunks.append(chunk)
     except ClientDisconnect as e:  # counted as a disconnect (499), like one while the answer is computed
         raise RequestCancelled() from e
+    return b"".join(chunks)
+
+
+def _json(raw: bytes):
+    """`raw` parsed as JSON and checked for nesting (schemas.check_nesting): InvalidRequest (400) otherwise."""
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(f"the request body is not valid JSON: {str(e)[:200]}") from e
+    check_nesting(body)
+    return body
 
 
 async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
@@ -100,9 +108,13 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
             return
 
 
-def _authorize(request: Request, api_key: str) -> None:
-    """Raise Unauthorized unless the request carries `Authorization: Bearer <api_key>`, or Anthropic's
-    `x-api-key: <api_key>` (constant-time compare)."""
+# Who may call a route: anyone (/health), a tenant (the API), the operator (administration).
+PUBLIC, TENANT, OPERATOR = "public", "tenant", "operator"
+
+
+def _authorize(request: Request, *keys: str) -> str:
+    """The one of `keys` the request carries as `Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`
+    (constant-time compares, every key compared); raises Unauthorized when it carries none of them."""
     header = request.headers.get("authorization")
     if header is None and "x-api-key" in request.headers:
         header = "Bearer " + request.headers["x-api-key"]
@@ -110,8 +122,26 @@ def _authorize(request: Request, api_key: str) -> None:
         raise Unauthorized("missing API key: send the header 'Authorization: Bearer <key>' (this server was "
                            "started with --api-key)")
     scheme, _, token = header.strip().partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    matched = [k for k in keys if hmac.compare_digest(token.strip().encode(), k.encode())]
+    if scheme.lower() != "bearer" or not matched:
         raise Unauthorized("incorrect API key provided")
+    return matched[0]
+
+
+def _allow(request: Request, cfg: Config, who: str) -> None:
+    """Check that the request may call a route for `who` (PUBLIC, TENANT or OPERATOR). Tenants need --api-key's
+    key (or the operator's); the operator's routes need the operator key (Config.operator_key: --admin-key, else
+    --api-key): a tenant's key there is Forbidden (403), no key or a wrong one Unauthorized (401). Without any
+    key, every route is open."""
+    keys = [k for k in (cfg.api_key, cfg.admin_key) if k is not None]
+    if who == PUBLIC or not keys:
+        return
+    if who == TENANT:
+        if cfg.api_key is not None:
+            _authorize(request, *keys)
+        return
+    if _authorize(request, *keys) != cfg.operator_key:
+        raise Forbidden("this route is the operator's: send the key of --admin-key")
 
 
 def _usage(results: Sequence[Result]) -> dict:
@@ -163,7 +193,8 @@ class Api:
         return Job(prompt_tokens=prompt.tokens, boundaries=prompt.boundaries,
                    max_tokens=min(max_tokens, n_ctx - n), sampling=sampling, stop=opts.stop,
                    use_cache=opts.cache_prompt and self.rt.config.cache_enabled, prompt_cache_key=prompt_cache_key,
-                   cache_salt=opts.cache_salt, restorable_after=restorable_after,
+                   cache_salt=opts.cache_salt, tenant=opts.cache_salt or prompt_cache_key,
+                   restorable_after=restorable_after,
                    prepare_s={"render": prompt.render_s, "tokenize": prompt.tokenize_s,
                               "boundaries": prompt.boundaries_s}, logprobs=opts.logprobs, n=opts.n)
 
@@ -325,11 +356,18 @@ class Api:
                 self._late_system_ok = False
         return self._late_system_ok
 
+    async def _parse(self, request: Request, parse: Callable, *args):
+        """`parse(body, config, *args)` of the request's JSON body. Everything after reading the body (JSON
+        decoding, the nesting and prompt-size checks, the conversion) runs in the thread pool, off the event
+        loop, where every other request's bytes are moved: each step is linear in the body and bounded by its
+        limit (--max-body-size, --max-prompt-size)."""
+        raw = await _read_body(request, self.rt.config.max_body_bytes)
+        return await run_in_threadpool(lambda: parse(_json(raw), self.rt.config, *args))
+
     # ------------------------------------------------------------------ routes
 
     async def chat(self, request: Request):
-        cfg = self.rt.config
-        req = parse_chat(await _json_body(request, cfg.max_body_bytes), cfg)
+        req = await self._parse(request, parse_chat)
         prompt, job, events, cancel = await self._submit_chat(req)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
@@ -402,8 +440,7 @@ class Api:
                                 on_end=on_end)
 
     async def completions(self, request: Request):
-        cfg = self.rt.config
-        req = parse_completion(await _json_body(request, cfg.max_body_bytes), cfg)
+        req = await self._parse(request, parse_completion)
         prompt = await run_in_threadpool(self.rt.prompts.completion, req.prompt)
         job = self._job(prompt, req.options)
         events, cancel = self._submit(job)
@@ -455,8 +492,7 @@ class Api:
         """The request and its prompt, with its clear_tool_uses edit applied where the rendered prompt passes the
         edit's trigger (server/context_edits.py): rendered again with the old tool results cleared, kept if it
         frees at least clear_at_least tokens."""
-        cfg = self.rt.config
-        req = parse_messages(await _json_body(request, cfg.max_body_bytes), cfg, route)
+        req = await self._parse(request, parse_messages, route)
         prompt = await self._chat_prompt(req)
         edit = req.clear_tool_uses
         if edit is None or not edit.triggered(len(prompt.tokens), req.messages):
@@ -588,8 +624,7 @@ class Api:
     # ------------------------------------------------------------------ OpenAI Responses API
 
     async def responses(self, request: Request):
-        cfg = self.rt.config
-        req = parse_responses(await _json_body(request, cfg.max_body_bytes), cfg)
+        req = await self._parse(request, parse_responses)
         prompt, job, events, cancel = await self._submit_chat(req)
         rid, created = responses.new_id("resp"), int(time.time())
         if req.options.stream:
@@ -751,9 +786,10 @@ class Api:
 
     async def cache_flush(self, request: Request):
         """Administration: drop every snapshot of the local tiers and the slots' live state (Runtime.flush_cache).
-        Off (403) on a server without --api-key."""
-        if self.rt.config.api_key is None:
-            raise Forbidden("cache administration is off: start the server with --api-key to enable it")
+        The operator's; off (403) on a server without a key."""
+        if self.rt.config.operator_key is None:
+            raise Forbidden("cache administration is off: start the server with --admin-key (or --api-key) to "
+                            "enable it")
         n = await run_in_threadpool(self.rt.flush_cache)  # waits for the worker's step, off the event loop
         log.warning("cache flushed by an administration request: %d entries dropped", n)
         return JSONResponse({"flushed_entries": n})
@@ -762,16 +798,13 @@ class Api:
         return JSONResponse(openapi_schema(self.rt.config))
 
     async def health(self, request: Request):
-        """Public: status and slots for a load balancer; queue and cache figures only with the key (or on a server
-        without one), since they show other tenants' activity."""
-        key = self.rt.config.api_key
-        full = key is None
-        if key is not None:
-            try:
-                _authorize(request, key)
-                full = True
-            except Unauthorized:
-                pass
+        """Public: status and slots for a load balancer; queue and cache figures only for the operator (or on a
+        server without a key), since they show other tenants' activity."""
+        try:
+            _allow(request, self.rt.config, OPERATOR)
+            full = True
+        except (Unauthorized, Forbidden):
+            full = False
         return JSONResponse({"status": "ok", **self.rt.health(full)})
 
 
@@ -780,8 +813,8 @@ def create_app(runtime: Runtime) -> Starlette:
     api = Api(runtime)
     cfg = runtime.config
 
-    def route(path: str, handler, method: str, public: bool = False, flavor: str = OPENAI) -> Route:
-        return Route(path, _guard(api, path.replace(":path", ""), handler, cfg, public, flavor), methods=[method])
+    def route(path: str, handler, method: str, who: str = TENANT, flavor: str = OPENAI) -> Route:
+        return Route(path, _guard(api, path.replace(":path", ""), handler, cfg, who, flavor), methods=[method])
 
     routes = [
         route("/v1/chat/completions", api.chat, "POST"),
@@ -791,10 +824,10 @@ def create_app(runtime: Runtime) -> Starlette:
         route("/v1/responses", api.responses, "POST"),
         route("/v1/models", api.models, "GET"),
         route("/v1/models/{model_id:path}", api.model, "GET"),
-        route("/health", api.health, "GET", public=True),
-        route("/metrics", api.prometheus, "GET"),
-        route("/v1/cache/stats", api.cache_stats, "GET"),
-        route("/v1/cache/flush", api.cache_flush, "POST"),
+        route("/health", api.health, "GET", who=PUBLIC),
+        route("/metrics", api.prometheus, "GET", who=OPERATOR),
+        route("/v1/cache/stats", api.cache_stats, "GET", who=OPERATOR),
+        route("/v1/cache/flush", api.cache_flush, "POST", who=OPERATOR),
         route("/openapi.json", api.openapi, "GET"),
     ]
     @contextlib.asynccontextmanager
@@ -807,8 +840,8 @@ def create_app(runtime: Runtime) -> Starlette:
     return app
 
 
-def _guard(api: Api, path: str, handler, cfg: Config, public: bool, flavor: str):
-    """Check the API key (unless `public` or none is configured), then run the route, turning any exception into
+def _guard(api: Api, path: str, handler, cfg: Config, who: str, flavor: str):
+    """Check the caller's key for `who` (`_allow`), then run the route, turning any exception into
     an error response in the route's flavor (OpenAI's or Anthropic's shape) here, so the connection stays usable
     (an exception that reaches Starlette's outermost middleware is re-raised and closes the keep-alive
     connection); every such refusal or failure is counted and logged. Every response names the replica
@@ -817,8 +850,7 @@ def _guard(api: Api, path: str, handler, cfg: Config, public: bool, flavor: str)
 
     async def guarded(request: Request):
         try:
-            if cfg.api_key is not None and not public:
-                _authorize(request, cfg.api_key)
+            _allow(request, cfg, who)
             response = await handler(request)
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx in one place: server/errors.py
             response = error_response(e, flavor)

@@ -106,7 +106,7 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "user": ident,
         "safety_identifier": ident,
         "metadata": _nullable({"type": "object"}),
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": cfg.parallel,
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": cfg.max_choices,
                         "description": "choices from one prefill; choice i is sampled with seed + i"}),
         # accepted with their default value only (server/schemas.py DEFAULT_ONLY)
         "best_of": _nullable({"const": 1}),
@@ -297,7 +297,7 @@ def _responses(ok: dict, stream: bool = False, extra: tuple[int, ...] = (), erro
                                                    "properties": {"data": {"type": "string"}}}}
     out: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     errors = {400: "invalid request (the body names the field in error.param)", 401: "missing or wrong API key",
-              403: "turned off by the server's configuration", 404: "no such model", 413: "request body too large",
+              403: "turned off by the server's configuration, or the operator's route called with a tenant's key", 404: "no such model", 413: "request body too large",
               415: "the body is not JSON", 429: "all slots busy and the queue full (--queue-size); see Retry-After",
               500: "internal error", 504: "the request ran past --timeout"}
     for code in (401, 500) + extra:
@@ -440,14 +440,15 @@ def openapi_schema(cfg: Config) -> dict:
             "/metrics": {"get": {
                 "operationId": "metrics", "summary": "Prometheus text exposition",
                 "responses": {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}},
-                              "401": _responses({})["401"]}}},
+                              "401": _responses({})["401"], "403": _responses({}, extra=(403,))["403"]}}},
             "/v1/cache/stats": {"get": {
                 "operationId": "cacheStats", "summary": "snapshot cache counters (JSON)",
                 "responses": _responses({"type": "object", "required": ["ram_entries", "ram_bytes"], "properties": {
-                    "ram_entries": {"type": "integer"}, "ram_bytes": {"type": "integer"}}})}},
+                    "ram_entries": {"type": "integer"}, "ram_bytes": {"type": "integer"}}}, extra=(403,))}},
             "/v1/cache/flush": {"post": {
                 "operationId": "cacheFlush",
-                "summary": "drop every snapshot (needs --api-key; 403 on a server without one)",
+                "summary": "drop every snapshot (the operator's: --admin-key, else --api-key; 403 on a server without "
+                           "a key or with a tenant's key)",
                 "responses": _responses({"type": "object", "required": ["flushed_entries"], "properties": {
                     "flushed_entries": {"type": "integer"}}}, extra=(403,))}},
             "/openapi.json": {"get": {

@@ -64,7 +64,7 @@ from orchestrator.request import Result
 from . import fields
 from .fields import HINT, HONOURED, REFUSED, Rule
 from .schemas import (MAX_ID_CHARS, MAX_TOP_LOGPROBS, GenerationOptions, _bad, _num, _options, _response_format,
-                      conversation, thinking_from_effort)
+                      body_fields, check_prompt_size, conversation, thinking_from_effort)
 
 log = logging.getLogger("orchestrator.server")
 
@@ -472,6 +472,7 @@ def parse_responses(body: Any, cfg: Config | None = None) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
     _check_fields(body)
+    check_prompt_size(body_fields(body, ("instructions", "input", "tools")), cfg)
     options = _options({"max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
                         "top_p": body.get("top_p"), "stream": body.get("stream"),
                         "cache_prompt": body.get("cache_prompt"), "cache_salt": body.get("cache_salt")}, cfg)
@@ -485,6 +486,7 @@ def parse_responses(body: Any, cfg: Config | None = None) -> ResponsesRequest:
     thinking = _reasoning(body.get("reasoning"))
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     turns = _convert(body, cfg.max_messages)
+    check_prompt_size(list(zip(turns.origin, turns.conv)) + [("tools", tools)], cfg)  # what will be rendered
     try:
         messages, breakpoints, late = conversation(turns.conv, len(turns.conv))
     except InvalidRequest as e:

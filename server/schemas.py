@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from orchestrator.config import Config
 from orchestrator.engine import SamplingParams
@@ -61,7 +61,8 @@ FIELDS: dict[str, Rule] = {
     "stop": Rule(HONOURED, _BOTH, "up to 16 strings"),
     "stream": Rule(HONOURED, _BOTH, "server-sent events ending with [DONE]"),
     "stream_options": Rule(HONOURED, _BOTH, "include_usage"),
-    "n": Rule(HONOURED, _BOTH, "1 to --parallel: one prefill, choice i sampled with seed + i"),
+    "n": Rule(HONOURED, _BOTH, "1 to --parallel minus 1 (a slot is left to others): one prefill, choice i "
+                               "sampled with seed + i"),
     "logprobs": Rule(HONOURED, _BOTH, "chat: true/false; completions: 0 to 20 alternatives"),
     "top_logprobs": Rule(HONOURED, (CHAT,), "0 to 20, with logprobs: true"),
     # cache control and caller identity
@@ -217,9 +218,10 @@ def _options(body: dict, cfg: Config) -> GenerationOptions:
     )
     cache_prompt = body.get("cache_prompt")
     n = _num(body, "n", 1, 2 ** 31 - 1, 1, integer=True)
-    if n > cfg.parallel:
-        raise _bad(f"'n' is {n}, but this server generates at most {cfg.parallel} choices per request: each choice "
-                   f"is generated in a slot of its own (--parallel {cfg.parallel})", "n")
+    if n > cfg.max_choices:
+        raise _bad(f"'n' is {n}, but this server generates at most {cfg.max_choices} choices per request: each choice "
+                   f"is generated in a slot of its own, and one of the --parallel {cfg.parallel} slots is always "
+                   f"left to other requests", "n")
     return GenerationOptions(max_tokens=max_tokens, sampling=sampling, stop=stop, stream=bool(body.get("stream")),
                              include_usage=bool(stream_options.get("include_usage")),
                              cache_prompt=True if cache_prompt is None else cache_prompt, seed=body.get("seed"),
@@ -524,18 +526,44 @@ def _completion_logprobs(body: dict) -> int | None:
     return _num(body, "logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
 
 
-def check_prompt_size(body: dict, cfg: Config, keys: tuple[str, ...]) -> None:
-    """Refuse a prompt too large to render before anything renders or tokenizes it (issue 26 H7: 15 MB took 41 s
-    of CPU there): the UTF-8 bytes of every string under `body[key]` for `keys` together (keys of objects
-    included) against --max-prompt-size, and their parts (array elements: messages, content blocks, tool calls,
-    tools) against --max-prompt-parts. Raises InvalidRequest naming the key where a limit is crossed."""
+MAX_NESTING = 128  # deepest JSON nesting a request body may have (objects and arrays); RecursionError-safe
+
+
+def check_nesting(body: Any) -> None:
+    """Refuse a body nested deeper than MAX_NESTING levels (objects and arrays), before any code recurses into
+    it (escaping, rendering, hashing and the grammar converter are recursive: 950 levels raised RecursionError
+    there). Iterative, linear in the body. Raises InvalidRequest naming the top-level field that holds it."""
+    if not isinstance(body, dict):
+        return
+    for key, value in body.items():
+        stack = [(value, 1)]
+        while stack:
+            v, depth = stack.pop()
+            if depth > MAX_NESTING:
+                raise _bad(f"'{key}' is nested more than {MAX_NESTING} levels deep; this server takes at most that "
+                           f"many", key)
+            if isinstance(v, dict):
+                stack.extend((x, depth + 1) for x in v.values())
+            elif isinstance(v, list):
+                stack.extend((x, depth + 1) for x in v)
+
+
+def check_prompt_size(fields: Iterable[tuple[str, Any]], cfg: Config) -> None:
+    """Refuse a prompt too large to render before anything renders or tokenizes it: the UTF-8 bytes of every
+    string under each (caller's field name, value) together (keys of objects included) against
+    --max-prompt-size, and their parts (array elements: messages, content blocks, tool calls, tools) against
+    --max-prompt-parts. Every route applies it twice: to the body as sent (cheap, before conversion) and to the
+    conversation as it will be rendered, where one field may have grown (an Anthropic `tool_reference` becomes
+    its tool's whole definition): a value that occurs several times counts every time. Stops at the first
+    string past a limit, so its cost is bounded by the limit. Raises InvalidRequest naming the field where a
+    limit is crossed."""
     n_bytes = n_parts = 0
-    for key in keys:
-        stack = [body.get(key)]
+    for key, value in fields:
+        stack = [value]
         while stack:
             v = stack.pop()
             if isinstance(v, str):
-                n_bytes += len(v.encode("utf-8", "surrogatepass"))
+                n_bytes += len(v) if v.isascii() else len(v.encode("utf-8", "surrogatepass"))
             elif isinstance(v, dict):
                 stack.extend(v.keys())
                 stack.extend(v.values())
@@ -550,6 +578,11 @@ def check_prompt_size(body: dict, cfg: Config, keys: tuple[str, ...]) -> None:
                            f"tool calls, tools); this server takes at most that many (--max-prompt-parts)", key)
 
 
+def body_fields(body: dict, keys: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(key, body[key]) for `keys`: the fields of a body that reach the prompt, for check_prompt_size."""
+    return [(k, body.get(k)) for k in keys]
+
+
 def parse_chat(body: Any, cfg: Config | None = None) -> ChatRequest:
     """Validate a /v1/chat/completions body against the limits of `cfg` (defaults: Config()).
 
@@ -558,7 +591,7 @@ def parse_chat(body: Any, cfg: Config | None = None) -> ChatRequest:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
     _check_fields(body, CHAT)
-    check_prompt_size(body, cfg, ("messages", "tools"))
+    check_prompt_size(body_fields(body, ("messages", "tools", "chat_template_kwargs")), cfg)
     kwargs = body.get("chat_template_kwargs")
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
@@ -596,7 +629,7 @@ def parse_completion(body: Any, cfg: Config | None = None) -> CompletionRequest:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
     _check_fields(body, COMPLETION)
-    check_prompt_size(body, cfg, ("prompt",))
+    check_prompt_size(body_fields(body, ("prompt",)), cfg)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

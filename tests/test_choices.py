@@ -2,7 +2,7 @@
 
 The prompt is prefilled (or restored) once and its state copied to n slots; choice i is sampled with seed + i, so
 each choice equals the cold run (cache_prompt false, n = 1) of that seed: same text, same logprobs. Usage counts
-the prompt once. Streams carry each choice's chunks with its `index`. n above --parallel is a 400 naming `n`.
+the prompt once. Streams carry each choice's chunks with its `index`. n above --parallel - 1 is a 400 naming `n` (a slot is left to others).
 The scheduling rules (slots, cancellation, failures) are unit-tested on the fake engine in test_scheduler.py.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from .conftest import serving
 
-PARALLEL = 3
+PARALLEL = 4  # n is at most PARALLEL - 1: one slot is left to other requests
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three animals."}]
 PROMPT = "A list of animals: cat, dog,"
@@ -138,13 +138,13 @@ def test_completion_choices_equal_their_cold_runs_streamed_and_echoed(oai):
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-@pytest.mark.parametrize("n", [PARALLEL + 1, 0, -1, True, 1.5])
-def test_n_outside_1_to_parallel_is_400_naming_n(srv, path, n):
+@pytest.mark.parametrize("n", [PARALLEL, 0, -1, True, 1.5])
+def test_n_outside_1_to_parallel_minus_1_is_400_naming_n(srv, path, n):
     body = {"model": "m", "max_tokens": 2, "n": n}
     body.update({"messages": MSGS} if path.endswith("chat/completions") else {"prompt": PROMPT})
     r = httpx.post(srv[1].url + path, json=body, timeout=60)
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "n" and err["type"] == "invalid_request_error"
-    if n == PARALLEL + 1:
-        assert f"--parallel {PARALLEL}" in err["message"]
+    if n == PARALLEL:
+        assert f"--parallel {PARALLEL}" in err["message"] and "left to other requests" in err["message"]

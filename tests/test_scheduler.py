@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from orchestrator import calibration
 from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.engine import SamplingParams
-from orchestrator.errors import EngineError, InvalidRequest, RequestCancelled, RequestTimeout
+from orchestrator.errors import EngineError, InvalidRequest, QueueFull, RequestCancelled, RequestTimeout
 from orchestrator.cache.radix import CHECKPOINT, KV, LOGITS, common_len
 from orchestrator.request import Collector, Event, EventKind, Job, Phase, Slot, Task
 from orchestrator.reuse import Reuse
@@ -979,3 +979,78 @@ def test_a_state_copy_llama_cpp_refuses_fails_that_choice_only(make):
     assert box.ends[1].kind == EventKind.ERROR and isinstance(box.ends[1].error, EngineError)
     cold = s.run(dataclasses.replace(j.choice(0), use_cache=False))
     assert box.ends[0].result.completion_tokens == cold.completion_tokens
+
+
+# ---------------------------------------------------------------- tenants: a fair queue
+
+
+def test_a_burst_from_one_tenant_cannot_push_another_out_of_a_full_queue(make):
+    """queue_size 3, one slot: tenant A fills the slot and the queue; B's request still gets in (A's newest is
+    pushed out with QueueFull, 429) and is served before A's other queued requests; a second A arrival is
+    refused, since A already holds more of the queue than B."""
+    eng, _, s = make(n_slots=1, queue_size=3)
+    order: list[str] = []
+    results: dict[str, object] = {}
+    done = threading.Event()
+
+    def sink_for(name):
+        def sink(ev: Event) -> None:
+            if ev.kind == EventKind.TEXT:
+                return
+            if ev.kind == EventKind.DONE:
+                order.append(name)
+            results[name] = ev.result if ev.kind == EventKind.DONE else ev.error
+            if len(results) == 5:
+                done.set()
+        return sink
+
+    eng.pause()
+    for k in range(4):  # a0 takes the slot at the worker's next step, a1..a3 wait
+        s.submit(job(TAILS[0] + [k], tenant="A"), sink_for(f"a{k}"))
+    s.submit(job(TAILS[1], tenant="B"), sink_for("b"))  # full: a3, the newest of the heaviest tenant, leaves
+    with pytest.raises(QueueFull):
+        s.submit(job(TAILS[0] + [9], tenant="A"), sink_for("a9"))
+    eng.resume()
+    assert done.wait(30)
+    assert isinstance(results["a3"], QueueFull)
+    assert "b" in order and order.index("b") <= 1, order  # a0 may be running already; b goes before a1, a2
+    assert set(order) == {"a0", "a1", "a2", "b"}
+
+
+def test_without_tenants_a_full_queue_refuses_the_arrival_as_before(make):
+    eng, _, s = make(n_slots=1, queue_size=2)
+    eng.pause()
+    try:
+        for k in range(3):
+            s.submit(job(TAILS[0] + [k]), Collector(1))
+        with pytest.raises(QueueFull):
+            s.submit(job(TAILS[0] + [7]), Collector(1))
+    finally:
+        eng.resume()
+    s.drain()
+
+
+def test_queued_tenants_are_offered_slots_round_robin(make):
+    """Five of A's requests then two of B's, queued together on two slots: B's first request is among the
+    first two admitted, and B's second before A's last two."""
+    eng, _, s = make(n_slots=2, queue_size=16)
+    starts: list[str] = []
+    lock = threading.Lock()
+
+    def sink_for(name):
+        def sink(ev: Event) -> None:
+            assert ev.kind != EventKind.ERROR, ev.error
+            if ev.kind == EventKind.TEXT and name not in starts:
+                with lock:
+                    starts.append(name)
+        return sink
+
+    names = [f"a{k}" for k in range(5)] + ["b0", "b1"]
+    eng.pause()
+    for name in names:
+        s.submit(job(TAILS[2] + [len(starts) + names.index(name) + 1], max_tokens=3, tenant=name[0]), sink_for(name))
+    eng.resume()
+    assert s.drain(30)
+    assert sorted(starts) == sorted(names)
+    assert starts.index("b0") < 2, starts
+    assert starts.index("b1") < starts.index("a3"), starts

@@ -54,6 +54,11 @@ from ..errors import InvalidRequest
 from .template import ChatTemplate
 
 PLACEHOLDER = "\ue000orchestrator-boundary\ue001"
+# The caller's breakpoints placed per request: the last (deepest) four, the most Anthropic's Messages API takes
+# (cache_control on at most four blocks). Each costs a render of the conversation up to it, so placing every
+# one of a mark per turn was quadratic in the conversation; earlier marks are hints left out (None), and the
+# message ends still give their boundaries.
+MAX_BREAKPOINTS = 4
 TOOL_CALL_ID = "call0orch"  # 9 alphanumerics: Mistral Nemo's template requires tool call ids of that shape
 
 
@@ -196,7 +201,8 @@ class BoundaryDetector:
         """Boundaries of `full_text` (the render of `messages` with the generation prompt), in characters.
 
         `breakpoints`: the caller's (message index, characters of that message's content before the breakpoint),
-        placed wherever they fall (also outside the window) but never beyond `stable`. Raises nothing for
+        in prompt order; the last MAX_BREAKPOINTS are placed wherever they fall (also outside the window) but
+        never beyond `stable`, the others are None. Raises nothing for
         templates that reject a probe; such probes are skipped.
         """
         kw = template_kwargs
@@ -221,7 +227,12 @@ class BoundaryDetector:
         elif tools and messages:
             b = self._stable_end([], tools, kw, full_text)[0]
             system_end = min(b, stable) or None if b is not None else None
-        extra = tuple(self._breakpoint(messages, i, c, tools, kw, full_text, stable) for i, c in breakpoints)
+        first = len(breakpoints) - MAX_BREAKPOINTS
+        placed: dict[tuple[int, int], int | None] = {}
+        for i, c in breakpoints[max(0, first):]:
+            if (i, c) not in placed:
+                placed[(i, c)] = self._breakpoint(messages, i, c, tools, kw, full_text, stable)
+        extra = tuple(placed.get(b) for b in breakpoints)
         return CharBoundaries(tools_end, system_end, tuple(ends), stable, tuple(appended), extra)
 
     def _breakpoint(self, messages: list[dict], i: int, n_chars: int, tools, kwargs, full_text: str,
@@ -296,8 +307,15 @@ class BoundaryDetector:
 
 def byte_offsets(text: str, char_offsets: Sequence[int | None]) -> list[int | None]:
     """UTF-8 byte offsets of character offsets into `text`, in the text the model reads: the CUTs that keep
-    control texts out of caller strings (control.py) are not part of it and count no bytes."""
-    return [None if c is None else len(strip_cuts(text[:c]).encode("utf-8")) for c in char_offsets]
+    control texts out of caller strings (control.py) are not part of it and count no bytes. One pass over the
+    text in offset order, whatever the number of offsets."""
+    out: list[int | None] = [None] * len(char_offsets)
+    at_char = at_byte = 0
+    for c, k in sorted((c, k) for k, c in enumerate(char_offsets) if c is not None):
+        at_byte += len(strip_cuts(text[at_char:c]).encode("utf-8"))
+        at_char = c
+        out[k] = at_byte
+    return out
 
 
 def token_offsets(piece_lengths: Sequence[int], byte_offsets_: Sequence[int | None]) -> list[int | None]:

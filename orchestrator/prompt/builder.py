@@ -47,10 +47,10 @@ log = logging.getLogger("orchestrator.prompt.builder")
 FALLBACK_TEMPLATES = {"gemma3": "gemma3.jinja"}  # GGUF architecture -> templates/ file; default qwen3.5.jinja
 
 
-def load_template(engine: Engine, override_path=None) -> ChatTemplate:
+def load_template(engine: Engine, override_path=None, max_chars: int | None = None) -> ChatTemplate:
     """The chat template: `override_path`, else the GGUF's, else the project's template for the model's
     architecture (templates/gemma3.jinja for Gemma 3, whose small GGUFs often ship without one; Google's
-    published Gemma 3 template), else templates/qwen3.5.jinja."""
+    published Gemma 3 template), else templates/qwen3.5.jinja. `max_chars`: ChatTemplate's render limit."""
     info = engine.info
     if override_path is not None:
         source = open(override_path, encoding="utf-8").read()
@@ -61,7 +61,7 @@ def load_template(engine: Engine, override_path=None) -> ChatTemplate:
         log.warning("%s has no chat template; using templates/%s (--chat-template-file overrides it)",
                     info.path.name, name)
         source = (templates_dir() / name).read_text(encoding="utf-8")
-    return ChatTemplate(source, bos_token=info.bos_text, eos_token=info.eos_text)
+    return ChatTemplate(source, bos_token=info.bos_text, eos_token=info.eos_text, max_chars=max_chars)
 
 
 class PromptBuilder:

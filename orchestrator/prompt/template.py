@@ -53,10 +53,12 @@ class ChatTemplate:
     """A compiled chat template.
 
     `source` is the Jinja2 text; `bos_token` / `eos_token` are the texts the template may reference.
-    Raises ValueError if the source does not compile.
+    `max_chars`: the most characters one render may produce (None: no limit): a render is stopped as soon as it
+    passes them, so a template that repeats the caller's text (a tool once per message, say) costs at most that
+    much time and memory, whatever the request's own size. Raises ValueError if the source does not compile.
     """
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", max_chars: int | None = None) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
@@ -66,6 +68,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template does not compile: {e}") from e
         self.source = source
+        self.max_chars = max_chars
         self.bos_token = bos_token
         self.eos_token = eos_token
 
@@ -78,12 +81,24 @@ class ChatTemplate:
         """Render `messages` (OpenAI-style dicts, tool-call arguments already parsed to objects) to prompt text.
 
         `kwargs` are the request's chat_template_kwargs (e.g. enable_thinking). Raises InvalidRequest when the
-        template rejects the conversation (its raise_exception), so the caller answers HTTP 400.
+        template rejects the conversation (its raise_exception), or its text passes `max_chars`, so the caller
+        answers HTTP 400.
         """
         try:
-            return self._template.render(
+            pieces = self._template.generate(
                 messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
+            if self.max_chars is None:
+                return "".join(pieces)
+            out, n = [], 0
+            for piece in pieces:
+                n += len(piece)
+                if n > self.max_chars:
+                    raise InvalidRequest(f"the conversation renders to more than {self.max_chars} characters; this "
+                                         f"server renders at most that much (twice --max-prompt-size)",
+                                         param="messages")
+                out.append(piece)
+            return "".join(out)
         except _TemplateRaised as e:
             raise InvalidRequest(f"the chat template rejected the conversation: {e}", param="messages") from e
         except (jinja2.TemplateError, TypeError, AttributeError, KeyError, ValueError) as e:
