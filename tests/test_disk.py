@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import signal
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -87,6 +88,9 @@ def test_file_layout_is_the_documented_one(tmp_path):
     assert raw[HEADER:HEADER + 8] == struct.pack("<2I", *tokens)
     assert raw[HEADER + 8:] == payload
     assert crc == zlib.crc32(raw[:HEADER - 4] + raw[HEADER:])
+    random_hex, key_hex, check, suffix = only_file(tmp_path).name.split(".")  # the name holds the key
+    assert len(random_hex) == 16 and bytes.fromhex(key_hex) == b"k" and suffix == "val"
+    assert int(check, 16) == zlib.crc32(b"k", zlib.crc32(raw[:HEADER]))
 
 
 def test_lru_order_exact(tmp_path):
@@ -439,3 +443,201 @@ def test_misuse_raises(tmp_path):
         with pytest.raises(TypeError):
             t.put(3, [1], "kv", b"")
         assert len(t) == 0
+
+
+# -- a corrupt index (cache.db) repairs itself ------------------------------------------------------------------
+
+
+def _corrupt_index(d: Path, where: str) -> bytes:
+    """Overwrite part of the closed tier's cache.db (SQLite's header, or pages in the middle). Returns the bytes."""
+    db = d / "cache.db"
+    assert not (d / "cache.db-wal").exists() or (d / "cache.db-wal").stat().st_size == 0
+    raw = bytearray(db.read_bytes())
+    if where == "header":
+        raw[:100] = b"\xa5" * 100
+    else:  # every page after the first: the tables and their indexes
+        assert len(raw) >= 3 * 4096, len(raw)
+        start, end = 4096 + 512, len(raw) - 512
+        raw[start:end] = random.Random(5).randbytes(end - start)
+    db.write_bytes(bytes(raw))
+    return bytes(raw)
+
+
+def _moved_aside(d: Path) -> list[Path]:
+    return sorted(p for p in d.glob("cache.db.corrupt-*") if not p.name.endswith(("-wal", "-shm")))
+
+
+@pytest.mark.parametrize("where", ["header", "middle"])
+def test_a_corrupt_index_is_moved_aside_and_the_entries_come_back(tmp_path, caplog, where):
+    rng = random.Random(7)
+    stored = {f"k{i}": (("kv", "checkpoint", "logits")[i % 3], tuple(rng.randrange(2**32) for _ in range(i * 7)),
+                        rng.randbytes(rng.randrange(0, 3000))) for i in range(40)}
+    stored["s" + "a" * 32 + "-kv-3-" + "b" * 32] = ("kv", (1, 2, 3), b"salted")  # a key as long as real ones
+    stored["ключ"] = ("kv", (9,), b"utf-8 key")
+    with DiskTier(tmp_path, 1 << 22, FP) as t:
+        for key, (kind, toks, payload) in stored.items():
+            assert t.put(key, toks, kind, payload)
+        t.put("torn", [5, 6], "kv", b"T" * 500)
+        torn = next(p for p in val_files(tmp_path) if p.read_bytes().endswith(b"T" * 500))
+        t.put("short", [7], "kv", b"S" * 500)
+        short = next(p for p in val_files(tmp_path) if p.read_bytes().endswith(b"S" * 500))
+        t.get("k0")
+        t.get("k1")
+    _flip(-1)(torn)  # files corrupted at the same time: one in its payload (CRC), one truncated
+    os.truncate(short, 100)
+    corrupt = _corrupt_index(tmp_path, where)
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
+        with DiskTier(tmp_path, 1 << 22, FP) as t:
+            assert not t.disabled and not t.stats().disabled
+            assert "short" not in t
+            assert set(t.keys()) - {"torn"} == set(stored)
+            for key, want in stored.items():
+                assert t.get(key) == want, key  # byte-identical, under its own key
+            assert t.get("torn") is None and "torn" not in t  # CRC mismatch: never served
+            assert t.get("short") is None
+            recount(t, tmp_path)
+            assert t.put("new", [1, 2], "checkpoint", b"new") and t.get("new") == ("checkpoint", (1, 2), b"new")
+            recount(t, tmp_path)
+    (aside,) = _moved_aside(tmp_path)
+    assert aside.read_bytes() == corrupt  # moved, not deleted
+    msgs = warnings_of(caplog)
+    assert any("moved" in m and aside.name in m and f"{len(stored) + 1} snapshots re-indexed" in m for m in msgs), msgs
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
+        with DiskTier(tmp_path, 1 << 22, FP) as t:  # the fresh index is a normal one
+            assert set(t.keys()) == set(stored) | {"new"}
+            assert t.get("k5") == stored["k5"]
+            recount(t, tmp_path)
+    assert warnings_of(caplog) == [] and len(_moved_aside(tmp_path)) == 1
+
+
+def test_a_repaired_index_keeps_the_budget(tmp_path):
+    payload = b"p" * 100
+    size = nbytes([1], payload)
+    with DiskTier(tmp_path, 10 * size, FP) as t:
+        for i in range(10):
+            t.put(f"k{i}", [1], "kv", payload)
+    _corrupt_index(tmp_path, "header")
+    with DiskTier(tmp_path, 4 * size, FP) as t:
+        assert len(t) == 4 and t.bytes == 4 * size
+        recount(t, tmp_path)
+
+
+def test_entries_whose_key_is_not_in_their_file_are_not_reindexed(tmp_path, caplog, monkeypatch):
+    """Files written before keys were kept with them (random names) and keys too long for a file name: their
+    key cannot be recovered from the file, so a repair drops them; the tier works on."""
+    long_key = "x" * 300
+    with monkeypatch.context() as m:
+        m.setattr(disk._SnapshotDisk, "filename", diskcache.Disk.filename)  # as the previous release named files
+        with DiskTier(tmp_path, 1 << 20, FP) as t:
+            t.put("old", [1], "kv", b"o" * 50)
+    with DiskTier(tmp_path, 1 << 20, FP) as t:
+        assert t.get("old") == ("kv", (1,), b"o" * 50)  # read as before
+        assert t.put(long_key, [2], "kv", b"l" * 50) and t.get(long_key) == ("kv", (2,), b"l" * 50)
+        assert t.put("named", [3], "kv", b"n" * 50)
+    _corrupt_index(tmp_path, "header")
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
+        with DiskTier(tmp_path, 1 << 20, FP) as t:
+            assert not t.disabled and t.keys() == ["named"]
+            assert t.get("old") is None and t.get(long_key) is None
+            assert t.get("named") == ("kv", (3,), b"n" * 50)
+            assert t.put("later", [4], "kv", b"x") and t.get("later") == ("kv", (4,), b"x")
+            recount(t, tmp_path)
+    assert any("1 snapshots re-indexed" in m and "2 without their key" in m for m in warnings_of(caplog))
+
+
+def _swap(a: Path, b: Path) -> None:
+    tmp = a.with_name("swap.tmp")
+    os.replace(a, tmp)
+    os.replace(b, a)
+    os.replace(tmp, b)
+
+
+def test_a_file_holding_another_keys_snapshot_is_never_served(tmp_path, caplog):
+    with DiskTier(tmp_path, 1 << 20, FP) as t:
+        t.put("a", [1, 2], "kv", b"A" * 40)
+        (fa,) = val_files(tmp_path)
+        t.put("b", [1, 2], "kv", b"B" * 40)
+        (fb,) = set(val_files(tmp_path)) - {fa}
+        _swap(fa, fb)  # both files valid blobs, each where the other key's file should be
+        with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
+            assert t.get("a") is None and t.get("b") is None
+        msgs = warnings_of(caplog)
+        assert len(msgs) == 2 and all("does not match its content" in m for m in msgs), msgs
+        assert len(t) == 0
+        recount(t, tmp_path)
+        t.put("e", [4], "kv", b"E" * 40)
+        (fe,) = val_files(tmp_path)
+        t.put("f", [4], "kv", b"F" * 40)
+        con = sqlite3.connect(str(tmp_path / "cache.db"))  # the index's row of e points at f's (intact) file
+        with con:
+            con.execute("UPDATE Cache SET filename = (SELECT filename FROM Cache WHERE key = 'f') WHERE key = 'e'")
+        con.close()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
+            assert t.get("e") is None
+        (msg,) = warnings_of(caplog)
+        assert "another key's snapshot ('f')" in msg, msg
+        t.delete("f")
+        fe.unlink()
+        t.put("c", [3], "kv", b"C" * 40)
+        (fc,) = val_files(tmp_path)
+        t.put("d", [3], "kv", b"D" * 40)
+        (fd,) = set(val_files(tmp_path)) - {fc}
+    _swap(fc, fd)
+    _corrupt_index(tmp_path, "header")
+    with DiskTier(tmp_path, 1 << 20, FP) as t:  # a repair does not take them back either
+        assert len(t) == 0 and t.get("c") is None and t.get("d") is None
+        recount(t, tmp_path)
+
+
+def test_two_files_claiming_one_key_are_both_dropped_at_a_repair(tmp_path):
+    with DiskTier(tmp_path, 1 << 20, FP) as t:
+        t.put("dup", [1], "kv", b"new")
+        t.put("other", [2], "kv", b"o")
+    (f,) = [p for p in val_files(tmp_path) if p.read_bytes().endswith(b"new")]
+    copy = f.with_name("0123456789abcdef" + f.name[16:])
+    copy.write_bytes(f.read_bytes())  # a stale copy of the key's snapshot (a delete that failed): which is current?
+    _corrupt_index(tmp_path, "header")
+    with DiskTier(tmp_path, 1 << 20, FP) as t:
+        assert t.keys() == ["other"] and t.get("dup") is None
+        recount(t, tmp_path)
+
+
+def test_an_index_found_corrupt_at_run_time_is_repaired_without_a_restart(tmp_path, caplog):
+    with DiskTier(tmp_path, 1 << 20, FP) as t:
+        for k in "abc":
+            t.put(k, [ord(k)], "kv", k.encode() * 100)
+        t.get("a")  # order: b, c, a
+        t._cache.close()  # the connection goes (as after any error); the file gets corrupted under the server
+        corrupt = _corrupt_index(tmp_path, "header")
+        with caplog.at_level(logging.WARNING, logger="orchestrator.cache.disk"):
+            assert t.get("b") == ("kv", (ord("b"),), b"b" * 100)  # repaired, then read
+        assert not t.disabled and t.keys() == ["c", "a", "b"]
+        assert any("moved" in m for m in warnings_of(caplog))
+        (aside,) = _moved_aside(tmp_path)
+        assert aside.read_bytes() == corrupt
+        assert t.put("d", [4], "kv", b"d") and t.get("d") == ("kv", (4,), b"d")
+        recount(t, tmp_path)
+    with DiskTier(tmp_path, 1 << 20, FP) as t:
+        assert t.keys() == ["c", "a", "b", "d"]
+
+
+def test_a_repair_that_was_interrupted_is_done_again_at_the_next_open(tmp_path, monkeypatch):
+    with DiskTier(tmp_path, 1 << 20, FP) as t:
+        for k in "ab":
+            t.put(k, [1], "kv", k.encode())
+    _corrupt_index(tmp_path, "header")
+
+    def dies(self, keep):
+        raise OSError("killed while re-indexing")
+
+    with monkeypatch.context() as m:
+        m.setattr(DiskTier, "_adopt_files", dies)
+        with pytest.raises(OrchestratorError, match="killed while re-indexing"):
+            DiskTier(tmp_path, 1 << 20, FP)
+    assert (tmp_path / "cache.db").exists()  # a fresh, sound, empty index: not to be taken for the truth
+    with DiskTier(tmp_path, 1 << 20, FP) as t:
+        assert sorted(t.keys()) == ["a", "b"] and t.get("b") == ("kv", (1,), b"b")
+        recount(t, tmp_path)
+    assert len(_moved_aside(tmp_path)) == 2 and not (tmp_path / "cache.db.repairing").exists()

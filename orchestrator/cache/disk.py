@@ -19,6 +19,28 @@ apart). At open, entries are ordered by it; a snapshot without one counts as lea
 
 Entries of another format version (blob.FORMAT_VERSION) are discarded at open with one log line that says so
 (they cost misses, never errors).
+
+A snapshot file's name holds its key: `<16 random hex>.<key as UTF-8, in hex>.<check>.val` under diskcache's two
+levels of folders, where check is the CRC-32 (8 hex digits) of the file's 59-byte header (which holds the CRC-32
+of the whole blob) and the key's bytes. The name is thus bound to the bytes of that one file: a file served for a
+key must carry that key in its name and match the check (else it is rejected and deleted like a corrupt one), so
+neither a row of the index pointing at the wrong file nor a file renamed or swapped is ever served under the wrong
+key. Files of earlier releases have random names (28 hex digits), as do files of keys too long for a file name
+(over 112 UTF-8 bytes; the cache's own keys are at most 88): they are read as before, without this check, and
+cannot be re-indexed after losing the index.
+
+The index repairs itself. At open, SQLite's quick_check runs on cache.db. A corrupt one (found so, or raising
+SQLite's "database disk image is malformed" or "file is not a database" while loading, or, at run time, from any
+operation; or one whose repair was interrupted, which the file cache.db.repairing marks) is moved aside, renamed
+cache.db.corrupt-<UTC time> (with its -wal and -shm files), never deleted, and a fresh index is built from the
+snapshot files: each file whose header is valid (magic, version, fingerprint, kind, length) and whose name holds a
+key that matches the check is taken back under that key (at open in the order the files were written, oldest
+first, as least recently used; at run time only the keys the tier held, in their LRU order); the CRC-32 of the
+whole blob is checked by `get`, as always. Dropped, and deleted: files whose key cannot be recovered (random
+names: serving them under a guessed key could serve the wrong entry), invalid ones, and every file of a key that
+two files claim (which is current cannot be told). One warning says what was moved where and how many snapshots
+came back. The tier keeps working; nobody needs to repair the folder by hand. A run-time repair happens at most
+once per RETRY_S; when one fails, the tier disables itself as for any disk error.
 """
 
 from __future__ import annotations
@@ -31,15 +53,17 @@ import itertools
 import logging
 import os
 import sqlite3
+import struct
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Sequence
 
 import diskcache
-from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
+from diskcache.core import DBNAME, MODE_BINARY, MODE_RAW, UNKNOWN
 
 from ..errors import OrchestratorError
 from . import blob
@@ -53,6 +77,8 @@ log = logging.getLogger("orchestrator.cache.disk")
 
 _LOCK_NAME = "orchestrator.lock"
 _SUFFIX = ".val"  # diskcache's file suffix
+_REPAIRING = "cache.db.repairing"  # exists while a repair builds the fresh index
+_NAME_MAX = 255  # bytes of a file name (NAME_MAX of Linux's and macOS's file systems)
 
 # What a failing disk raises: OSError (ENOSPC, EIO, EACCES), SQLite errors ("database or disk is full") and
 # diskcache.Timeout (the database stayed locked).
@@ -80,8 +106,9 @@ class DiskTier:
 
     Opening validates every header (entries of another fingerprint or format are deleted), sweeps files no row
     refers to, restores the LRU order and evicts until the budget holds, so a smaller budget after a restart
-    takes effect at once. One process per directory; raises OrchestratorError if another holds it or the
-    directory cannot be used.
+    takes effect at once. A corrupt index is moved aside and rebuilt from the files, at open or when an operation
+    meets the corruption (module docstring). One process per directory; raises OrchestratorError if another
+    holds it or the directory cannot be used.
 
     Thread-safe: one lock guards the index and serialises disk I/O.
     """
@@ -104,21 +131,22 @@ class DiskTier:
         self._retry_at = 0.0  # time.monotonic() from which a disabled tier tries writing again
         self._backoff = RETRY_S
         self._errors = 0
+        self._repaired_at = -RETRY_S  # time.monotonic() of the last repair at run time (one per RETRY_S at most)
         self._closed = False
+        self._cache: diskcache.Cache | None = None
         self.on_evict: Callable[[str], None] | None = None
         self._hits = self._misses = self._inserts = self._evictions = self._too_large = self._invalid = 0
         self._lock_fd = _lock_directory(self.directory)
         try:
-            self._cache = diskcache.Cache(
-                str(self.directory), disk=_SnapshotDisk, eviction_policy="none", cull_limit=0,
-                statistics=0, tag_index=0, disk_min_file_size=0)
-            self._uses = itertools.count(self._load())
+            self._open()
         except _DISK_ERRORS as e:
+            self._close_cache()
             self._release()
             raise OrchestratorError(
                 f"cannot open the snapshot disk cache at {self.directory}: {e}; fix the directory (permissions, free "
-                f"space; a corrupt cache.db goes away with the directory) or point the disk cache elsewhere") from e
+                f"space) or point the disk cache elsewhere") from e
         except BaseException:
+            self._close_cache()
             self._release()
             raise
 
@@ -171,20 +199,22 @@ class DiskTier:
                 if nbytes > self._budget:
                     self._too_large += 1
                     return False
-                try:
-                    if key in self._lru:
-                        self._remove(key)
-                    while self._bytes + nbytes > self._budget:
-                        victim = next(iter(self._lru))
-                        self._remove(victim)
-                        self._evictions += 1
-                        evicted.append(victim)
-                    with self._cache.transact():
-                        self._cache.set(key, value)
-                        self._cache.set(_use_key(key), next(self._uses))
-                except _DISK_ERRORS as e:
-                    self._fail(f"writing snapshot {key!r} ({nbytes} bytes)", e)
-                    return False
+                for attempt in range(2):
+                    try:
+                        if key in self._lru:
+                            self._remove(key)
+                        while self._bytes + nbytes > self._budget:
+                            victim = next(iter(self._lru))
+                            self._remove(victim)
+                            self._evictions += 1
+                            evicted.append(victim)
+                        with self._cache.transact():
+                            self._cache.set(key, value)
+                            self._cache.set(_use_key(key), next(self._uses))
+                        break
+                    except _DISK_ERRORS as e:
+                        if not self._fail(f"writing snapshot {key!r} ({nbytes} bytes)", e) or attempt:
+                            return False  # (a repaired index: tried once more)
                 self._lru[key] = nbytes
                 self._bytes += nbytes
                 self._inserts += 1
@@ -200,24 +230,14 @@ class DiskTier:
     def get(self, key: str) -> Stored | None:
         """`Stored(kind, tokens, payload)` of the snapshot under `key`, or None if absent or invalid.
 
-        Checks magic, version, fingerprint, kind, lengths and the CRC-32 over the whole file before returning; an
-        entry that fails one, or cannot be read, is deleted and logged with the reason. Marks a hit most recently
-        used. Raises ValueError once closed, never for bad data.
+        Checks magic, version, fingerprint, kind, lengths, the CRC-32 over the whole file and that the file is
+        `key`'s (its name) before returning; an entry that fails one, or cannot be read, is deleted and logged
+        with the reason. Marks a hit most recently used. Raises ValueError once closed, never for bad data.
         """
         with self._lock:
             self._check_open()
-            if key not in self._lru:
-                self._misses += 1
-                return None
-            try:
-                with self._open_value(key) as f:
-                    stored = blob.read(f, self._fingerprint)
-            except _Invalid as e:
-                self._reject(key, str(e))
-                self._misses += 1
-                return None
-            except _DISK_ERRORS as e:
-                self._reject(key, f"unreadable ({e})")
+            stored = self._read(key, self._read_whole) if key in self._lru else None
+            if stored is None:
                 self._misses += 1
                 return None
             self._touch(key)
@@ -236,9 +256,9 @@ class DiskTier:
     def entries(self) -> Iterator[EntryInfo]:
         """Every stored snapshot, least recently used first, for rebuilding the RAM index at start.
 
-        Reads each file's header and token ids only (not the payload): the header is checked (an invalid one is
-        deleted and logged, and skipped), the CRC-32 is left to `get`. Does not change the LRU order. Entries
-        put or evicted while iterating may or may not appear.
+        Reads each file's header and token ids only (not the payload): the header and the file's name are checked
+        (an invalid one is deleted and logged, and skipped), the CRC-32 is left to `get`. Does not change the LRU
+        order. Entries put or evicted while iterating may or may not appear.
         """
         with self._lock:
             keys = list(self._lru)
@@ -247,17 +267,10 @@ class DiskTier:
                 self._check_open()
                 if key not in self._lru:
                     continue
-                try:
-                    with self._open_value(key) as f:
-                        kind, n_tokens, _, _, _ = blob.read_header(f, self._fingerprint)
-                        token_bytes = blob.read_exact(f, 4 * n_tokens, "token ids")
-                except _Invalid as e:
-                    self._reject(key, str(e))
+                got = self._read(key, self._read_listing)
+                if got is None:
                     continue
-                except _DISK_ERRORS as e:
-                    self._reject(key, f"unreadable ({e})")
-                    continue
-                info = EntryInfo(key, kind, blob.tokens_of(token_bytes), self._lru[key])
+                info = EntryInfo(key, got[0], got[1], self._lru[key])
             yield info
 
     def keys(self) -> list[str]:
@@ -279,8 +292,7 @@ class DiskTier:
             if self._closed:
                 return
             self._closed = True
-            with contextlib.suppress(*_DISK_ERRORS):
-                self._cache.close()
+            self._close_cache()
             self._release()
 
     def __enter__(self) -> DiskTier:
@@ -290,6 +302,171 @@ class DiskTier:
         self.close()
 
     # -- internals (called with self._lock held) ---------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Open the index and load it (`_load`); a corrupt one is repaired (`_repair`)."""
+        corrupt = self._index_corruption()
+        if corrupt is None:
+            try:
+                self._cache = self._new_cache()
+                self._uses = itertools.count(self._load())
+                return
+            except _DISK_ERRORS as e:
+                if not _is_corruption(e):
+                    raise
+                corrupt = str(e)
+        self._repair(corrupt, None)
+
+    def _new_cache(self) -> diskcache.Cache:
+        return diskcache.Cache(
+            str(self.directory), disk=_SnapshotDisk, eviction_policy="none", cull_limit=0,
+            statistics=0, tag_index=0, disk_min_file_size=0)
+
+    def _close_cache(self) -> None:
+        if self._cache is not None:
+            with contextlib.suppress(*_DISK_ERRORS):
+                self._cache.close()
+
+    def _index_corruption(self) -> str | None:
+        """What is wrong with cache.db, by SQLite's quick_check, or None if it is sound or absent. Errors other
+        than corruption (cannot open, locked) are left for diskcache to raise."""
+        if (self.directory / _REPAIRING).exists():
+            return "a repair of it was interrupted"
+        path = self.directory / DBNAME
+        if not path.exists():
+            return None
+        try:
+            con = sqlite3.connect(str(path), isolation_level=None)
+            try:
+                rows = con.execute("PRAGMA quick_check").fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error as e:
+            return str(e) if _is_corruption(e) else None
+        if rows == [("ok",)]:
+            return None
+        return "quick_check: " + "; ".join(str(r[0]) for r in rows[:3]) + ("; ..." if len(rows) > 3 else "")
+
+    def _repair(self, reason: str, keep: Sequence[str] | None) -> None:
+        """Move the corrupt index aside, build a fresh one from the snapshot files, and load it; one warning.
+
+        `keep`: at run time, the keys the tier holds, least recently used first: only their files come back, in
+        that order. At open (None): every valid file whose name holds its key, in the order they were written.
+        Raises on disk errors (the tier is then left without an index: the caller disables it or fails to open).
+        """
+        self._close_cache()  # (kept until the fresh one opens: a failed repair leaves a closed one, not None)
+        self._lru.clear()
+        self._bytes = 0
+        marker = self.directory / _REPAIRING  # until the files are indexed: a fresh index that is still empty
+        marker.touch()  # must not pass for a sound one (the next open would sweep every file)
+        aside = self._set_index_aside()
+        self._cache = self._new_cache()
+        taken, unnamed, invalid, claimed = self._adopt_files(keep)
+        marker.unlink()
+        self._uses = itertools.count(self._load())
+        dropped = [f"{n} {why}" for n, why in (
+            (unnamed, "without their key in the file name (written by an earlier release, or a key too long for one)"),
+            (invalid, "invalid or of another model or format" + (", or no longer held" if keep is not None else "")),
+            (claimed, "of keys that two files claim"),
+            (taken - len(self._lru), "evicted to fit the budget")) if n]
+        log.warning("snapshot disk cache %s: its index %s was corrupt (%s); moved it aside to %s and built a fresh one "
+                    "from the snapshot files: %d snapshots re-indexed%s", self.directory, DBNAME, reason, aside.name,
+                    len(self._lru), "; deleted: " + ", ".join(dropped) if dropped else "")
+
+    def _set_index_aside(self) -> Path:
+        """Rename cache.db (and its -wal and -shm files) to cache.db.corrupt-<UTC time>. Returns the new path."""
+        base = self.directory / DBNAME
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        for n in itertools.count():
+            aside = base.with_name(f"{DBNAME}.corrupt-{stamp}" + (f".{n}" if n else ""))
+            if not any(os.path.lexists(f"{aside}{s}") for s in ("", "-wal", "-shm")):
+                break
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.lexists(f"{base}{suffix}"):
+                os.replace(f"{base}{suffix}", f"{aside}{suffix}")
+        return aside
+
+    def _adopt_files(self, keep: Sequence[str] | None) -> tuple[int, int, int, int]:
+        """Index, in the fresh (empty) index, each snapshot file whose header is valid and whose name holds its
+        key, with use numbers in `_repair`'s order; delete every other snapshot file.
+
+        Returns (files taken, files without a key, invalid files, files of keys two files claim).
+        """
+        root = os.path.realpath(self.directory)
+        held = None if keep is None else {key: i for i, key in enumerate(keep)}
+        found: dict[str, list[tuple[float, str, int]]] = {}  # key -> [(mtime, path relative to root, bytes)]
+        unnamed = invalid = 0
+        for dirpath, _, names in os.walk(root):
+            for name in names:
+                if not name.endswith(_SUFFIX):
+                    continue
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                try:
+                    with open(os.path.join(root, rel), "rb") as f:
+                        _, _, _, crc, checked = blob.read_header(f, self._fingerprint)
+                        key = _key_in_name(name, checked + struct.pack("<I", crc))
+                        size, mtime = f.seek(0, io.SEEK_END), os.fstat(f.fileno()).st_mtime
+                except (_Invalid, OSError) as e:
+                    log.debug("snapshot file %s not re-indexed: %s", rel, e)
+                    invalid += 1
+                    self._cache.disk.remove(rel)
+                    continue
+                if key is None:
+                    unnamed += 1
+                    self._cache.disk.remove(rel)
+                elif held is not None and key not in held:
+                    invalid += 1
+                    self._cache.disk.remove(rel)
+                else:
+                    found.setdefault(key, []).append((mtime, rel, size))
+        claimed = 0
+        for key, files in list(found.items()):
+            if len(files) > 1:  # which one is the key's current snapshot cannot be told: neither is served
+                claimed += len(files)
+                for _, rel, _ in files:
+                    self._cache.disk.remove(rel)
+                del found[key]
+        if held is not None:
+            order = sorted(found, key=held.__getitem__)
+        else:
+            order = sorted(found, key=lambda k: (found[k][0][0], found[k][0][1]))
+        with self._cache.transact():
+            for use, key in enumerate(order):
+                (_, rel, size), = found[key]
+                self._cache.set(key, _Adopt(rel, size))
+                self._cache.set(_use_key(key), use)
+        return len(order), unnamed, invalid, claimed
+
+    def _read(self, key: str, read: Callable[[str, BinaryIO], object]):
+        """`read(key, f)` of the file of `key` (which the index holds), or None after rejecting the entry (invalid
+        or unreadable: deleted and logged). A corrupt index is repaired first, then the file is read again."""
+        for attempt in range(2):
+            try:
+                with self._open_value(key) as f:
+                    return read(key, f)
+            except _Invalid as e:
+                self._reject(key, str(e))
+                return None
+            except _DISK_ERRORS as e:
+                if _is_corruption(e):
+                    if self._fail(f"reading snapshot {key!r}", e) and not attempt and key in self._lru:
+                        continue
+                    return None
+                self._reject(key, f"unreadable ({e})")
+                return None
+        return None
+
+    def _read_whole(self, key: str, f: BinaryIO) -> Stored:
+        stored = blob.read(f, self._fingerprint)
+        f.seek(0)
+        _check_owner(key, f, f.read(blob.HEADER.size))
+        return stored
+
+    def _read_listing(self, key: str, f: BinaryIO) -> tuple[EntryKind, tuple[int, ...]]:
+        kind, n_tokens, _, crc, checked = blob.read_header(f, self._fingerprint)
+        token_bytes = blob.read_exact(f, 4 * n_tokens, "token ids")
+        _check_owner(key, f, checked + struct.pack("<I", crc))
+        return kind, blob.tokens_of(token_bytes)
 
     def _load(self) -> int:
         """Index what the directory holds, oldest use first, and evict to the budget. Returns the next use number.
@@ -318,7 +495,8 @@ class DiskTier:
                 continue
             try:
                 with self._open_value(dkey) as f:
-                    blob.read_header(f, self._fingerprint)
+                    _, _, _, crc, checked = blob.read_header(f, self._fingerprint)
+                    _check_owner(dkey, f, checked + struct.pack("<I", crc))
                     sizes[dkey] = f.seek(0, io.SEEK_END)
                     if isinstance(f, io.BufferedReader):
                         files.add(os.path.realpath(f.name))
@@ -384,12 +562,18 @@ class DiskTier:
 
     def _remove_quietly(self, key: str) -> None:
         """`_remove` that never raises: on a disk error the tier is disabled and the key dropped from the index
-        (its file then stays on disk, uncounted, until the next open)."""
-        try:
-            self._remove(key)
-        except _DISK_ERRORS as e:
-            self._fail(f"deleting snapshot {key!r}", e)
-            self._bytes -= self._lru.pop(key, 0)
+        (its file then stays on disk, uncounted, until the next open). After a repaired index, tried once more."""
+        for attempt in range(2):
+            try:
+                self._remove(key)
+                return
+            except _DISK_ERRORS as e:
+                if self._fail(f"deleting snapshot {key!r}", e) and not attempt:
+                    if key not in self._lru:
+                        return
+                    continue
+                self._bytes -= self._lru.pop(key, 0)
+                return
 
     def _reject(self, key: str, reason: str) -> None:
         log.warning("snapshot %r in %s rejected: %s; deleted", key, self.directory, reason)
@@ -406,11 +590,21 @@ class DiskTier:
             except _DISK_ERRORS as e:
                 self._fail(f"recording the use of snapshot {key!r}", e)
 
-    def _fail(self, what: str, error: BaseException) -> None:
-        """A write failed: count it, warn (once per outage), disable the tier for the backoff (doubled when the
-        retry fails too), and drop the connection (and any half-open transaction; diskcache reconnects on the
-        next use)."""
+    def _fail(self, what: str, error: BaseException) -> bool:
+        """An operation failed: count it. If the index is corrupt, repair it (at most once per RETRY_S) and return
+        True: the tier works on, the caller may try again. Else (or if the repair fails too) warn (once per
+        outage), disable the tier for the backoff (doubled when the retry fails too), drop the connection (and any
+        half-open transaction; diskcache reconnects on the next use) and return False."""
         self._errors += 1
+        if _is_corruption(error) and time.monotonic() - self._repaired_at >= RETRY_S:
+            self._repaired_at = time.monotonic()
+            keep = list(self._lru)
+            try:
+                self._repair(f"{what}: {error}", keep)
+                return True
+            except _DISK_ERRORS as e:
+                log.warning("snapshot disk cache %s: repairing its corrupt index failed: %s", self.directory, e)
+                error = e
         if not self._disabled:
             self._disabled = True
             hint = " (disk full)" if isinstance(error, OSError) and error.errno == errno.ENOSPC else ""
@@ -422,8 +616,8 @@ class DiskTier:
             if time.monotonic() >= self._retry_at:  # the retry failed too
                 self._backoff = min(self._backoff * 2, RETRY_MAX_S)
         self._retry_at = time.monotonic() + self._backoff
-        with contextlib.suppress(*_DISK_ERRORS):
-            self._cache.close()
+        self._close_cache()
+        return False
 
     def _check_open(self) -> None:
         if self._closed:
@@ -445,13 +639,85 @@ class _Blob:
     parts: tuple[bytes | memoryview, ...]
 
 
+@dataclass(frozen=True)
+class _Adopt:
+    """A snapshot file already on disk (`filename`, relative to the directory, of `size` bytes), indexed as it is:
+    how a repair re-indexes the files."""
+
+    filename: str
+    size: int
+
+
+def _is_corruption(error: BaseException) -> bool:
+    """Whether `error` says the SQLite database is corrupt (SQLITE_CORRUPT, SQLITE_NOTADB), not that the disk or
+    the lock failed."""
+    if not isinstance(error, sqlite3.DatabaseError):
+        return False
+    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return code & 0xFF in (11, 26)
+    message = str(error)
+    return type(error) is sqlite3.DatabaseError and ("malformed" in message or "not a database" in message)
+
+
+def _keyed_name(key: str, header: bytes | memoryview, random_hex: str) -> str | None:
+    """The file name of `key`'s snapshot whose blob starts with `header` (module docstring), or None if it would
+    be longer than a file name may be."""
+    key_bytes = key.encode("utf-8", "surrogatepass")
+    check = zlib.crc32(key_bytes, zlib.crc32(header))
+    name = f"{random_hex}.{key_bytes.hex()}.{check:08x}{_SUFFIX}"
+    return name if len(name) <= _NAME_MAX else None
+
+
+def _key_in_name(name: str, header: bytes) -> str | None:
+    """The key a snapshot file's `name` holds, checked against the file's 59-byte `header`; None for a random
+    name (no key: an earlier release's file, or a key too long). Raises _Invalid if the name holds a key but does
+    not match the header (a file renamed, swapped or damaged)."""
+    if not name.endswith(_SUFFIX):
+        raise _Invalid(f"file name {name!r} is not a snapshot file's")
+    fields = name[: -len(_SUFFIX)].split(".")
+    if len(fields) == 1:
+        return None
+    try:
+        random_hex, key_hex, check = fields
+        key = bytes.fromhex(key_hex).decode("utf-8", "surrogatepass")
+        ok = len(check) == 8 and int(check, 16) == zlib.crc32(bytes.fromhex(key_hex), zlib.crc32(header))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise _Invalid(f"its file name {name!r} does not match its content (renamed, swapped or damaged)")
+    return key
+
+
+def _check_owner(key: str, f: BinaryIO, header: bytes) -> None:
+    """Raise _Invalid unless the snapshot file `f`, whose blob starts with `header`, is `key`'s by its name (a
+    file with a random name, of an earlier release, passes; a value held in SQLite has no name)."""
+    if not isinstance(f, io.BufferedReader):
+        return
+    owner = _key_in_name(os.path.basename(f.name), header)
+    if owner is not None and owner != key:
+        raise _Invalid(f"its file holds another key's snapshot ({owner!r}), not this one's; the index is damaged")
+
+
 class _SnapshotDisk(diskcache.Disk):
     """diskcache serialisation that never pickles: snapshot blobs go to files, use numbers to SQLite integers.
 
     Any other value is refused (TypeError); pickled or text values read back are reported invalid, not loaded.
     """
 
+    def filename(self, key=UNKNOWN, value=UNKNOWN):
+        """A snapshot file's name holds its key (module docstring); other files get diskcache's random name."""
+        if isinstance(key, str) and isinstance(value, _Blob):
+            random_hex = os.urandom(10).hex()
+            name = _keyed_name(key, value.parts[0], random_hex[4:])
+            if name is not None:
+                filename = os.path.join(random_hex[:2], random_hex[2:4], name)
+                return filename, os.path.join(self._directory, filename)
+        return super().filename(key, value)
+
     def store(self, value, read, key=UNKNOWN):
+        if isinstance(value, _Adopt):
+            return value.size, MODE_BINARY, value.filename, None
         if isinstance(value, _Blob):
             filename, full_path = self.filename(key, value)
             try:
