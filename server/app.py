@@ -35,7 +35,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from orchestrator.config import Config
-from orchestrator.errors import (Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled, Unauthorized,
+from orchestrator.errors import (Forbidden, InvalidRequest, PayloadTooLarge, RequestCancelled, RequestTimeout,
+                                 Unauthorized,
                                  UnsupportedMediaType)
 from orchestrator.output.grammar import Constraint
 from orchestrator.output.parsing import ParsedOutput
@@ -322,21 +323,22 @@ class Api:
 
         return gen()
 
-    async def _chat_prompt(self, req) -> Prompt:
+    async def _chat_prompt(self, request: Request, req) -> Prompt:
         """The prompt of a ChatRequest, MessagesRequest or ResponsesRequest. A system message after the leading ones is passed to
         the template where the template renders it, and is a user message where it stands elsewhere
         (server/schemas.py late_system_as_user); req.messages is updated, for restorable_after."""
         if req.late_system is not None and not await self._renders_late_system():
             req.messages = late_system_as_user(req.messages)
-        return await run_in_threadpool(self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
+        return await self._off_loop(request, self.rt.prompts.chat, req.messages, req.tools, req.template_kwargs,
                                        req.cache_breakpoints)
 
-    async def _submit_chat(self, req, prompt: Prompt | None = None
+    async def _submit_chat(self, request: Request, req, prompt: Prompt | None = None
                            ) -> tuple[Prompt, Job, asyncio.Queue, threading.Event]:
         """Render a ChatRequest, ResponsesRequest or MessagesRequest (unless `prompt` is its rendered prompt), build
         its grammar (structured output, forced tool calls) and submit its job: (prompt, job, events, cancel)."""
-        prompt = prompt or await self._chat_prompt(req)
-        constraint = await run_in_threadpool(self.rt.constraint, req.structure, req.tools, prompt.opens_reasoning)
+        prompt = prompt or await self._chat_prompt(request, req)
+        constraint = await self._off_loop(request, self.rt.constraint, req.structure, req.tools,
+                                          prompt.opens_reasoning)
         job = self._job(prompt, req.options, req.prompt_cache_key, self.rt.prompts.restorable_after(
             req.messages, req.tools, req.template_kwargs, prompt), constraint)
         events, cancel = self._submit(job)
@@ -362,13 +364,32 @@ class Api:
         loop, where every other request's bytes are moved: each step is linear in the body and bounded by its
         limit (--max-body-size, --max-prompt-size)."""
         raw = await _read_body(request, self.rt.config.max_body_bytes)
-        return await run_in_threadpool(lambda: parse(_json(raw), self.rt.config, *args))
+        return await self._off_loop(request, lambda: parse(_json(raw), self.rt.config, *args))
+
+    async def _off_loop(self, request: Request, fn: Callable, *args):
+        """fn(*args) in the thread pool, given up when the client disconnects (RequestCancelled, 499) or after
+        --timeout (RequestTimeout, 504): a request's prompt work (parsing, rendering, tokenizing, boundaries,
+        the grammar check) answers within its time limit. What the thread has started it finishes on its own,
+        bounded by the size limits it checks."""
+        work = asyncio.ensure_future(run_in_threadpool(fn, *args))
+        gone = asyncio.ensure_future(_cancel_on_disconnect(request, threading.Event()))
+        limit = self.rt.config.timeout or None
+        try:
+            done, _ = await asyncio.wait({work, gone}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if work in done:
+            return work.result()
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody waits for it any more
+        if gone in done:
+            raise RequestCancelled()
+        raise RequestTimeout(limit)
 
     # ------------------------------------------------------------------ routes
 
     async def chat(self, request: Request):
         req = await self._parse(request, parse_chat)
-        prompt, job, events, cancel = await self._submit_chat(req)
+        prompt, job, events, cancel = await self._submit_chat(request, req)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.options.stream:
             return StreamingResponse(self._chat_stream(events, cancel, cid, created, prompt, req),
@@ -441,7 +462,7 @@ class Api:
 
     async def completions(self, request: Request):
         req = await self._parse(request, parse_completion)
-        prompt = await run_in_threadpool(self.rt.prompts.completion, req.prompt)
+        prompt = await self._off_loop(request, self.rt.prompts.completion, req.prompt)
         job = self._job(prompt, req.options)
         events, cancel = self._submit(job)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -493,7 +514,7 @@ class Api:
         edit's trigger (server/context_edits.py): rendered again with the old tool results cleared, kept if it
         frees at least clear_at_least tokens."""
         req = await self._parse(request, parse_messages, route)
-        prompt = await self._chat_prompt(req)
+        prompt = await self._chat_prompt(request, req)
         edit = req.clear_tool_uses
         if edit is None or not edit.triggered(len(prompt.tokens), req.messages):
             return req, prompt
@@ -502,7 +523,7 @@ class Api:
             return req, prompt
         # req.messages already has its late system messages as the template takes them (_chat_prompt above)
         cleared = dataclasses.replace(req, messages=messages, cache_breakpoints=breakpoints, late_system=None)
-        edited = await self._chat_prompt(cleared)
+        edited = await self._chat_prompt(request, cleared)
         freed = len(prompt.tokens) - len(edited.tokens)
         if freed < max(edit.clear_at_least, 1):
             return req, prompt
@@ -511,7 +532,7 @@ class Api:
 
     async def messages(self, request: Request):
         req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
-        prompt, job, events, cancel = await self._submit_chat(req, prompt)
+        prompt, job, events, cancel = await self._submit_chat(request, req, prompt)
         mid = f"msg_{uuid.uuid4().hex}"
         if req.options.stream:
             return StreamingResponse(self._messages_stream(events, cancel, mid, prompt, req),
@@ -625,7 +646,7 @@ class Api:
 
     async def responses(self, request: Request):
         req = await self._parse(request, parse_responses)
-        prompt, job, events, cancel = await self._submit_chat(req)
+        prompt, job, events, cancel = await self._submit_chat(request, req)
         rid, created = responses.new_id("resp"), int(time.time())
         if req.options.stream:
             return StreamingResponse(self._responses_stream(events, cancel, rid, created, prompt, req),
