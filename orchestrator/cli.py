@@ -109,7 +109,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default=d.host, help=f"bind address (default {d.host})")
     p.add_argument("--port", type=_port, default=d.port, help=f"port (default {d.port})")
     p.add_argument("-c", "--ctx-size", type=_positive, default=d.ctx_size,
-                   help=f"context size per slot in tokens (default {d.ctx_size})")
+                   help="context size per slot in tokens (default: the model's training context, reduced to what "
+                        "the slots' KV and states fit in half the memory left beside the weights and --cache-ram; "
+                        "the arithmetic is logged at start)")
     p.add_argument("-np", "--parallel", type=_positive, default=d.parallel,
                    help=f"slots: requests served at once, each with its own sequence (default {d.parallel})")
     p.add_argument("--queue-size", type=_non_negative, default=d.queue_size,
@@ -170,7 +172,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("-a", "--alias", help="model id reported by the API (default: the file name)")
     p.add_argument("--chat-template-file", type=_existing_file, help="Jinja2 chat template overriding the GGUF's")
     p.add_argument("-n", "--max-tokens", type=_positive, default=d.max_tokens_default,
-                   help=f"completion budget when a request sets none (default {d.max_tokens_default})")
+                   help="completion budget when a request sets none (default: until the context is full, at most "
+                        "--max-tokens-limit)")
     p.add_argument("--use-extra-bufts", action="store_true",
                    help="enable llama.cpp CPU weight repacking (crashes Q4_K_M prefill on some CPUs; off by default)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=_gpu_layers, default=d.n_gpu_layers, metavar="N",
@@ -197,7 +200,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-messages", type=_positive, default=d.max_messages, metavar="N",
                    help=f"most messages in one chat request (default {d.max_messages}; 400 above)")
     p.add_argument("--max-tokens-limit", type=_positive, default=d.max_tokens_limit, metavar="N",
-                   help=f"most completion tokens a request may ask for (default {d.max_tokens_limit}; 400 above)")
+                   help=f"most completion tokens one request generates (default {d.max_tokens_limit}): a request "
+                        f"asking for more is served up to it and ends with its route's length reason")
     p.add_argument("--max-prompt-size", type=_positive, default=d.max_prompt_kib, metavar="KiB",
                    help=f"most bytes of text in one prompt (messages, tools, system together), checked before it is "
                         f"rendered; count_tokens too (default {d.max_prompt_kib}; 400 above)")

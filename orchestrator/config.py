@@ -30,7 +30,9 @@ class Config:
     model: Path | None = None  # GGUF path; None = the synthetic qwen3.5-0.8b preset (random weights)
     host: str = "127.0.0.1"
     port: int = 8080
-    ctx_size: int = 8192  # n_ctx per slot, tokens (the llama.cpp context holds parallel * ctx_size)
+    # n_ctx per slot, tokens (the llama.cpp context holds parallel * ctx_size); None: the model's training context,
+    # reduced to what the slots' memory fits (orchestrator/sizing.py)
+    ctx_size: int | None = None
     batch_size: int = 512  # n_batch: the most tokens one llama_decode call takes (prefill is chunked to it)
     threads: int = field(default_factory=lambda: max(1, psutil.cpu_count(logical=False) or 1))
     cache_ram_mib: int = field(default_factory=default_cache_ram_mib)  # snapshot LRU budget, MiB
@@ -54,7 +56,8 @@ class Config:
     cache_enabled: bool = True  # False: every request is prefilled cold (the correctness oracle)
     model_alias: str | None = None  # id reported by /v1/models; default: the model file's stem
     chat_template: Path | None = None  # override the template stored in the GGUF
-    max_tokens_default: int = 512  # completion budget when a request gives none
+    # completion budget when a request gives none; None: until the context is full (at most max_tokens_limit)
+    max_tokens_default: int | None = None
     use_extra_bufts: bool = False  # llama.cpp CPU weight repacking; see "CPU weight repacking" in engine.py
     # Offload (orchestrator/devices.py). Layers on the GPU/iGPU devices; -1: all of them, which is none on a
     # CPU-only build (llama-server's default, without its --fit memory fitting).
@@ -74,7 +77,9 @@ class Config:
     admin_key: str | None = None
     max_body_mib: int = 16  # largest request body accepted, MiB (413 above)
     max_messages: int = 4096  # most messages in one chat request (400 above)
-    max_tokens_limit: int = 32768  # most completion tokens a request may ask for (400 above)
+    # most completion tokens one request generates: a request asking for more is served up to it (and to what its
+    # context holds) and ends with the route's length reason, as llama-server does, never refused
+    max_tokens_limit: int = 32768
     # A prompt's text is checked before it is rendered and tokenized (400 above): bytes of all its strings
     # (messages, tools, system) together, and parts (content blocks, cache breakpoints, tool calls).
     max_prompt_kib: int = 2048

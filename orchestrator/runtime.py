@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
+import psutil
 
-from . import calibration
+from . import calibration, sizing
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
@@ -113,8 +114,29 @@ class Runtime:
             driver.shutdown()
             raise
 
+    @staticmethod
+    def _fit_context(cfg: Config, path: Path) -> int:
+        """The context per slot when --ctx-size is not given (orchestrator/sizing.py), from a probe of the model
+        in a small context: its training context, KV bytes per token and recurrent state. Logs the arithmetic."""
+        probe = Engine(path, n_ctx=256, n_batch=min(cfg.batch_size, 256), n_threads=cfg.threads,
+                       use_extra_bufts=cfg.use_extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
+                       devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload)
+        try:
+            recurrent, kv_token = calibration.state_sizes(probe)
+            n_ctx_train, model_bytes = probe.info.n_ctx_train, probe.info.size_bytes
+        finally:
+            probe.close()
+        n_rs = cfg.rs_snapshots if cfg.cache_enabled else 0
+        fit = sizing.fit_context(n_ctx_train, kv_token, recurrent * (1 + n_rs), cfg.parallel,
+                                 psutil.virtual_memory().available, model_bytes,
+                                 cfg.cache_ram_bytes if cfg.cache_enabled else 0)
+        (log.info if fit.fits else log.warning)("%s", fit.describe())
+        return fit.ctx_size
+
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
+        if cfg.ctx_size is None:
+            cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path))
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
                         devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,

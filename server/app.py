@@ -185,7 +185,10 @@ class Api:
         n_ctx = self.rt.n_ctx
         n = len(prompt.tokens)
         cfg = self.rt.config
-        max_tokens = opts.max_tokens or min(cfg.max_tokens_default, cfg.max_tokens_limit)
+        # The completion budget: the request's, else the server's default, else until the context is full; never
+        # more than --max-tokens-limit or the context left. A larger request is served up to that, ending with
+        # its route's length reason (finish_reason length, stop_reason max_tokens, status incomplete).
+        max_tokens = min(opts.max_tokens or cfg.max_tokens_default or cfg.max_tokens_limit, cfg.max_tokens_limit)
         sampling = opts.sampling
         if opts.seed is None:  # OpenAI: without a seed, sampling is not reproducible
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))

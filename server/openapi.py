@@ -14,7 +14,7 @@ from orchestrator.config import Config
 
 from .anthropic import COUNT_TOKENS, MESSAGES
 from .anthropic import FIELDS as ANTHROPIC_FIELDS
-from .schemas import CHAT, COMPLETION, EFFORT_OFF, EFFORT_ON, FIELDS, MAX_ID_CHARS, MAX_TOP_LOGPROBS
+from .schemas import CHAT, COMPLETION, EFFORT_OFF, EFFORT_ON, FIELDS, MAX_BUDGET, MAX_ID_CHARS, MAX_TOP_LOGPROBS
 from . import responses as responses_api
 
 _NULL = {"type": "null"}
@@ -57,7 +57,7 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "function": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
             "parameters": {"type": "object"}}}}}
-    max_tokens = _nullable({"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit})
+    max_tokens = _nullable({"type": "integer", "minimum": 1, "maximum": MAX_BUDGET})
     boolean = _nullable({"type": "boolean"})
     return {
         "model": ident,
@@ -203,7 +203,7 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
                         "type": "string"}}]}}}]}}}},
         "container": {"type": "null", "description": "refused: no code-execution containers"},
         "mcp_servers": {"type": "null", "description": "refused: no MCP servers"},
-        "max_tokens": {"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_BUDGET},
         "stop_sequences": {"type": "array", "maxItems": 16, "items": {"type": "string"}},
         "stream": {"type": "boolean"},
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
@@ -264,7 +264,7 @@ def _responses_request(cfg: Config) -> dict:
         "reasoning": _nullable({"type": "object", "properties": {"effort": _nullable(effort),
                                                                  "summary": _nullable(summary),
                                                                  "generate_summary": _nullable(summary)}}),
-        "max_output_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit}),
+        "max_output_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_BUDGET}),
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
         "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
         "stream": _nullable({"type": "boolean"}),

@@ -28,6 +28,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 MAX_ID_CHARS = 1024  # longest cache_salt / user / prompt_cache_key / safety_identifier accepted
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's limit for top_logprobs)
+MAX_BUDGET = 2 ** 31 - 1  # the largest completion budget accepted (what is generated is capped by the server)
 
 CHAT, COMPLETION = "chat", "completion"
 _BOTH = (CHAT, COMPLETION)
@@ -51,7 +52,8 @@ FIELDS: dict[str, Rule] = {
     "prompt": Rule(HONOURED, (COMPLETION,), "a string, or a list of one string; the caller's own markup"),
     "echo": Rule(HONOURED, (COMPLETION,), "the prompt is returned before the completion"),
     # generation
-    "max_tokens": Rule(HONOURED, _BOTH, "checked against --max-tokens-limit"),
+    "max_tokens": Rule(HONOURED, _BOTH, "any positive budget: generation stops at it, at --max-tokens-limit or "
+                                        "where the context is full (finish_reason length)"),
     "max_completion_tokens": Rule(HONOURED, _BOTH, "wins over max_tokens, as in OpenAI's docs"),
     "temperature": Rule(HONOURED, _BOTH, "0 to 2"),
     "top_p": Rule(HONOURED, _BOTH, "0 to 1"),
@@ -116,7 +118,7 @@ _STRING_FIELDS = ("model", "cache_salt", "prompt_cache_key", "user", "safety_ide
 class GenerationOptions:
     """Options shared by /v1/chat/completions and /v1/completions."""
 
-    max_tokens: int | None
+    max_tokens: int | None  # as asked; None: none given
     sampling: SamplingParams
     stop: tuple[str, ...]
     stream: bool
@@ -185,8 +187,10 @@ def _check_fields(body: dict, endpoint: str) -> None:
 
 def _options(body: dict, cfg: Config) -> GenerationOptions:
     # As OpenAI: max_completion_tokens (the newer name) wins over max_tokens; both must be valid.
-    max_tokens = _num(body, "max_tokens", 1, cfg.max_tokens_limit, None, integer=True)
-    max_completion = _num(body, "max_completion_tokens", 1, cfg.max_tokens_limit, None, integer=True)
+    # Any positive budget is accepted: the job generates at most --max-tokens-limit and what the context holds
+    # (GenerationOptions.budget), and ends with the route's length reason there, as llama-server does.
+    max_tokens = _num(body, "max_tokens", 1, MAX_BUDGET, None, integer=True)
+    max_completion = _num(body, "max_completion_tokens", 1, MAX_BUDGET, None, integer=True)
     max_tokens = max_tokens if max_completion is None else max_completion
     stop = body.get("stop")
     if stop is None:

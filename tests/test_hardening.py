@@ -102,8 +102,7 @@ REFUSED = [  # (extra fields, the field the error must name)
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ({"max_tokens": 17}, "max_tokens"),  # above --max-tokens-limit 16
-    ({"max_completion_tokens": 10_000}, "max_completion_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}] * 7}, "messages"),  # above --max-messages 6
 ]
 
@@ -126,7 +125,15 @@ def test_max_tokens_is_capped_and_a_null_max_completion_tokens_falls_back_to_max
     r = authed.post("/v1/chat/completions", json=chat(max_tokens=2, max_completion_tokens=None)).json()
     assert r["usage"]["completion_tokens"] <= 2
     r = authed.post("/v1/chat/completions", json={k: v for k, v in chat().items() if k != "max_tokens"}).json()
-    assert r["usage"]["completion_tokens"] <= 16  # the default (512) is capped by --max-tokens-limit
+    assert r["usage"]["completion_tokens"] <= 16  # no budget: until the context is full, capped by the limit
+
+
+@pytest.mark.parametrize("body", [{"max_tokens": 128000}, {"max_completion_tokens": 2 ** 31 - 1}])
+def test_a_budget_above_the_servers_cap_is_served_up_to_it_and_ends_with_length(authed, body):
+    """Claude Code asks for 128,000 tokens, opencode for 32,000: served, as llama-server does, never refused."""
+    r = authed.post("/v1/chat/completions", json={**chat(), **body})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_completions_refuse_chat_fields_and_non_default_values(authed):

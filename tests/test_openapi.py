@@ -44,8 +44,9 @@ def test_published_request_fields_are_exactly_the_accepted_ones(fuzz_server):
     assert set(schemas["ResponsesRequest"]["properties"]) == {f for f, r in RESPONSES_FIELDS.items()
                                                               if r.kind != REFUSED}
     assert schemas["ResponsesRequest"]["additionalProperties"] is False
-    assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 4
-    assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 4
+    # any positive budget is accepted: generation is capped by --max-tokens-limit, not the request refused
+    assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 2 ** 31 - 1
+    assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 2 ** 31 - 1
     routes = {r.path.replace(":path", "") for r in srv.server.config.app.routes}
     assert set(doc["paths"]) == routes
 
