@@ -473,9 +473,8 @@ def parse_responses(body: Any, cfg: Config | None = None) -> ResponsesRequest:
         raise _bad("the request body must be a JSON object", None)
     _check_fields(body)
     check_prompt_size(body_fields(body, ("instructions", "input", "tools")), cfg)
-    options = _options({"max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
-                        "top_p": body.get("top_p"), "stream": body.get("stream"),
-                        "cache_prompt": body.get("cache_prompt"), "cache_salt": body.get("cache_salt")}, cfg)
+    options = _options({k: body.get(k) for k in ("max_output_tokens", "temperature", "top_p", "stream",
+                                                  "cache_prompt", "cache_salt")}, cfg, budget=("max_output_tokens",))
     tools, names = _tools(body.get("tools"))
     choice, forced = _tool_choice(body.get("tool_choice"), names)
     if choice == "none":

@@ -185,13 +185,17 @@ def _check_fields(body: dict, endpoint: str) -> None:
         raise _bad("'service_tier' must be a string", "service_tier")
 
 
-def _options(body: dict, cfg: Config) -> GenerationOptions:
-    # As OpenAI: max_completion_tokens (the newer name) wins over max_tokens; both must be valid.
-    # Any positive budget is accepted: the job generates at most --max-tokens-limit and what the context holds
-    # (GenerationOptions.budget), and ends with the route's length reason there, as llama-server does.
-    max_tokens = _num(body, "max_tokens", 1, MAX_BUDGET, None, integer=True)
-    max_completion = _num(body, "max_completion_tokens", 1, MAX_BUDGET, None, integer=True)
-    max_tokens = max_tokens if max_completion is None else max_completion
+def _options(body: dict, cfg: Config, budget: tuple[str, ...] = ("max_tokens", "max_completion_tokens")
+             ) -> GenerationOptions:
+    """The generation options of `body`. `budget`: the route's names of the completion budget, each checked
+    under its own name, the last one given winning (OpenAI: max_completion_tokens, the newer name, wins over
+    max_tokens; Responses: max_output_tokens). Any positive budget is accepted: the job generates at most
+    --max-tokens-limit and what the context holds, and ends with the route's length reason there, as
+    llama-server does."""
+    max_tokens = None
+    for key in budget:
+        given = _num(body, key, 1, MAX_BUDGET, None, integer=True)
+        max_tokens = max_tokens if given is None else given
     stop = body.get("stop")
     if stop is None:
         stop = ()

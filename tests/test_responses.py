@@ -289,4 +289,6 @@ def test_errors_are_openai_shaped_and_the_next_request_is_served(oai, live_serve
     assert e.value.body["param"] == "store" and "not stored" in e.value.body["message"]
     r = httpx.post(live_server.url + "/v1/responses", json={"model": "m", "input": "x", "tools": [{"type": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type"
+    r = httpx.post(live_server.url + "/v1/responses", json={"model": "m", "input": "x", "max_output_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens", r.text  # its own name
     assert ask(oai, "Still there?").usage.output_tokens == 6
