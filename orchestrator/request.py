@@ -135,6 +135,12 @@ class Result:
     #   preparation before it), seconds by phase: `Task.result` lists them in order
     index: int = 0  # the choice (0..n-1); choices i > 0 report choice 0's restore and prefill as theirs
 
+    @property
+    def cut(self) -> bool:
+        """Generation stopped at its budget (or the context's end), not where the model ended: a tool call it
+        was writing is partial (output/parsing.py drops it)."""
+        return self.finish_reason == "length"
+
 
 @dataclass(frozen=True)
 class Event:

@@ -406,7 +406,7 @@ class Api:
 
     def _chat_choice(self, r: Result, prompt: Prompt, req) -> dict:
         """One entry of a chat completion's `choices`: the message parsed from choice r.index's text."""
-        out = prompt.reply.parse(r.text)
+        out = prompt.reply.parse(r.text, r.cut)
         return {"index": r.index, "message": prompt.reply.message(out), "finish_reason": "tool_calls" if out.tool_calls else
                 r.finish_reason, "logprobs": None if r.logprobs is None else logprobs.chat(r.logprobs, self.rt.piece)}
 
@@ -448,7 +448,7 @@ class Api:
 
         def on_done(r: Result) -> list[dict]:
             i = r.index
-            rest, calls = parsers[i].finish()
+            rest, calls = parsers[i].finish(r.cut)
             held[i].extend((r.logprobs or [])[seen[i]:])
             out = [chunk({keys[k]: piece}, i=i) for k, piece in rest]
             if calls:
@@ -542,7 +542,7 @@ class Api:
                                      media_type="text/event-stream")
         r = (await self._collect(request, events, cancel))[0]
         self._log("messages", [r])
-        out = prompt.reply.parse(r.text)
+        out = prompt.reply.parse(r.text, r.cut)
         reason, sequence = self._stop_reason(r, bool(out.tool_calls), req.options.stop)
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
@@ -608,7 +608,7 @@ class Api:
             return out
 
         def on_done(r: Result) -> list[str]:
-            rest, calls = parser.finish()
+            rest, calls = parser.finish(r.cut)
             out = pieces(rest)
             for call in calls:
                 use = anthropic.tool_use(call)
@@ -656,7 +656,7 @@ class Api:
                                      media_type="text/event-stream")
         r = (await self._collect(request, events, cancel))[0]
         self._log("responses", [r])
-        out = prompt.reply.parse(r.text)
+        out = prompt.reply.parse(r.text, r.cut)
         return JSONResponse(dict(responses.response_object(
             rid, created, self.rt.model_id, req, responses.output_items(out, req.names), responses.status(r, out),
             self._responses_usage(r, out)), timings=_timings(r)), headers=_tier_header(r))
@@ -732,7 +732,7 @@ class Api:
             return lines
 
         def on_done(r: Result) -> list[str]:
-            rest, calls = parser.finish()
+            rest, calls = parser.finish(r.cut)
             lines = pieces(rest) + close()
             for call in calls:
                 item = responses.call_item(call, req.names, responses.new_id("fc"))

@@ -6,6 +6,8 @@ import random
 import pytest
 
 from orchestrator.output.parsing import StreamParser, parse_output
+from orchestrator.output.formats import QWEN35
+from orchestrator.output.reply import Reply
 from orchestrator.output.stops import TextStream
 
 CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -69,3 +71,21 @@ def test_text_stream_holds_back_possible_stop_prefix_then_releases():
     assert s.push(b"hello </e") == "hello "
     assert s.push(b"nter") == "</enter"
     assert s.finish() == ""
+
+
+def test_a_tool_call_cut_by_the_budget_is_dropped_and_an_ended_one_stays_text():
+    """Issue 39: a forced call cut by max_tokens came back as raw <tool_call> markup in the message text. Cut
+    (finish_reason length): the partial call is dropped, whole and streamed alike; ended there by the model:
+    its text stays content (nothing is invented)."""
+    text = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    reply = Reply(QWEN35, tools, False)
+    cut = reply.parse(text, cut=True)
+    assert (cut.content, cut.tool_calls) == ("Checking.", [])
+    assert reply.parse(text).content == text
+    for is_cut, want in ((True, "Checking."), (False, text)):
+        parser = reply.stream()
+        pieces = [p for k in range(0, len(text), 7) for p in parser.push(text[k:k + 7])]
+        rest, calls = parser.finish(is_cut)
+        assert "".join(t for kind, t in pieces + rest if kind == "content") == want and calls == []

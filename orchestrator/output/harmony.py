@@ -108,8 +108,9 @@ class HarmonyStreamParser:
                 out.append(("content", self.tool_body))
         self.in_body, self.tool_body = False, ""
 
-    def finish(self) -> tuple[list[tuple[str, str]], list[dict]]:
-        """Flush: the open message ends here (cut off, or at an end-of-generation token not in the text)."""
+    def finish(self, cut: bool = False) -> tuple[list[tuple[str, str]], list[dict]]:
+        """Flush: the open message ends here (cut off, or at an end-of-generation token not in the text). `cut`
+        is the other parsers' (StreamParser.finish); a harmony call's body is parsed as it comes either way."""
         out: list[tuple[str, str]] = []
         if self.in_body:
             self._body(out, self.buf)

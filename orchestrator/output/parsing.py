@@ -37,17 +37,19 @@ def _first_start(text: str, fmt: OutputFormat) -> int:
     return min(found) if found else -1
 
 
-def parse_tool_calls(text: str, fmt: OutputFormat = QWEN35, tools: list[dict] | None = None
+def parse_tool_calls(text: str, fmt: OutputFormat = QWEN35, tools: list[dict] | None = None, cut: bool = False
                      ) -> tuple[str, list[dict]]:
     """Split `text` into the content before the first tool call and the parsed calls (`tools`: the request's,
     whose schemas type the arguments in formats that write raw values: `OutputFormat.typed_args`).
 
-    Text that starts a tool call but does not complete one stays in the content (nothing is invented).
+    Text that starts a tool call but does not complete one stays in the content where the model ended there
+    (nothing is invented), and is dropped where generation was `cut` at its budget: the call was partial, and
+    its markup is not an answer (the route reports the length stop).
     """
     i = _first_start(text, fmt)
     calls = fmt.calls(text[i:], tools) if i >= 0 else []
     if not calls:
-        return text, []
+        return (text[:i].rstrip("\n"), []) if cut and i >= 0 else (text, [])
     return text[:i].rstrip("\n"), calls
 
 
@@ -69,14 +71,14 @@ def split_reasoning(text: str, opens_reasoning: bool, think: tuple[str, str] | N
 
 
 def parse_output(text: str, opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35,
-                 tools: list[dict] | None = None) -> ParsedOutput:
-    """Parse a whole completion in format `fmt` (`tools`: the request's, see parse_tool_calls). Reasoning and
-    content lose leading and trailing newlines (the templates put them around both), so the streamed pieces of
-    `StreamParser` add up to the same strings."""
+                 tools: list[dict] | None = None, cut: bool = False) -> ParsedOutput:
+    """Parse a whole completion in format `fmt` (`tools`: the request's, `cut`: stopped at its budget; see
+    parse_tool_calls). Reasoning and content lose leading and trailing newlines (the templates put them around
+    both), so the streamed pieces of `StreamParser` add up to the same strings."""
     if fmt is HARMONY:
         return ParsedOutput(*parse_harmony(text, parse_tools))
     reasoning, rest = split_reasoning(text, opens_reasoning, fmt.think)
-    content, calls = parse_tool_calls(rest, fmt, tools) if parse_tools else (rest, [])
+    content, calls = parse_tool_calls(rest, fmt, tools, cut) if parse_tools else (rest, [])
     return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls)
 
 
@@ -156,12 +158,13 @@ class StreamParser:
         self._emit(out, text, section_end=True)
         self._held, self._started = "", False
 
-    def finish(self) -> tuple[list[tuple[str, str]], list[dict]]:
-        """Flush held text; returns the last pieces and the tool calls."""
+    def finish(self, cut: bool = False) -> tuple[list[tuple[str, str]], list[dict]]:
+        """Flush held text; returns the last pieces and the tool calls (`cut`: generation stopped at its budget,
+        so a call that does not parse is partial and dropped, as parse_tool_calls does)."""
         out: list[tuple[str, str]] = []
         if self.in_tools:
             _, calls = parse_tool_calls(self.tool_text + self.buf, self.fmt, self.tools)
-            if not calls:
+            if not calls and not cut:
                 self._end_section(out, self.tool_text + self.buf)
             return out, calls
         self._end_section(out, self.buf)

@@ -30,13 +30,14 @@ class Reply:
     def parses_tools(self) -> bool:
         return self.tools is not None
 
-    def parse(self, text: str) -> ParsedOutput:
-        """A whole completion: reasoning, content and OpenAI-shaped tool calls (arguments a JSON string)."""
-        return parse_output(text, self.opens_reasoning, self.parses_tools, self.fmt, self.tools)
+    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
+        """A whole completion: reasoning, content and OpenAI-shaped tool calls (arguments a JSON string). `cut`:
+        generation stopped at its budget (`Result.cut`): a partial tool call is dropped, not returned as text."""
+        return parse_output(text, self.opens_reasoning, self.parses_tools, self.fmt, self.tools, cut)
 
     def stream(self):
-        """A stream parser: push(delta) -> [(kind, text)], finish() -> ([(kind, text)], tool_calls); its pieces add
-        up to what `parse` returns for the whole text."""
+        """A stream parser: push(delta) -> [(kind, text)], finish(cut) -> ([(kind, text)], tool_calls); its pieces
+        add up to what `parse` returns for the whole text."""
         return make_stream_parser(self.opens_reasoning, self.parses_tools, self.fmt, self.tools)
 
     @staticmethod
