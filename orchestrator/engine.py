@@ -143,8 +143,8 @@ class Sampler:
         on), with llama_sampler_sample (which also accepts the token into the chain), or from `logits` (float32,
         (n_vocab,): stored ones) through the same steps llama_sampler_sample takes (candidates in token order,
         llama_sampler_apply, llama_sampler_accept: llama-sampling.cpp), so both give the same token; with a
-        grammar, over the logits the grammar allows. Raises GrammarFailed when the grammar allows no token or
-        runs past its budget."""
+        grammar, over the logits the grammar allows (waiting for its mask unless `ready`). Raises GrammarFailed
+        when the grammar allows no token or runs past its budget."""
         if self._grammar is None and logits is None:
             return int(llama_cpp.llama_sampler_sample(self._chain, self._ctx, idx))
         if self._data is None:  # kept: a grammar samples every token this way
@@ -172,6 +172,18 @@ class Sampler:
         if not llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self._grammar.prefetch()  # filtered while the token is decoded
         return token
+
+    def ready(self) -> bool:
+        """Whether `sample` can run now without waiting for the grammar process: always without a grammar; with
+        one, once it is built and has answered this step's mask (read without waiting: `Grammar.ready`). A caller
+        that must not wait (the scheduler's worker) keeps the step's logits meanwhile and samples them later
+        with `sample(idx, logits)`: the same token. Raises GrammarFailed as `sample` would."""
+        return self._grammar is None or self._grammar.ready()
+
+    def fileno(self) -> int | None:
+        """The pipe the grammar's answers arrive on (select it for reading to wait until `ready` may have
+        changed); None without a grammar."""
+        return None if self._grammar is None else self._grammar.fileno()
 
     def accept(self, token: int) -> None:
         """Accept a token that was not sampled (a forced one) into the chain: the grammar advances over it."""
@@ -509,10 +521,11 @@ class Engine:
     def sampler(self, params: SamplingParams, deadline: float | None = None) -> Sampler:
         """A sampler chain over this context's logits (close it when done). With `params.grammar`, the grammar is
         built in a grammar process (`grammars`), its waits bounded by the per-token budget and `deadline`
-        (time.perf_counter). Raises GrammarFailed when llama.cpp cannot parse it or runs past them."""
+        (time.perf_counter); nothing waits for the build here: GrammarFailed, when llama.cpp cannot parse it or
+        runs past them, comes from the sampler's first `ready` or `sample`."""
         grammar = None
         if params.grammar:
-            grammar = self.grammars.open(params.grammar, params.grammar_triggers, deadline)
+            grammar = self.grammars.open(params.grammar, params.grammar_triggers, deadline, wait=False)
         return Sampler(params, self.ctx, self.vocab, grammar)
 
     @property

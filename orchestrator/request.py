@@ -46,7 +46,7 @@ class Phase(str, Enum):
 
     QUEUED = "queued"  # waiting for a slot
     PREFILL = "prefill"  # the prompt's uncached tokens are computed, in chunks
-    DECODE = "decode"  # one token a step
+    DECODE = "decode"  # one token a step (none while its grammar has not answered: `Task.held`)
     FORK = "fork"  # choice i > 0 of an n-choice job, in its slot: waits for choice 0's prompt state (Reuse.fork)
     STORE = "store"  # result delivered; the after-generation state is re-prefilled and stored (SGLang's
     #                  cache_finished_req), one chunk at a time while no other request prefills or decodes; a
@@ -147,7 +147,9 @@ class Event:
     """Streamed to the caller: TEXT (a delta), DONE (`result` set) or ERROR (`error` set). A TEXT event of a job
     that asked for logprobs carries those of the tokens sampled since the previous TEXT event (a token whose text
     is held back, e.g. as a possible stop string, reports with the next delta; the rest are in the result).
-    index: the choice it belongs to (0 unless the job has n > 1 choices)."""
+    index: the choice it belongs to (0 unless the job has n > 1 choices). cached_tokens: on a TEXT event from the
+    scheduler, the prompt tokens restored at admission (the result's `cached_tokens`, known before it: the
+    Messages API's message_start reports it); None where not known."""
 
     kind: EventKind
     text: str = ""
@@ -155,6 +157,7 @@ class Event:
     result: Result | None = None
     error: OrchestratorError | None = None
     index: int = 0
+    cached_tokens: int | None = None
 
 
 Sink = Callable[[Event], None]
@@ -217,6 +220,9 @@ class Task:
         self.eog: int | None = None  # the end-of-generation token that ended it, if one did
         self.finish = "length"
         self.pending: int | None = None  # the token to decode next
+        # the logits of the step whose token is due, copied while the grammar has not answered (float32,
+        # (n_vocab,); Sampler.ready): the task sits out the decode steps until it samples them (scheduler._resume)
+        self.held: np.ndarray | None = None
         self.logprobs: list[TokenLogprob] | None = [] if job.logprobs is not None else None
         self._reported = 0  # logprobs already sent with TEXT events
         self.delivered = False  # DONE or ERROR was sent
@@ -282,11 +288,11 @@ class Task:
             log.warning("event sink failed", exc_info=True)
 
     def text_event(self, delta: str) -> Event:
-        """A TEXT event for `delta`, with the logprobs not reported yet."""
+        """A TEXT event for `delta`, with the logprobs not reported yet and the prompt tokens restored."""
         if not self.logprobs:
-            return Event(EventKind.TEXT, text=delta)
+            return Event(EventKind.TEXT, text=delta, cached_tokens=self.reuse.cached)
         new, self._reported = tuple(self.logprobs[self._reported:]), len(self.logprobs)
-        return Event(EventKind.TEXT, text=delta, logprobs=new)
+        return Event(EventKind.TEXT, text=delta, logprobs=new, cached_tokens=self.reuse.cached)
 
     def conclude(self, now: float) -> Result:
         """End generation at `now`: flush the text held back (a TEXT event), free the sampler, and return the
@@ -296,7 +302,7 @@ class Task:
         if tail:
             self.sink(self.text_event(tail))
         self.sampler.close()
-        self.pending = None
+        self.pending = self.held = None
         return self.result(now)
 
     def generated(self) -> list[int]:

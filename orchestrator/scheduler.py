@@ -10,6 +10,9 @@ batch-invariant: calibration.check_batch_invariance) and one prefill chunk for t
 first (`_fill_order`), of at most `prefill_chunk` tokens and ending where `Reuse.chunk_end` says. After the
 result, the slot re-prefills the state after generation (STORE, `Reuse.after_generation`) only while no
 request decodes or prefills; a request arriving meanwhile takes it over or preempts it at a chunk boundary.
+The worker never waits for a grammar process (grammar_guard.py): a request whose grammar has not answered when
+its token is due keeps that step's logits and sits out the decode steps until it has (`_sample`, `_resume`),
+the same token either way; when nothing else can run, the worker waits on the grammars' pipes (`_pause`).
 
 A cancelled request leaves its slot at the next step (one cancelled while decoding gets what it generated);
 past its deadline, RequestTimeout; a full queue, QueueFull (HTTP 429). A job of n > 1 choices waits, with the
@@ -23,6 +26,8 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import os
+import select
 import threading
 import time
 
@@ -36,6 +41,40 @@ from .request import Collector, Event, EventKind, Job, Phase, Result, RetryAfter
 from .reuse import PrefillRate, Reuse
 
 log = logging.getLogger("orchestrator.scheduler")
+
+
+class _Condition(threading.Condition):
+    """The scheduler's condition, whose every notify_all also writes a byte to a pipe (`fileno`): the worker
+    waits on it with select beside the grammar processes' pipes (`Scheduler._pause`), so that an arrival, a
+    flush or a close wakes it at once there too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        try:
+            os.write(self._write, b"\0")
+        except OSError:  # full (nobody selected on it for a while: it is readable anyway) or closed
+            pass
+
+    def fileno(self) -> int:
+        return self._read
+
+    def clear(self) -> None:
+        """Read what the notifications wrote."""
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            os.close(fd)
 
 
 class Scheduler:
@@ -81,7 +120,7 @@ class Scheduler:
         self.prefill_chunk_alone = max(self.reuse.chunk_size(prefill_chunk_alone or engine.n_batch), self.prefill_chunk)
         self.batch_decode = batch_decode
         self._waiting: collections.deque[Task] = collections.deque()
-        self._cond = threading.Condition()
+        self._cond = _Condition()
         self._order = itertools.count()
         self._admissions = itertools.count()
         self._admitted: dict[str, int] = {}  # tenant -> when it last got a slot (`_fair_order`)
@@ -172,6 +211,8 @@ class Scheduler:
             self._worker_done.result(timeout=30)
         except concurrent.futures.TimeoutError:
             log.warning("the scheduler's worker did not stop within 30 s")
+        else:
+            self._cond.close()
         self._driver.shutdown()
 
     # ------------------------------------------------------------------ worker
@@ -199,8 +240,7 @@ class Scheduler:
                 self._expire()
                 self._admit()
                 if not self._step():
-                    with self._cond:  # only requests waiting on others' snapshots, and nothing to compute
-                        self._cond.wait(0.01)
+                    self._pause()
                 self._idle.trim()
             except Exception:  # noqa: BLE001 - the worker must survive anything; tasks fail on their own paths
                 log.exception("scheduler step failed")
@@ -211,6 +251,21 @@ class Scheduler:
         self.reuse.flushes.refuse(OrchestratorError("the server is shutting down"))
         for task in pending + self._active():
             self._fail(task, OrchestratorError("the server is shutting down"))
+
+    def _pause(self) -> None:
+        """Nothing to compute this step (requests wait on others' snapshots or on their grammars): wait 10 ms at
+        most, for a notification (an arrival, a flush, a release) or an answer of an awaited grammar process
+        (its pipe readable): select over those pipes."""
+        pipes = [fd for t in self._active() if t.held is not None and (fd := t.sampler.fileno()) is not None]
+        if not pipes:
+            with self._cond:
+                self._cond.wait(0.01)
+            return
+        try:
+            select.select([self._cond.fileno()] + pipes, [], [], 0.01)
+        except (OSError, ValueError):  # a pipe closed meanwhile: the next step's poll says why
+            pass
+        self._cond.clear()  # after the select: a notification since the last step wakes it at once
 
     def _expire(self) -> None:
         """Drop cancelled and timed-out requests, queued or running."""
@@ -297,18 +352,27 @@ class Scheduler:
 
     def _step(self) -> bool:
         """One decode step and one prefill chunk; False when there was nothing to compute. A STORE re-prefill
-        gets a chunk only when no request decodes or prefills (an arrival waits at most for that chunk)."""
+        gets a chunk only when no request decodes or prefills (an arrival waits at most for that chunk).
+
+        A request whose grammar had not answered when its token was due holds that step's logits (`_sample`)
+        and sits out the decode steps; each step first samples those whose grammar has answered since, which
+        then decode with the others."""
         active = self._active()
+        awaiting = [t for t in active if t.phase == Phase.DECODE and t.held is not None]
+        for t in awaiting:
+            self._guard(t, self._resume, t)
+        awaiting = [t for t in awaiting if t.phase == Phase.DECODE and t.held is not None]
         decoding = [t for t in active if t.phase == Phase.DECODE and t.pending is not None]
         if decoding:
             self._decode(decoding)
         filling = [t for t in active if t.phase == Phase.PREFILL]
-        if not filling and not decoding:
+        if not filling and not decoding and not awaiting:
             filling = [t for t in active if t.phase == Phase.STORE]
         if filling:
             task = min(filling, key=self._fill_order)
-            # Small chunks while others decode or wait; other prefills wait for this one either way (_fill_order).
-            alone = task.phase == Phase.PREFILL and not decoding and not self._waiting
+            # Small chunks while others decode or wait (for a slot, or for their grammar: as when they decode);
+            # other prefills wait for this one either way (_fill_order).
+            alone = task.phase == Phase.PREFILL and not decoding and not awaiting and not self._waiting
             self._guard(task, self._prefill_chunk, task, self.prefill_chunk_alone if alone else self.prefill_chunk)
         return bool(decoding or filling)
 
@@ -393,7 +457,15 @@ class Scheduler:
         self._sample(t, -1, restored)  # now: the next llama_decode overwrites the engine's logits
 
     def _sample(self, t: Task, idx: int, logits: np.ndarray | None = None) -> None:
-        """Sample the next token from the logits at batch index `idx` of the last llama_decode, or from `logits`."""
+        """Sample the next token from the logits at batch index `idx` of the last llama_decode, or from `logits`.
+        When the task's grammar has not answered yet (`Sampler.ready`), nothing waits for it: a copy of those
+        logits is held (`Task.held`; the next llama_decode overwrites the engine's) and the task sits out the
+        decode steps until its grammar answers (`_resume`). Sampling the copy gives the same token and logprobs
+        (`Sampler.sample`, `token_logprob`): nothing about the output depends on when the grammar answered."""
+        if not t.sampler.ready():
+            t.held = self.engine.logits(idx) if logits is None else logits.copy()
+            t.pending = None  # decoded already: the next decode step is the held token's
+            return
         tok = t.sampler.sample(idx, logits)
         if t.clock.first_token is None:
             t.clock.first_token = time.perf_counter()
@@ -406,6 +478,12 @@ class Scheduler:
             t.sink(t.text_event(delta))
         if done:
             self._finish(t)
+
+    def _resume(self, t: Task) -> None:
+        """Sample a task's held logits once its grammar has answered (then it decodes with the others)."""
+        if t.sampler.ready():
+            logits, t.held = t.held, None
+            self._sample(t, -1, logits)
 
     # ------------------------------------------------------------------ completion
 

@@ -70,14 +70,41 @@ class _Seq:
 
 
 class FakeSampler:
-    """Greedy argmax, or a seeded draw from softmax(logits / temperature)."""
+    """Greedy argmax, or a seeded draw from softmax(logits / temperature).
+
+    With `params.grammar` (any text: nothing is constrained), a stand-in for a slow grammar process: `ready`
+    says False `engine.grammar_polls` times before each token, and while `engine.grammar_gate` (an Event) is
+    clear; it raises `engine.grammar_error` when one is set. Sampling before `ready` said True fails (the
+    engine's Sampler would wait for the grammar there: the worker must not)."""
 
     def __init__(self, engine: FakeEngine, params: SamplingParams) -> None:
         self.engine, self.params = engine, params
         self.rng = np.random.default_rng(params.seed)
         self.closed = False
+        self._waited = 0  # ready() calls that said False for the current token
+        self._ready = not params.grammar
+
+    def ready(self) -> bool:
+        if self._ready:
+            return True
+        if self.engine.grammar_error is not None:
+            raise self.engine.grammar_error
+        gate = self.engine.grammar_gate
+        if self._waited < self.engine.grammar_polls or (gate is not None and not gate.is_set()):
+            self._waited += 1
+            self.engine.grammar_waits += 1
+            return False
+        self._ready = True
+        return True
+
+    def fileno(self) -> int | None:
+        return None
 
     def sample(self, idx: int = -1, logits: np.ndarray | None = None) -> int:
+        if not self._ready:
+            raise AssertionError("sampled before the grammar answered")
+        if self.params.grammar:
+            self._ready, self._waited = False, 0
         logits = self.engine.logits(idx) if logits is None else logits
         if self.params.temperature <= 0:
             return int(np.argmax(logits))
@@ -110,6 +137,10 @@ class FakeEngine:
         self._scratch = bytearray()  # save_state_view's buffer, reused like the engine's
         self.fill_error: BaseException | None = None  # fill_spare raises it (tests of a failing allocation)
         self.spares_dropped = False
+        # slow grammars (FakeSampler): polls each token waits, an Event that holds every grammar while clear,
+        # an error every grammar's ready() raises; waits counts the polls that said "not yet"
+        self.grammar_polls, self.grammar_gate, self.grammar_error = 0, None, None
+        self.grammar_waits = 0
         self._running = threading.Event()
         self._running.set()
         self.state.probe(self, 1)
