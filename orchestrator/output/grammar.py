@@ -29,14 +29,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from llama_cpp.llama_grammar import INVALID_RULE_CHARS_RE, SchemaConverter
+from llama_cpp.llama_grammar import INVALID_RULE_CHARS_RE, SchemaConverter, _build_repetition
 
 from ..errors import InvalidRequest
 from .formats import OutputFormat, plain_string
 
 # JSON strings may not hold raw control characters (RFC 8259); llama-cpp-python 0.3.36's converter allows them,
-# its JSON grammar (JSON_GBNF) does not: the converter's `char` rule is replaced by JSON_GBNF's characters.
-_JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+# its JSON grammar (JSON_GBNF) does not: the converter's `char` rule is replaced by JSON_GBNF's characters (less
+# the surrogate code points, which no valid UTF-8 encodes). In a grammar with tool calls, `<` is written \u003c
+# (`_JSON_CHAR_LT`, see `_json_char`).
+_JSON_CHAR = (r'[^"\\\x7F\x00-\x1F\uD800-\uDFFF] | '
+              r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])')
+_JSON_CHAR_LT = _JSON_CHAR.replace('[^"', '[^<"', 1)
 _CALL_FORMATS = ("qwen-xml", "hermes")
 # The converter spells a bound of n as n nested groups, which llama.cpp's grammar parser and sampler walk
 # recursively: larger bounds are refused rather than risk the worker's stack. Grammars above MAX_GRAMMAR_CHARS too.
@@ -183,8 +187,341 @@ def _check_gbnf(text: str, param: str) -> None:
                              f"patterns", param=param)
 
 
+# ------------------------------------------------------------------ JSON text, valid by construction
+# Every literal a schema gives is written in the grammar as the JSON text that encodes it (RFC 8259), so that the
+# reply, read as JSON, decodes to the schema's own value: enum and const values, property names, and each
+# character a pattern's literals, classes and `.` admit. `_json_char` is that rule, for one character: `"` is
+# written \", `\` as \\, a control character as \b \f \n \r \t or \u00XX; DEL (left out of JSON_GBNF's raw
+# characters) and lone surrogates (no UTF-8 holds them) are \u-escaped too; and in a grammar with tool calls
+# (`lt`) so is `<` (\u003c), so that no JSON string in it can close a call's markup (`</parameter>`,
+# `</tool_call>`) nor open one (`<tool_call>`) for the reply parser. A class or `.` admits a special character in
+# its escaped form only. Formats (date, time, uuid) write digits, hex, `-`, `:`, `.`, `T`, `Z` and `+`: nothing to
+# escape.
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_MAX_CODE = 0x10FFFF
+_SURROGATES = ((0xD800, 0xDFFF),)
+
+
+def _json_char(c: str, lt: bool = False) -> str:
+    """The JSON text of the character `c` inside a JSON string (see above)."""
+    if (short := _SHORT_ESCAPES.get(c)) is not None:
+        return short
+    o = ord(c)
+    if o < 0x20 or o == 0x7F or 0xD800 <= o <= 0xDFFF or (lt and c == "<"):
+        return f"\\u{o:04x}"
+    return c
+
+
+def _specials(lt: bool) -> list[tuple[int, int]]:
+    """The code points `_json_char` escapes, lone surrogates aside (as ranges)."""
+    return _union([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F)] + ([(0x3C, 0x3C)] if lt else []))
+
+
+def _json_text(value: Any, lt: bool = False) -> str:
+    """The JSON text of `value` as the grammar writes it (json.dumps' layout, strings by `_json_char`). Raises
+    ValueError for a number JSON cannot hold (NaN, Infinity), TypeError for what is not JSON."""
+    if isinstance(value, str):
+        return '"' + "".join(_json_char(c, lt) for c in value) + '"'
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError("an object key that is not a string")
+        return "{" + ", ".join(f"{_json_text(k, lt)}: {_json_text(v, lt)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_json_text(v, lt) for v in value) + "]"
+    return json.dumps(value, allow_nan=False)
+
+
+def _gbnf_literal(text: str) -> str:
+    """A GBNF string literal that matches exactly `text` (llama.cpp's parse_char escapes; ASCII only)."""
+    out = []
+    for c in text:
+        o = ord(c)
+        if c in '"\\':
+            out.append("\\" + c)
+        elif c in "\n\r\t":
+            out.append({"\n": "\\n", "\r": "\\r", "\t": "\\t"}[c])
+        elif o < 0x20 or o == 0x7F:
+            out.append(f"\\x{o:02x}")
+        elif o < 0x80:
+            out.append(c)
+        else:
+            out.append(f"\\u{o:04x}" if o <= 0xFFFF else f"\\U{o:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _union(ranges) -> list[tuple[int, int]]:
+    """Sorted, disjoint, non-adjacent inclusive code point ranges covering `ranges`."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ranges, within=((0, _MAX_CODE),)) -> list[tuple[int, int]]:
+    """The code points of `within` outside `ranges`."""
+    out, ranges = [], _union(ranges)
+    for lo, hi in _union(within):
+        for a, b in ranges:
+            if b < lo or a > hi:
+                continue
+            if a > lo:
+                out.append((lo, a - 1))
+            lo = b + 1
+            if lo > hi:
+                break
+        if lo <= hi:
+            out.append((lo, hi))
+    return out
+
+
+def _class_char(o: int) -> str:
+    """One code point inside a GBNF character class."""
+    c = chr(o)
+    if c.isascii() and c.isalnum():
+        return c
+    return f"\\x{o:02x}" if o < 0x80 else f"\\u{o:04x}" if o <= 0xFFFF else f"\\U{o:08x}"
+
+
+def _char_set(ranges, lt: bool) -> str:
+    """A GBNF expression for the JSON text, inside a JSON string, of one character out of `ranges`: a class of
+    the characters written as themselves, and JSON's escapes (`_json_char`) of those written escaped. Lone
+    surrogates are left out. Raises ValueError when no character is left."""
+    chars, specials = _complement(_SURROGATES, ranges), _specials(lt)
+    plain = _complement(specials, chars)
+    alts = []
+    if plain:
+        alts.append("[" + "".join(_class_char(lo) if lo == hi else f"{_class_char(lo)}-{_class_char(hi)}"
+                                  for lo, hi in plain) + "]")
+    escaped = [o for lo, hi in _complement(_complement(specials), chars) for o in range(lo, hi + 1)]
+    if escaped:
+        short = [_SHORT_ESCAPES[chr(o)][1] for o in escaped if chr(o) in _SHORT_ESCAPES]
+        long = [o for o in escaped if chr(o) not in _SHORT_ESCAPES]
+        parts = ["[" + "".join(_class_char(ord(c)) for c in short) + "]"] if short else []
+        by_prefix: dict[str, list[str]] = {}  # \u00XX by its first three digits; the last one in either case
+        for o in long:
+            by_prefix.setdefault(f"u{o >> 4:03x}", []).extend(dict.fromkeys(f"{o & 15:x}{o & 15:X}"))
+        parts += [f"{_gbnf_literal(prefix)} [{''.join(lows)}]" for prefix, lows in by_prefix.items()]
+        alts.append('"\\\\" ' + (parts[0] if len(parts) == 1 else "(" + " | ".join(parts) + ")"))
+    if not alts:
+        raise ValueError("a pattern's character class holds no character a JSON string can hold")
+    return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
+
+
+# Patterns: the regular expressions both ECMA-262 (JSON Schema's dialect) and Python's `re` (the `jsonschema`
+# package's) read alike; a construct they read apart is refused, or (\D, \W, \S and classes negating \d, \w, \s)
+# narrowed to ASCII, where they agree.
+_ASCII = ((0, 0x7F),)
+# \d, \w, \s and their negations, in ASCII: (what both engines put in it, what either does). Python's \s
+# (str.isspace) also holds \x1C-\x1F, ECMA's does not; beyond ASCII they differ more (Python's \d holds every
+# Unicode digit): a class escape stands for its ASCII part, and a negated class that holds one is read in ASCII.
+_SPACE_BOTH, _SPACE_EITHER = [(0x09, 0x0D), (0x20, 0x20)], [(0x09, 0x0D), (0x1C, 0x20)]
+_DIGIT, _WORD = [(0x30, 0x39)], [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
+_SHORTHANDS = {"d": (_DIGIT, _DIGIT), "w": (_WORD, _WORD), "s": (_SPACE_BOTH, _SPACE_EITHER),
+               "D": (_complement(_DIGIT, _ASCII),) * 2, "W": (_complement(_WORD, _ASCII),) * 2,
+               "S": (_complement(_SPACE_EITHER, _ASCII), _complement(_SPACE_BOTH, _ASCII))}
+_CHAR_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B}
+_DOT = _complement([(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)])  # ECMA's `.` (Python's also takes \r, …)
+
+
+class _Pattern:
+    """A JSON schema `pattern` (anchored: ^…$) as the GBNF of a JSON string's content (`rule`): alternation,
+    groups ((…), (?:…)), quantifiers (*, +, ?, {m}, {m,}, {m,n}, lazy or not), classes, `.`, \\d \\w \\s and
+    their negations, \\n \\r \\t \\f \\v \\0 \\xHH \\uHHHH, escaped punctuation. Every character by `_char_set`
+    (`_json_char`'s escapes). Raises ValueError for what it does not take (lookaround, backreferences, word
+    boundaries, anchors inside, \\p, …)."""
+
+    def __init__(self, conv: "_Converter", name: str, pattern: str) -> None:
+        self.conv, self.name, self.lt = conv, name, conv._lt
+        body = pattern[1:-1]
+        if len(pattern) < 2 or pattern[0] != "^" or pattern[-1] != "$" or \
+                (len(body) - len(body.rstrip("\\"))) % 2:  # an escaped \$ ends no pattern
+            raise ValueError('Pattern must start with "^" and end with "$"')
+        self.p, self.i = body, 0
+        self.sub: dict[str, str] = {}  # repeated units made rules, by their text
+
+    def rule(self) -> str:
+        body = self.alternation()
+        if self.i < len(self.p):
+            raise ValueError(f"unbalanced ')' at index {self.i + 1} of the pattern")
+        return body
+
+    def fail(self, what: str) -> ValueError:
+        return ValueError(f"the pattern's {what} at index {self.i + 1} is not supported")
+
+    def alternation(self) -> str:
+        seqs = [self.sequence()]
+        while self.i < len(self.p) and self.p[self.i] == "|":
+            self.i += 1
+            seqs.append(self.sequence())
+        return seqs[0] if len(seqs) == 1 else "(" + " | ".join(seqs) + ")"
+
+    def sequence(self) -> str:
+        items: list[str] = []
+        text: list[str] = []  # a run of literal characters, as JSON text
+
+        def flush() -> None:
+            if text:
+                items.append(_gbnf_literal("".join(text)))
+                text.clear()
+
+        while self.i < len(self.p) and self.p[self.i] not in "|)":
+            atom, lit = self.atom()
+            quantified = self.quantifier(atom)
+            if quantified is None and lit is not None:
+                text.append(lit)
+                continue
+            flush()
+            if quantified is None:
+                items.append(atom)
+            elif quantified:
+                items.append(quantified)
+        flush()
+        return " ".join(items) if items else '""'
+
+    def quantifier(self, atom: str) -> str | None:
+        """The repetition of `atom` the pattern asks for at i (None: none; "": zero times)."""
+        p, i = self.p, self.i
+        if i >= len(p) or p[i] not in "*+?{":
+            return None
+        if p[i] == "{":
+            m = re.match(r"\{(\d+)(,(\d*))?\}", p[i:])
+            if m is None:
+                raise self.fail("'{' (not a quantifier {m}, {m,}, {m,n})")
+            lo = int(m.group(1))
+            hi = lo if m.group(2) is None else int(m.group(3)) if m.group(3) else None
+            if hi is not None and lo > hi:
+                raise ValueError(f"Invalid quantifier {m.group(0)} in the pattern")
+            self.i += len(m.group(0))
+            if not re.fullmatch(r"[\w-]+", atom):  # a rule of its own, repeated by name
+                if atom not in self.sub:
+                    self.sub[atom] = self.conv._add_rule(f"{self.name}-{len(self.sub) + 1}", atom)
+                atom = self.sub[atom]
+            rep = _build_repetition(atom, lo, hi)
+            out = f"({rep})" if rep else ""
+        else:
+            out = f"{atom}{p[i]}"
+            self.i += 1
+        if self.i < len(p) and p[self.i] == "?":  # lazy: the same strings
+            self.i += 1
+        if self.i < len(p) and p[self.i] in "*+?{":
+            raise self.fail("repeated quantifier")
+        return out
+
+    def atom(self) -> tuple[str, str | None]:
+        """The GBNF of the unit at i, and its JSON text when it is one literal character."""
+        p = self.p
+        c = p[self.i]
+        if c in "*+?{":
+            raise self.fail(f"quantifier {c!r} with nothing to repeat")
+        if c in "^$":
+            raise self.fail(f"anchor {c!r} inside the pattern")
+        if c == "(":
+            self.i += 1
+            if p.startswith("?:", self.i):
+                self.i += 2
+            elif p.startswith("?", self.i):
+                raise self.fail("group syntax (?")
+            inner = self.alternation()
+            if self.i >= len(p) or p[self.i] != ")":
+                raise ValueError("Unbalanced parentheses in the pattern")
+            self.i += 1
+            return f"({inner})", None
+        if c == "[":
+            return self.char_class(), None
+        if c == ".":
+            self.i += 1
+            return self.conv._add_rule("dot", _char_set(_DOT, self.lt)), None
+        if c == "\\":
+            ranges, code = self.escape(in_class=False)
+        else:
+            self.i += 1
+            ranges, code = None, ord(c)
+        if code is None:
+            return _char_set(ranges[0], self.lt), None
+        if 0xD800 <= code <= 0xDFFF:
+            raise self.fail("surrogate code point")
+        return _gbnf_literal(_json_char(chr(code), self.lt)), _json_char(chr(code), self.lt)
+
+    def escape(self, in_class: bool) -> tuple[tuple | None, int | None]:
+        """The escape at i: ((ranges both engines read in it, ranges either does), None) for a class escape (\\d
+        …), (None, code point) for a character."""
+        p = self.p
+        if self.i + 1 >= len(p):
+            raise ValueError("the pattern ends in a lone '\\'")
+        e = p[self.i + 1]
+        self.i += 2
+        if e in _SHORTHANDS:
+            return _SHORTHANDS[e], None
+        if e in _CHAR_ESCAPES:
+            return None, _CHAR_ESCAPES[e]
+        if e == "b" and in_class:
+            return None, 0x08
+        if e == "0" and not (self.i < len(p) and p[self.i].isdigit()):
+            return None, 0
+        if e in "xu":
+            width = 2 if e == "x" else 4
+            digits = p[self.i:self.i + width]
+            if len(digits) != width or not all(d in "0123456789abcdefABCDEF" for d in digits):
+                self.i -= 2
+                raise self.fail(f"escape \\{e} (not \\{e}{'H' * width})")
+            self.i += width
+            return None, int(digits, 16)
+        if e.isascii() and not e.isalnum():
+            return None, ord(e)
+        self.i -= 2
+        raise self.fail(f"escape \\{e}")
+
+    def char_class(self) -> str:
+        p = self.p
+        self.i += 1
+        negated = self.i < len(p) and p[self.i] == "^"
+        self.i += negated
+        if self.i < len(p) and p[self.i] == "]":
+            raise self.fail("class starting with ']' (read apart by ECMA-262 and Python; write \\])")
+        sure: list[tuple[int, int]] = []  # in the class for both engines
+        maybe: list[tuple[int, int]] = []  # in it for either
+        shorthand = False
+        while True:
+            if self.i >= len(p):
+                raise ValueError("Unbalanced square brackets in the pattern")
+            if p[self.i] == "]":
+                self.i += 1
+                break
+            lo_sets, lo = self.class_atom()
+            if self.i + 1 < len(p) and p[self.i] == "-" and p[self.i + 1] != "]":
+                self.i += 1
+                _, hi = self.class_atom()
+                if lo is None or hi is None:
+                    raise self.fail("range with a class escape")
+                if lo > hi:
+                    raise ValueError(f"the pattern has an empty character range ({chr(lo)}-{chr(hi)})")
+                sure.append((lo, hi))
+                maybe.append((lo, hi))
+            elif lo is None:
+                shorthand = True
+                sure.extend(lo_sets[0])
+                maybe.extend(lo_sets[1])
+            else:
+                sure.append((lo, lo))
+                maybe.append((lo, lo))
+        if negated:
+            return _char_set(_complement(maybe, _ASCII if shorthand else ((0, _MAX_CODE),)), self.lt)
+        return _char_set(_union(sure), self.lt)
+
+    def class_atom(self) -> tuple[tuple | None, int | None]:
+        c = self.p[self.i]
+        if c == "\\":
+            return self.escape(in_class=True)
+        self.i += 1
+        return None, ord(c)
+
+
 class _Converter(SchemaConverter):
-    """llama-cpp-python's converter with linear rule naming and a time budget.
+    """llama-cpp-python's converter with linear rule naming, a time budget, and every literal of the schema
+    written as JSON text (`_json_char`): patterns (`_Pattern`), const and enum values, property names.
 
     Upstream `_add_rule` looks for a free name `NAME0`, `NAME1`, … from 0 each time, quadratic in the names
     that sanitize alike (20,000 non-ASCII property names: 43 s, issue 26 H5); here each sanitized name keeps
@@ -192,9 +529,10 @@ class _Converter(SchemaConverter):
     rule after the whole reference (`s1#/$defs/Node`), not its last part, so that two schemas' `$defs` of the
     same name stay two rules."""
 
-    def __init__(self, deadline: float, build_s: float) -> None:
+    def __init__(self, deadline: float, build_s: float, lt: bool = False) -> None:
         super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         self._deadline, self._build_s = deadline, build_s
+        self._lt = lt  # a grammar with tool calls: JSON strings write `<` as \u003c
         self._next: dict[str, int] = {}
         self._named: dict[tuple[str, str], str] = {}
 
@@ -221,6 +559,19 @@ class _Converter(SchemaConverter):
     def visit(self, schema, name):
         self._tick()
         return super().visit(schema, name)
+
+    def _visit_pattern(self, pattern, name):
+        if not isinstance(pattern, str):
+            raise TypeError("a pattern that is not a string")
+        body = _Pattern(self, name, pattern).rule()
+        return self._add_rule(name, f'"\\"" {body} "\\"" space')
+
+    def _generate_constant_rule(self, value):
+        return _gbnf_literal(_json_text(value, self._lt))
+
+    def _format_literal(self, literal):
+        # Upstream's visit passes this JSON text only: json.dumps of a property name (_build_object_rule).
+        return _gbnf_literal(_json_text(json.loads(literal), self._lt))
 
     def _resolve_ref(self, ref):
         ref_name = INVALID_RULE_CHARS_RE.sub("-", ref)
@@ -267,16 +618,16 @@ class Constraint:
 
 
 def _literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)  # a GBNF string literal: JSON's escapes are GBNF's
+    return _gbnf_literal(text)
 
 
 class _Rules:
     """One converter for a whole grammar (its rule names are unique across the schemas it visits) plus this
     module's rules, within one `Budget`."""
 
-    def __init__(self, budget: Budget = Budget()) -> None:
+    def __init__(self, budget: Budget = Budget(), lt: bool = False) -> None:
         self.budget = budget
-        self.conv = _Converter(time.perf_counter() + budget.build_s, budget.build_s)
+        self.conv = _Converter(time.perf_counter() + budget.build_s, budget.build_s, lt)
         self._count = [0]  # schema values seen so far, all schemas of the request together
         self._urls = 0
 
@@ -326,7 +677,7 @@ class _Rules:
         for what `_check_gbnf` refuses."""
         rules = self.conv._rules
         if "char" in rules:
-            rules["char"] = _JSON_CHAR
+            rules["char"] = _JSON_CHAR_LT if self.conv._lt else _JSON_CHAR
         rules["root"] = root
         text = self.conv.format_grammar()
         if len(text) > MAX_GRAMMAR_CHARS:
@@ -404,7 +755,7 @@ def build(structure: Structure, tools: list[dict] | None, fmt: OutputFormat, ope
             structure.tool_choice_field if forced else "parallel_tool_calls"
         raise InvalidRequest(f"'{param}' cannot be enforced for this model: its harmony output (channels) has no "
                              f"grammar here", param=param)
-    rules = _Rules(budget)
+    rules = _Rules(budget, lt=bool(tools))  # the reply parser reads calls out of the whole reply
     many = structure.parallel_tool_calls
     if forced:
         body = _calls(rules, fmt, tools, structure.tool_name, many, structure.tool_choice_field)
