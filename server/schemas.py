@@ -265,8 +265,10 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError as e:
-                raise _bad(f"'{p}.function.arguments' is not valid JSON: {e}", f"{p}.function.arguments") from e
+            except (ValueError, RecursionError) as e:
+                raise _bad(f"'{p}.function.arguments' is not valid JSON: {str(e)[:200]}",
+                           f"{p}.function.arguments") from e
+            check_nesting({f"{p}.function.arguments": args})  # JSON text inside the body: not checked with it
         if not isinstance(args, dict):
             raise _bad(f"'{p}.function.arguments' must be a JSON object", f"{p}.function.arguments")
         call_id = call.get("id")

@@ -11,7 +11,9 @@ abort or a std::bad_alloc in llama.cpp ends it: every check asks whether the pro
 * The probe of issue 38 replayed, scaled down to stay quick while still far past the limits it crossed: row 1
   (tool_reference blocks that each render a deferred tool's huge description), row 2 (megabytes of
   `instructions` on /v1/responses), row 3 (a cache mark on every turn: compared with the same request without
-  marks) and row 6 (a tool schema or chat_template_kwargs nested 950 levels). Each asserts the status, the
+  marks) and row 6 (a tool schema or chat_template_kwargs nested 950 levels; and, found by this fuzz, a past
+  tool call's `arguments` text that parses to 940 levels, which the body's nesting check cannot see: a 500 from
+  orchestrator/prompt/control.py's recursive escape_all). Each asserts the status, the
   field the error names, a wall-clock bound generous for a loaded 2-core machine (the bugs took 26-115 s at the
   probe's size), that a small chat request sent meanwhile is served, and that the server serves afterwards.
 
@@ -30,7 +32,7 @@ import uuid
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from server import anthropic as anthropic_fields
@@ -42,7 +44,7 @@ from .conftest import serve_process
 KEY = "sk-fuzz-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT_KIB = 256  # --max-prompt-size: the probe's sizes are scaled to it (the default is 2,048 KiB)
-CTX = 8192  # per slot: row 3's longest conversation fits, so its chat and messages requests are served
+CTX = 8192  # per slot: row 3's conversation (about 12,000 tokens) is past it on chat and messages
 MAX_TOKENS_LIMIT = 16  # --max-tokens-limit: a fuzzed 200 generates at most this many tokens
 CLIENT_S = 120  # the most any one call may take before the test counts the server as wedged
 EXAMPLE_S = 30  # per fuzz example: a request that takes longer is a failure (bodies are small; 200s are short)
@@ -301,7 +303,7 @@ def valid_shape(draw, path: str) -> dict:
     """A body of the route's shape, small, with hostile text inside; most of them would be served."""
     if path == CHAT:
         body = {"model": "m", "max_tokens": draw(st.integers(1, 4)),
-                "messages": [_chat_message(draw) for _ in range(draw(st.integers(0, 4)))]
+                "messages": [_chat_message(draw) for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2, 4])))]
                 + [{"role": "user", "content": draw(texts())}]}
         if draw(st.booleans()):
             body["chat_template_kwargs"] = {"enable_thinking": draw(st.booleans())}
@@ -310,8 +312,9 @@ def valid_shape(draw, path: str) -> dict:
         if draw(st.booleans()):
             body["tools"] = [{"type": "function", "function": {"name": "get_weather", "description": draw(texts()),
                                                                "parameters": draw(SCHEMAS)}}]
-            body["tool_choice"] = draw(st.sampled_from(["auto", "none", "required", {"type": "function",
-                                                                                    "function": {"name": "nope"}}]))
+            body["tool_choice"] = draw(st.sampled_from(["auto", "auto", "none", "required", {
+                "type": "function", "function": {"name": "get_weather"}}, {"type": "function",
+                                                                           "function": {"name": "nope"}}]))
         if draw(ONE_IN_4):
             body["response_format"] = draw(st.sampled_from([
                 {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
@@ -415,10 +418,13 @@ def bodies(draw, path: str):
     return body, draw(st.booleans())
 
 
-def send(url: str, path: str, body, ascii_only: bool) -> httpx.Response:
-    data = body.text.encode("utf-8", "surrogatepass") if isinstance(body, Raw) else encode(body, ascii_only)
-    return httpx.post(url + path, content=data, headers={**AUTH, "Content-Type": "application/json"},
-                      timeout=CLIENT_S)
+def wire(body, ascii_only: bool) -> bytes:
+    return body.text.encode("utf-8", "surrogatepass") if isinstance(body, Raw) else encode(body, ascii_only)
+
+
+def sketch(data: bytes) -> str:
+    """A failing body for the message: its size, start and end."""
+    return f"{len(data)} bytes: {data[:600]!r}{' ... ' + repr(data[-200:]) if len(data) > 800 else ''}"
 
 
 # ------------------------------------------------------------------ the fuzz
@@ -429,20 +435,24 @@ def test_fuzzed_bodies_get_a_2xx_or_a_4xx_in_the_routes_format_and_the_server_se
     url, proc = server
     seen: collections.Counter = collections.Counter()  # answers by status and field, printed (pytest -s)
 
+    # no shrinking: each try is a live request (a failure's body is in its message), so a failing run stays short
     @settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-              database=None)
+              database=None, phases=[Phase.explicit, Phase.generate])
     @given(case=bodies(path))
     def one(case):
-        body, ascii_only = case
+        data = wire(*case)
         t0 = time.monotonic()
         try:
-            r = send(url, path, body, ascii_only)
+            r = httpx.post(url + path, content=data, headers={**AUTH, "Content-Type": "application/json"},
+                           timeout=CLIENT_S)
         except httpx.HTTPError as e:
-            pytest.fail(f"no answer ({e!r}); the server is {'alive' if proc.poll() is None else 'dead'}")
+            pytest.fail(f"no answer ({e!r}); the server is {'alive' if proc.poll() is None else 'dead'}; "
+                        f"body {sketch(data)}")
         took = time.monotonic() - t0
-        assert proc.poll() is None, "the server process died"
-        assert 200 <= r.status_code < 300 or 400 <= r.status_code < 500, (r.status_code, r.text[:2000])
-        assert took < EXAMPLE_S, f"{took:.1f} s for one request"
+        assert proc.poll() is None, f"the server process died on {sketch(data)}"
+        assert 200 <= r.status_code < 300 or 400 <= r.status_code < 500, \
+            f"{r.status_code} {r.text[:1000]} for {sketch(data)}"
+        assert took < EXAMPLE_S, f"{took:.1f} s for {sketch(data)}"
         if r.status_code >= 400:
             err = assert_error_shape(path, r)
             seen[f"{r.status_code} {err.get('param') or err['message'][:60]}"] += 1
@@ -560,16 +570,20 @@ def _conversation(path: str, marked: bool, nonce: int) -> dict:
 def test_row3_a_cache_mark_on_every_turn_costs_about_what_no_marks_do(server, baseline, path):
     """Row 3: placing every caller breakpoint rendered the conversation up to it (2,049 marked turns: 115 s).
     The same 601-turn conversation (about 12,000 tokens) with and without a mark on every turn gets the same
-    answer, the marked one within 3x + 1 s of the unmarked one's time, while a small chat request sent meanwhile
-    is served. count_tokens counts it (the same count); on messages and chat it is past the 8,192-token context,
-    a 400 context_length_exceeded for both, which the server answers once the prompt is rendered, tokenized and
-    its breakpoints placed (where the quadratic cost was), without a prefill of minutes on a loaded machine."""
+    answer, the marked one within 3x + 1 s of the unmarked one's time (the slower of a run before and one after
+    it), while a small chat request sent meanwhile is served. count_tokens counts it (the same count); on
+    messages and chat it is past the 8,192-token context, a 400 context_length_exceeded for both, which the
+    server answers once the prompt is rendered, tokenized and its breakpoints placed (where the quadratic cost
+    was), without a prefill of many seconds on a loaded machine."""
     url, _ = server
     nonce = 100_000_000 + uuid.uuid4().int % 900_000_000
     plain, plain_s = timed(lambda: post(url, path, _conversation(path, False, nonce)))
     with Concurrent(url) as other:
         marked, marked_s = timed(lambda: post(url, path, _conversation(path, True, nonce + 1)))
     other.check()
+    again, again_s = timed(lambda: post(url, path, _conversation(path, False, nonce + 2)))
+    assert again.status_code == plain.status_code, again.text[:500]
+    plain_s = max(plain_s, again_s)  # the slower unmarked run: a loaded machine's pauses count for the marks
     if path == COUNT:
         assert plain.status_code == 200, plain.text[:500]
         assert marked.status_code == 200, marked.text[:500]
@@ -581,7 +595,7 @@ def test_row3_a_cache_mark_on_every_turn_costs_about_what_no_marks_do(server, ba
             if path == CHAT:
                 assert err["code"] == "context_length_exceeded", err
             assert "--ctx-size" in err["message"], err
-    assert marked_s < 3 * plain_s + 1, f"marked {marked_s:.2f} s, unmarked {plain_s:.2f} s"
+    assert marked_s < 3 * plain_s + 1, f"marked {marked_s:.2f} s, unmarked {plain_s:.2f} s (the slower of two)"
     assert_still_serving(server, baseline)
 
 
@@ -623,5 +637,36 @@ def test_row6_nesting_950_levels_deep_is_a_400_naming_the_field(server, baseline
         assert f"'{field}" in err["message"], err
     else:
         assert err["param"] and err["param"].startswith(field), err
+    assert took < 5, f"{took:.1f} s"
+    assert_still_serving(server, baseline)
+
+
+_ARGS_940 = '{"a": ' * 940 + "1" + "}" * 940  # a JSON object 940 levels deep, as the text of a call's arguments
+ROW6_TEXT = [
+    (CHAT, "messages[1]", {**NORMAL, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "f", "arguments": _ARGS_940}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}, {"role": "user", "content": "go on"}]}),
+    (RESPONSES, "input[1]", {"model": "m", "max_output_tokens": 4, "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": _ARGS_940},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}),
+]
+
+
+@pytest.mark.parametrize("path,field,body", ROW6_TEXT, ids=[p for p, _, _ in ROW6_TEXT])
+def test_row6_nesting_inside_a_calls_arguments_text_is_a_400_naming_the_call(server, baseline, path, field, body):
+    """Row 6's nesting where the body's own nesting check cannot see it: a past tool call's `arguments`, a JSON
+    *string* (shallow in the body) that the server parses into an object 940 levels deep and renders (found by
+    the fuzz above: a 500 "maximum recursion depth exceeded"). A 400 naming the call, fast."""
+    url, _ = server
+    with Concurrent(url) as other:
+        r, took = timed(lambda: post(url, path, body))
+    other.check()
+    assert r.status_code == 400, r.text[:500]
+    err = assert_error_shape(path, r)
+    assert "recursion" not in err["message"], err
+    assert err["param"] and err["param"].startswith(field), err
     assert took < 5, f"{took:.1f} s"
     assert_still_serving(server, baseline)
