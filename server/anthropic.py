@@ -15,8 +15,11 @@ content blocks and stream events:
   tools block always ends at a snapshot boundary.
 * `thinking` {"type": "enabled" | "adaptive"} renders the template with thinking on; absent or "disabled", off
   (`enable_thinking`, as Anthropic's default is no thinking); `output_config.effort` "none"/"minimal" turns it
-  off (server/schemas.py thinking_from_effort). Answered thinking blocks carry a `signature` that holds their
-  text, so a block sent back without it (`display: "omitted"`) renders the same.
+  off (server/schemas.py thinking_from_effort). `display`: "omitted" answers thinking blocks with their signature
+  only; "summarized" (the default), "updates" (what Claude Code 2.1.x asks for with `--output-format stream-json`
+  or `json --verbose`) and "highlights" (its short-titles mode) stream the thinking as it is generated: this
+  server has no summarizer, so every display that shows thinking shows it whole. Answered thinking blocks carry a
+  `signature` that holds their text, so a block sent back without it (`display: "omitted"`) renders the same.
 * What Claude Code 2.1.x sends (bench/captures/claude-code/): its billing line (system[0], a hash that changes
   per session) is left out of the prompt; a message with role "system" is rendered where it stands (as a user
   turn where the template takes no later system message: server/app.py); tools with `defer_loading` are not
@@ -25,9 +28,11 @@ content blocks and stream events:
 * The top-level fields' policy (honoured, hint, refused) is FIELDS (server/fields.py).
 
 Usage: `cache_read_input_tokens` is the prompt tokens restored from the cache; `cache_creation_input_tokens`
-the prompt tokens this request prefilled while storing snapshots (all the uncached ones: the state is stored at
-the boundaries, near the end of the prompt, and after generation); `input_tokens` the rest (prompt tokens
-neither read from nor written to the cache). The three add up to the prompt.
+the prompt tokens prefilled by a request that stores snapshots (all the uncached ones: the state is stored at
+the boundaries, near the end of the prompt, and after generation; none on a cold run); `input_tokens` the rest
+(prompt tokens neither read from nor written to the cache). The three add up to the prompt, and are known once
+the request is admitted: a stream's message_start waits for that (server/app.py) and carries the same figures
+as message_delta and the non-streamed message.
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ FIELDS: dict[str, Rule] = {
     "tool_choice": Rule(HONOURED, _BOTH, '"none" drops the tools; "any" and "tool" force a call, '
                                          "`disable_parallel_tool_use` at most one (a grammar enforces them)"),
     "thinking": Rule(HONOURED, _BOTH, 'enabled/adaptive: thinking on; disabled or absent: off; `display: '
-                                      '"omitted"` answers thinking blocks with their signature only'),
+                                      '"omitted"` answers thinking blocks with their signature only, "summarized", '
+                                      '"updates" and "highlights" stream the thinking whole'),
     "output_config": Rule(HONOURED, _BOTH, '`effort`: "low" and above keep thinking as `thinking` says; '
                                            "`format` json_schema: a grammar enforces it"),
     "output_format": Rule(HONOURED, _BOTH, "the structured-outputs beta's name for `output_config.format`"),
@@ -92,7 +98,9 @@ BILLING_LINE = "x-anthropic-billing-header:"  # Claude Code's system[0]; its has
 SIGNATURE_PREFIX = "orchestrator1."  # a thinking block's signature from this server: the thinking, base64url
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 THINKING = ("enabled", "adaptive", "disabled")
-THINKING_DISPLAY = ("summarized", "omitted")
+# thinking.display: "omitted" sends no thinking text; the others show it (whole: nothing here summarizes). Claude
+# Code 2.1.x sends "updates" (stream-json output), "omitted" (plain -p) and "highlights" (its titles mode).
+THINKING_DISPLAY = ("summarized", "omitted", "updates", "highlights")
 _MARK = {"mode": "explicit"}  # the breakpoint mark server/schemas.py reads on a text part
 
 
@@ -481,7 +489,10 @@ def _thinking(raw: Any) -> tuple[bool, bool]:
         raise _bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} or "
                    "{\"type\": \"disabled\"}", "thinking")
     if raw.get("display") not in (None,) + THINKING_DISPLAY:
-        raise _bad("'thinking.display' must be \"summarized\" or \"omitted\"", "thinking.display")
+        # ends in the hosted API's wording, which Claude Code reads to retry without the field
+        raise _bad(f"'thinking.display' {json.dumps(raw['display'])[:40]} is not a display: thinking.{raw['type']}"
+                   f".display: Input should be " + ", ".join(f"'{d}'" for d in THINKING_DISPLAY[:-1])
+                   + f" or '{THINKING_DISPLAY[-1]}'", "thinking.display")
     if raw["type"] == "enabled":
         budget = raw.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -585,9 +596,19 @@ def context_management(req: MessagesRequest) -> dict:
     return {"context_management": {"applied_edits": req.applied_edits}} if req.applied_edits else {}
 
 
-def usage(r: Result) -> dict:
-    """Anthropic's usage: input_tokens + cache_creation_input_tokens + cache_read_input_tokens = the prompt."""
-    read = r.cached_tokens
-    created = r.prompt_tokens - read if r.snapshots_saved else 0
-    return {"input_tokens": r.prompt_tokens - read - created, "output_tokens": len(r.completion_tokens),
-            "cache_creation_input_tokens": created, "cache_read_input_tokens": read}
+def input_usage(prompt_tokens: int, cached: int, stores: bool) -> dict:
+    """The prompt's part of Anthropic's usage, known once the request is admitted (`cached`: the tokens restored;
+    `stores`: whether it stores snapshots, `Reuse.stores`): input_tokens + cache_creation_input_tokens +
+    cache_read_input_tokens = the prompt. The same figures in message_start, message_delta and the message:
+    Claude Code adds message_delta's figures over message_start's only where they are above 0."""
+    created = prompt_tokens - cached if stores else 0
+    return {"input_tokens": prompt_tokens - cached - created, "cache_creation_input_tokens": created,
+            "cache_read_input_tokens": cached}
+
+
+def usage(r: Result, stores: bool) -> dict:
+    """Anthropic's usage of a result (`input_usage`, and the completion tokens)."""
+    prompt = input_usage(r.prompt_tokens, r.cached_tokens, stores)
+    return {"input_tokens": prompt["input_tokens"], "output_tokens": len(r.completion_tokens),
+            "cache_creation_input_tokens": prompt["cache_creation_input_tokens"],
+            "cache_read_input_tokens": prompt["cache_read_input_tokens"]}

@@ -537,8 +537,9 @@ class Api:
         req, prompt = await self._messages_prompt(request, anthropic.MESSAGES)
         prompt, job, events, cancel = await self._submit_chat(request, req, prompt)
         mid = f"msg_{uuid.uuid4().hex}"
+        stores = self.rt.scheduler.reuse.stores(job)  # whether its uncached prompt tokens are cache writes
         if req.options.stream:
-            return StreamingResponse(self._messages_stream(events, cancel, mid, prompt, req),
+            return StreamingResponse(self._messages_stream(events, cancel, mid, prompt, req, stores),
                                      media_type="text/event-stream")
         r = (await self._collect(request, events, cancel))[0]
         self._log("messages", [r])
@@ -547,7 +548,7 @@ class Api:
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id,
             "content": anthropic.content_blocks(out, req.omit_thinking), "stop_reason": reason, "stop_sequence": sequence,
-            "usage": anthropic.usage(r), **anthropic.context_management(req), "timings": _timings(r)},
+            "usage": anthropic.usage(r, stores), **anthropic.context_management(req), "timings": _timings(r)},
             headers=_tier_header(r))
 
     def _stop_reason(self, r: Result, has_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
@@ -558,17 +559,40 @@ class Api:
         return anthropic.stop_reason(r, has_calls, stop, full)
 
     def _messages_stream(self, events: asyncio.Queue, cancel: threading.Event, mid: str, prompt: Prompt,
-                         req: MessagesRequest) -> AsyncIterator[str]:
+                         req: MessagesRequest, stores: bool) -> AsyncIterator[str]:
         """Anthropic's events: message_start, then per content block content_block_start, its deltas and
         content_block_stop (thinking, text; tool_use blocks at the end, each input as one input_json_delta),
         message_delta (stop reason, final usage) and message_stop; an error event if the job fails.
 
-        message_start carries the prompt's length as input_tokens and null cache figures, which are known only
-        at the end: message_delta carries the final input_tokens, cache_read_input_tokens and
-        cache_creation_input_tokens (the Anthropic clients take them from there)."""
+        message_start's usage is already the final input split (anthropic.input_usage: input_tokens without the
+        cache_read_input_tokens and cache_creation_input_tokens; message_delta repeats it with the output
+        tokens): it is sent with the job's first event, whose TEXT carries the tokens restored at admission
+        (Event.cached_tokens), or with the result. Claude Code adds up message_start's figures, replaced by
+        message_delta's only where those are above 0, so both must agree. `stores`: the job stores snapshots
+        (`Reuse.stores`)."""
         parser = prompt.reply.stream()
         block = {"index": -1, "type": None}
         thinking: list[str] = []  # the open thinking block's text, for its signature
+        held: list[str] | None = []  # lines before message_start (None once it is sent)
+
+        def opening(cached: int, stored: bool = stores) -> list[str]:
+            """message_start (once), then the lines held until it could be sent."""
+            nonlocal held
+            if held is None:
+                return []
+            lines, held = held, None
+            return [event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {**anthropic.input_usage(len(prompt.tokens), cached, stored), "output_tokens": 0}}})
+                    ] + lines
+
+        def on_text(ev: Event) -> list[str]:
+            out = pieces(parser.push(ev.text))
+            if held is not None and ev.cached_tokens is None:  # not from the scheduler: wait for the result
+                held.extend(out)
+                return []
+            return opening(ev.cached_tokens or 0) + out
 
         def event(name: str, data: dict) -> str:
             return f"event: {name}\ndata: {json.dumps(dict(type=name, **data), ensure_ascii=False)}\n\n"
@@ -618,21 +642,17 @@ class Api:
             out += close()
             reason, sequence = self._stop_reason(r, bool(calls), req.options.stop)
             out.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                               "usage": anthropic.usage(r), **anthropic.context_management(req)}))
+                                               "usage": anthropic.usage(r, stores),
+                                               **anthropic.context_management(req)}))
             out.append(event("message_stop", {}))
-            return out
+            return opening(r.cached_tokens) + out
 
-        def on_error(e: Exception) -> list[str]:
-            return close() + [event("error", {"error": anthropic_payload(e)[0]["error"]})]
+        def on_error(e: Exception) -> list[str]:  # failed before any text: reported as neither read nor written
+            return opening(0, False) + close() + [event("error", {"error": anthropic_payload(e)[0]["error"]})]
 
         async def gen() -> AsyncIterator[str]:
-            yield event("message_start", {"message": {
-                "id": mid, "type": "message", "role": "assistant", "model": self.rt.model_id, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": len(prompt.tokens), "output_tokens": 0,
-                          "cache_creation_input_tokens": None, "cache_read_input_tokens": None}}})
             async for line in self._lines(events, cancel, "/v1/messages", "messages-stream",
-                                          lambda ev: pieces(parser.push(ev.text)), on_done, on_error):
+                                          on_text, on_done, on_error):
                 yield line
 
         return gen()

@@ -1,6 +1,8 @@
 """Claude Code (the real CLI at the version tests/agents/package-lock.json pins) against a live server on loopback
 (tiny model): `claude -p`, then `claude -c -p` continuing the session. Both exit 0, nothing is refused, the second
-turn restores at least 90% of its prompt, and each request's answer from the cache equals its cold run.
+turn restores at least 90% of its prompt, and each request's answer from the cache equals its cold run. Then
+`claude -p --output-format stream-json --verbose`, which asks for thinking display "updates": served (not refused,
+so the CLI keeps the field), and the usage the CLI adds up from the stream is the prompt, once.
 
 The random-weight model never ends a turn, and Claude Code exits 1 on a `max_tokens` stop ("Claude's response
 exceeded the 16 output token maximum"), so the answers the CLI reads are scripted (conftest.scripted: thinking,
@@ -12,6 +14,7 @@ omitted, context_management, output_config, a deferred tool) is captured in benc
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -74,3 +77,24 @@ def test_claude_code_two_turns_are_served_and_the_second_restores_the_first(agen
         req = parse_messages(body, rt.config)
         assert req.late_system is not None  # messages[1] is a system message: rendered as a user turn
         assert_same_as_cold(rt, late_system_as_user(req.messages), req.tools, **req.template_kwargs)
+
+
+def test_claude_code_stream_json_keeps_its_thinking_display_and_counts_each_prompt_token_once(agent_bin, served,
+                                                                                             tmp_path, monkeypatch):
+    rt, srv, recorder = served
+    scripted(rt, monkeypatch, "Greeting them.\n</think>\n\nHi.", finish_reason="stop")
+    before = counters(srv.url)
+    seen = len(recorder.bodies)
+    run = claude(agent_bin, tmp_path, srv.url, "-p", "--output-format", "stream-json", "--verbose", "Say hi")
+    assert run.returncode == 0, run.stderr + run.stdout
+    rt.scheduler.drain()
+    after = counters(srv.url)
+    assert after["errors"] == before["errors"], after["error_lines"]  # nothing refused (no 4xx), nothing failed
+    (body,) = [b for path, b in recorder.bodies[seen:] if path == "/v1/messages"]  # one request: not retried
+    assert body["thinking"] == {"type": "adaptive", "display": "updates"}
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    (result,) = [line for line in lines if line.get("type") == "result"]
+    assert result["is_error"] is False and result["result"] == "Hi."
+    usage = result["usage"]  # what the CLI added up from message_start and message_delta
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] \
+        == after["prompt"] - before["prompt"]

@@ -88,7 +88,8 @@ def test_stream_events_add_up_to_the_message(claude, live_server):
     assert final.content == full.content and [b.type for b in final.content][0] == "thinking"
     assert final.stop_reason == full.stop_reason == "max_tokens"
     assert final.usage.output_tokens == 8 and total(final.usage) == total(full.usage)
-    # the final figures come with message_delta (message_start has null cache fields): a repeat of `full`
+    # message_start has the figures message_delta repeats: a repeat of `full`, restored
+    assert events[0].message.usage.cache_read_input_tokens == final.usage.cache_read_input_tokens
     assert full.usage.cache_read_input_tokens == 0 and final.usage.cache_read_input_tokens > total(full.usage) - 16
     # on the wire: each event is named (event:) and typed (data.type) alike
     body = {"model": "m", "max_tokens": 3, "system": SYSTEM, "messages": messages, "stream": True, **GREEDY}
@@ -97,6 +98,55 @@ def test_stream_events_add_up_to_the_message(claude, live_server):
     names = [line[len("event: "):] for line in lines[0::2]]
     datas = [json.loads(line[len("data: "):]) for line in lines[1::2]]
     assert names == [d["type"] for d in datas] and names[0] == "message_start" and names[-1] == "message_stop"
+
+
+INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+def sse_usage(url: str, body: dict) -> tuple[dict, dict]:
+    """The usage of a streamed answer's message_start and message_delta, as sent."""
+    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True}, timeout=300) as r:
+        datas = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    start = next(d["message"]["usage"] for d in datas if d["type"] == "message_start")
+    return start, next(d["usage"] for d in datas if d["type"] == "message_delta")
+
+
+def added_up(start: dict, delta: dict) -> dict:
+    """The usage Claude Code 2.1.x keeps for a stream: message_start's, each figure replaced by message_delta's
+    where that is above 0 (its bundled updateUsage)."""
+    return {k: delta[k] if delta.get(k) else start[k] for k in start}
+
+
+def test_usage_is_in_the_messages_apis_terms_from_message_start(claude, runtime, live_server):
+    """input_tokens excludes the cached tokens in message_start, message_delta and the message alike (they add
+    up to the prompt): a client that adds up the stream's figures counts none twice."""
+    question = [{"role": "user", "content": "Which shelf holds atlases?"}]
+    answer = {"role": "assistant", "content": "Shelf 4."}
+    body = {"model": "m", "max_tokens": 3, "system": SYSTEM, **GREEDY}
+    n = len(prompt_of(runtime, {"system": SYSTEM, "messages": question}).tokens)
+    start, delta = sse_usage(live_server.url, {**body, "messages": question})  # cold cache: all written
+    assert start == {"input_tokens": 0, "cache_creation_input_tokens": n, "cache_read_input_tokens": 0,
+                     "output_tokens": 0}
+    assert {k: delta[k] for k in INPUT} == {k: start[k] for k in INPUT} and delta["output_tokens"] == 3
+    runtime.scheduler.drain()
+    for follow in ("And maps?", "And globes?"):  # restores the first turn's prompt
+        messages = question + [answer, {"role": "user", "content": follow}]
+        m = len(prompt_of(runtime, {"system": SYSTEM, "messages": messages}).tokens)
+        start, delta = sse_usage(live_server.url, {**body, "messages": messages})
+        read = start["cache_read_input_tokens"]
+        assert 0 < read < m and start["input_tokens"] + read + start["cache_creation_input_tokens"] == m
+        assert {k: delta[k] for k in INPUT} == {k: start[k] for k in INPUT}
+        assert sum(added_up(start, delta)[k] for k in INPUT) == m
+        runtime.scheduler.drain()
+        other = ask(claude, question + [answer, {"role": "user", "content": follow + " Please."}], max_tokens=3)
+        assert 0 < other.usage.cache_read_input_tokens and other.usage.input_tokens == 0
+        assert total(other.usage) == len(prompt_of(runtime, {"system": SYSTEM, "messages": question + [
+            answer, {"role": "user", "content": follow + " Please."}]}).tokens)
+    cold = ask(claude, question, cold=True, max_tokens=3)  # a cold run reads and writes nothing
+    assert (cold.usage.input_tokens, cold.usage.cache_read_input_tokens, cold.usage.cache_creation_input_tokens) \
+        == (n, 0, 0)
+    start, delta = sse_usage(live_server.url, {**body, "messages": question, **COLD})
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (n, 0) and delta["input_tokens"] == n
 
 
 def test_tool_results_in_any_order_bind_by_id_and_share_the_openai_prefix(claude, runtime, live_server):

@@ -1,7 +1,8 @@
 """What Claude Code 2.1.x sends to /v1/messages (captured: bench/captures/claude-code/), field by field, on a live
 server (tiny model): the billing line left out of the prompt, messages[1] with role system rendered where it
-stands, context_management's thinking edits, output_config's effort, deferred tools and tool references, and
-thinking blocks whose signature carries an omitted display back."""
+stands, context_management's thinking edits, output_config's effort, deferred tools and tool references,
+thinking blocks whose signature carries an omitted display back, every thinking display it asks for, and what it
+sends in its other modes (stream-json output, --resume, /compact, sub-agents)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from .agent_support import capture
 from .conftest import scripted
 
 TURN1, TURN2 = capture("claude-code", "turn1")["body"], capture("claude-code", "turn2")["body"]
+# its other modes (bench/captures/README.md): -p --output-format stream-json --verbose (display "updates"), then
+# -c -p with it, --resume <id> -p, -c -p "/compact"; and a sub-agent's request with its parent's next one
+MODES = ("stream-json-turn1", "resume-turn3", "compact", "subagent", "subagent-parent-turn2")
 TOOL = {"name": "lookup", "description": "Look a word up", "input_schema": {"type": "object", "properties": {
     "word": {"type": "string"}}}}
 
@@ -61,6 +65,50 @@ def test_claude_codes_requests_and_count_tokens_are_served(live_server, runtime)
         assert counted.status_code == 200 and counted.json()["input_tokens"] == len(prompt_of(runtime, body).tokens)
 
 
+@pytest.mark.parametrize("name", MODES)
+def test_what_claude_code_sends_in_its_other_modes_is_accepted(name):
+    body = capture("claude-code", name)["body"]
+    req = parse_messages(body)
+    assert req.late_system is not None and req.template_kwargs["enable_thinking"]
+    assert body["thinking"]["display"] in ("updates", "omitted")
+
+
+def sse(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_the_stream_json_request_with_display_updates_streams_its_thinking(live_server, runtime):
+    body = capture("claude-code", "stream-json-turn1")["body"]
+    assert body["thinking"] == {"type": "adaptive", "display": "updates"}
+    r = post(live_server.url, dict(body, max_tokens=6))  # the random model thinks: Qwen3.5 opens <think>
+    assert r.status_code == 200, r.text
+    datas = sse(r.text)
+    assert datas[0]["type"] == "message_start" and datas[-1]["type"] == "message_stop"
+    deltas = [d["delta"] for d in datas if d["type"] == "content_block_delta"]
+    thinking = [d["thinking"] for d in deltas if d["type"] == "thinking_delta"]
+    assert len(thinking) > 1 and all(thinking)  # token by token, as generated
+    (sig,) = [d["signature"] for d in deltas if d["type"] == "signature_delta"]
+    assert sig.startswith(SIGNATURE_PREFIX)
+    usage = datas[0]["message"]["usage"]
+    assert sum(usage[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")) \
+        == len(prompt_of(runtime, body).tokens)
+
+
+@pytest.mark.parametrize("display", ["summarized", "updates", "highlights", None])
+def test_every_display_that_shows_thinking_shows_it_whole(live_server, runtime, monkeypatch, display):
+    scripted(runtime, monkeypatch, "Weighing the options.\n</think>\n\nHello.")
+    thinking = {"type": "adaptive", **({"display": display} if display else {})}
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": thinking}
+    r = post(live_server.url, body)
+    assert r.status_code == 200, r.text
+    block, text = r.json()["content"]
+    assert block["thinking"] == "Weighing the options." and block["signature"].startswith(SIGNATURE_PREFIX)
+    deltas = [d["delta"] for d in sse(post(live_server.url, dict(body, stream=True)).text)
+              if d["type"] == "content_block_delta"]
+    assert "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta") == "Weighing the options."
+    assert {"type": "signature_delta", "signature": block["signature"]} in deltas
+
+
 def loop(keep=None):
     """A tool loop with thinking in two assistant turns after the user's question (Qwen3.5 renders both)."""
     msgs = [{"role": "user", "content": "Define two words."}]
@@ -101,6 +149,8 @@ def test_clear_thinking_keeps_the_latest_turns_thinking_as_anthropic_documents(r
 def test_what_cannot_be_honoured_is_a_400_naming_it(live_server, change, param):
     r = post(live_server.url, {**loop(), **change})
     assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
+    if param == "thinking.display":  # in the hosted API's words too, which Claude Code reads to retry without it
+        assert "thinking.adaptive.display: Input should be " in r.json()["error"]["message"]
 
 
 def test_output_config_effort_and_thinking(runtime):
