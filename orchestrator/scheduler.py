@@ -73,8 +73,11 @@ class _Condition(threading.Condition):
             pass
 
     def close(self) -> None:
-        for fd in (self._read, self._write):
-            os.close(fd)
+        """Close the pipe; a second call does nothing (Runtime.close may run twice)."""
+        fds, self._read, self._write = (self._read, self._write), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
 
 class Scheduler:
