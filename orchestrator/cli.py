@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     p = sub.add_parser("synth-model", help="write a random-weight Qwen3.5-shaped GGUF (no download needed)")
-    p.add_argument("--preset", required=True, choices=["tiny", "tiny-q4", "tiny-attn", "qwen3.5-0.8b"])
+    from .models.synth import PRESETS  # numpy and gguf load lazily there
+
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--out", type=Path, help="output GGUF (default: build once into the user cache and print its path)")
     a = parser.parse_args(argv)
     level = getattr(a, "log_level", "info").upper()

@@ -1,15 +1,18 @@
 """Helpers for the tests that run real agent clients against a live server: a recorder of the requests they
-send, the server's refusal and token counters, and the captured request shapes under bench/captures/."""
+send, the server's refusal and token counters, the captured request shapes under bench/captures/, and README.md's
+code blocks for each client (what a test runs is what the README documents)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import re
+import shlex
 from pathlib import Path
 
 import httpx
 
+from orchestrator.config import Config
 from orchestrator.runtime import Runtime
 
 from .conftest import LiveServer, make_config
@@ -59,9 +62,10 @@ def capture(client: str, name: str) -> dict:
 
 
 @contextlib.contextmanager
-def recorded_server(model: Path, **config):
-    """A Runtime of `model` served by a LiveServer whose requests a Recorder keeps: yields (rt, srv, recorder)."""
-    rt = Runtime.start(make_config(model, **config))
+def recorded_server(model: Path | Config, **config):
+    """A Runtime of `model` (make_config's overrides `config`; or a whole Config) served by a LiveServer whose
+    requests a Recorder keeps: yields (rt, srv, recorder)."""
+    rt = Runtime.start(model if isinstance(model, Config) else make_config(model, **config))
     recorders: list[Recorder] = []
 
     def wrap(app):
@@ -74,3 +78,46 @@ def recorded_server(model: Path, **config):
     finally:
         srv.stop()
         rt.close()
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+README_URL = "http://127.0.0.1:8080"  # the server's default address, as README.md's client sections write it
+
+
+def readme_blocks(heading: str, lang: str, url: str | None = None) -> list[str]:
+    """The fenced code blocks of language `lang` in README.md's section titled `heading` (up to the next heading of
+    its level or above), in order; with `url`, the server's default address in them replaced by it (each block of
+    a client's setup names it, which is asserted). So a test runs what the README documents."""
+    text = README.read_text()
+    found = re.search(rf"^(#+) {re.escape(heading)}\s*$", text, re.M)
+    assert found, f"README.md has no section {heading!r}"
+    rest = text[found.end():]
+    end = re.search(rf"^#{{1,{len(found.group(1))}}} ", rest, re.M)
+    blocks = re.findall(rf"^```{re.escape(lang)}\n(.*?)^```", rest[:end.start()] if end else rest, re.M | re.S)
+    assert blocks, f"README.md's {heading!r} has no {lang} block"
+    if url is not None:
+        assert all(README_URL in b for b in blocks), (heading, lang)
+        blocks = [b.replace(README_URL, url) for b in blocks]
+    return blocks
+
+
+def shell_lines(block: str) -> tuple[dict[str, str], list[list[str]]]:
+    """A README shell block as (the variables its `export` lines set, the argv of each other command; `a && b` is
+    two commands; comments and line continuations are dropped)."""
+    env: dict[str, str] = {}
+    commands: list[list[str]] = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        if words[0] == "export":
+            env.update(w.split("=", 1) for w in words[1:])
+            continue
+        command: list[str] = []
+        for w in words + ["&&"]:
+            if w == "&&":
+                commands.append(command)
+                command = []
+            else:
+                command.append(w)
+    return env, commands

@@ -41,6 +41,19 @@ def tiny_model() -> Path:
     return ensure_model("tiny")
 
 
+@pytest.fixture(scope="session")
+def ending_model() -> Path:
+    """A model whose answers end as a real model's do (</think>, then <|im_end|>, after tens of tokens): the
+    `tiny-ends` synthetic preset (orchestrator.models.synth, module doc "Ending answers"), or
+    ORCHESTRATOR_TEST_MODEL (a real model ends its answers)."""
+    env = os.environ.get("ORCHESTRATOR_TEST_MODEL")
+    if env:
+        return Path(env)
+    from orchestrator.models.synth import ensure_model
+
+    return ensure_model("tiny-ends")
+
+
 def make_config(model: Path, **kw) -> Config:
     base = dict(model=model, ctx_size=16384, batch_size=256, threads=2, cache_ram_mib=2048, checkpoint_interval=0,
                 parallel=1)

@@ -27,32 +27,11 @@ import pytest
 import server.app
 from orchestrator.request import Event
 
+from .agent_support import readme_blocks
 from .conftest import serving
 
-MAX_TOKENS = 8  # the server's --max-tokens-default: Codex 0.171 sends no output budget (model_max_output_tokens
-# is ignored: "unrecognized configuration setting")
-CODEX_CONFIG = """\
-model = "qwen3.5"
-model_provider = "orchestrator"
-model_reasoning_summary = "none"
-check_for_update_on_startup = false
-
-[model_providers.orchestrator]
-name = "orchestrator"
-base_url = "{url}/v1"
-wire_api = "responses"
-request_max_retries = 0
-stream_max_retries = 0
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-
-[otel]
-exporter = "none"
-"""
+MAX_TOKENS = 8  # the server's default budget (-n/--max-tokens): Codex 0.171 sends no output budget
+# (model_max_output_tokens is ignored: "unrecognized configuration setting")
 
 
 class Session:
@@ -132,7 +111,7 @@ def test_codex_exec_twice_in_one_repository(agent_bin, served, tmp_path, monkeyp
     rt, srv = served
     home, repo = tmp_path / "home", tmp_path / "repo"
     (home / ".codex").mkdir(parents=True)
-    (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(url=srv.url))
+    (home / ".codex" / "config.toml").write_text(readme_blocks("Codex CLI", "toml", srv.url)[0])  # README's
     repo.mkdir()
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     (repo / "README.md").write_text("# scratch\n")

