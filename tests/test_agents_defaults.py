@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -348,3 +349,30 @@ def test_openai_agents_sdk_at_its_defaults(served, monkeypatch):
                for b in responses), responses[0]
     requests = [parse_responses(b, rt.config) for b in responses]
     print("agents sdk:", restored_through_the_shared_messages(rt, answers, requests), answers.summary())
+
+
+def test_codex_reports_the_servers_usage(agent_bin, served, tmp_path, monkeypatch):
+    """`codex exec --json` twice: the usage each turn reports (turn.completed) is the sum of the server's figures
+    for that turn's requests: prompt tokens, cached tokens, completion tokens."""
+    rt, srv, _ = served
+    (config,) = readme_blocks("Codex CLI", "toml", srv.url)
+    home = tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text(config)
+    repo = git_repo(tmp_path / "repo")
+    env = {"HOME": str(home), "CODEX_HOME": str(home / ".codex"), "OPENAI_API_KEY": "unused"}
+    codex = str(agent_bin / "codex")
+    with session(served, monkeypatch) as answers:
+        for turn, prompt in enumerate(("Say hi.", "Say bye."), 1):
+            answers.turn = turn
+            out = run([codex, "exec", "--json", prompt], repo, env).stdout
+            rt.scheduler.drain()
+            events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            (usage,) = [e["usage"] for e in events if e["type"] == "turn.completed"]
+            results = [r for t, _, r in answers.done if t == turn]
+            assert usage["input_tokens"] == sum(r.prompt_tokens for r in results), (usage, answers.summary())
+            assert usage["cached_input_tokens"] == sum(r.cached_tokens for r in results), (usage, answers.summary())
+            assert usage["output_tokens"] == sum(len(r.completion_tokens) for r in results), usage
+            assert 0 < usage["reasoning_output_tokens"] < usage["output_tokens"], usage  # thinking on: both parts
+            print("codex usage", turn, usage)
+    assert answers.done[-1][2].cached_tokens > 0.9 * answers.done[-1][2].prompt_tokens
