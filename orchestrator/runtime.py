@@ -61,7 +61,8 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
 
     Covers the model file (`model_file_digest`, computed here unless given), the llama-cpp-python / llama.cpp
     version, and the context parameters that shape the state layout: n_ctx, sequences, flash attention, and the
-    layout of saved entries (`StateKind.layout`). A changed model file (even touched, or copied without -p) therefore empties
+    layout of saved entries (`StateKind.layout`), and CPU weight repacking (`use_extra_bufts`: other matmul
+    kernels, so other numerics). A changed model file (even touched, or copied without -p) therefore empties
     the disk tier, which costs only misses.
 
     It also covers where the state was computed (`devices.Offload.key`: backend and device, layer split, KV
@@ -72,7 +73,7 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
     h = hashlib.blake2b(digest_size=32)
     h.update(file_digest if file_digest is not None else model_file_digest(model_path))
     for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.state.layout,
-                 engine.offload.key()):
+                 engine.offload.key(), engine.use_extra_bufts):
         h.update(repr(part).encode())
     return h.digest()
 

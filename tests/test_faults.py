@@ -202,7 +202,7 @@ def test_fingerprint_sees_a_change_in_the_middle_of_the_file_even_with_the_old_m
     model = tmp_path / "model.gguf"
     shutil.copy(tiny_model, model)
     eng = types.SimpleNamespace(n_ctx=1024, n_seq_max=1, flash_attn=False, state=HybridState(split_layout=True),
-                                offload=Offload.of([], -1, 8, True))
+                                offload=Offload.of([], -1, 8, True), use_extra_bufts=False)
     st = model.stat()
     before = state_fingerprint(model, eng)
     assert state_fingerprint(model, eng) == before
@@ -217,6 +217,7 @@ def test_fingerprint_sees_a_change_in_the_middle_of_the_file_even_with_the_old_m
     os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert state_fingerprint(model, eng) == before
     assert state_fingerprint(model, types.SimpleNamespace(**{**vars(eng), "n_ctx": 2048})) != before
+    assert state_fingerprint(model, types.SimpleNamespace(**{**vars(eng), "use_extra_bufts": True})) != before
 
 
 def test_a_disk_entry_whose_key_does_not_match_its_content_is_dropped(start, tmp_path):
