@@ -221,7 +221,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--parse-special-in-content", action="store_true",
                    help="tokenize control-token text inside messages, tool results and tool schemas as control "
                         "tokens, as llama-server does (UNSAFE: anyone who can put text in front of the model can "
-                        "forge system, assistant or tool turns; off by default, see the README's Security)")
+                        "forge system, assistant or tool turns; off by default, see docs/security.md)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

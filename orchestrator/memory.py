@@ -8,7 +8,7 @@ that allocates (the scheduler's worker, the HTTP event loop, the threads that re
 its own arena, up to 8 per core, and each fragments on its own: the soak saw the thread arenas' resident bytes
 creep up (121 to 137 MiB in 30 minutes, RSS slope 0.34 MiB/min) while Python objects and cache bytes stayed flat;
 with one arena RSS stayed flat (slopes 0.02 ± 0.07 and 0.17 ± 0.07 MiB/min in two 30-minute runs).
-Measurements: README, "Soak". Elsewhere than glibc both are no-ops.
+Measurements: docs/performance.md, "Soak". Elsewhere than glibc both are no-ops.
 """
 
 from __future__ import annotations

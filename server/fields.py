@@ -4,7 +4,7 @@ Clients move faster than this server, so a request the hosted API accepts is ser
 something this server cannot do that would change the answer; only then is it a 400 naming the field. Each field
 is one of:
 
-* HONOURED: it does what the hosted API documents (or this server's own extension does what the README says);
+* HONOURED: it does what the hosted API documents (or this server's own extension does what docs/api.md says);
 * HINT: accepted and ignored, logged at debug: metadata, routing and billing hints, identities, service tiers,
   storage for later retrieval; none of them changes the tokens generated;
 * DEFAULT_ONLY: accepted with the value clients send by default (or null), refused with any other, because that
@@ -14,7 +14,7 @@ is one of:
 A field in no table is refused by name too, so a client never believes an unknown setting took effect.
 server/schemas.py (chat and completions), server/anthropic.py (messages, count_tokens) and server/responses.py
 (responses) hold the tables;
-server/openapi.py publishes the same fields, and the README's field tables are `markdown(...)` of them
+server/openapi.py publishes the same fields, and docs/api.md's field tables are `markdown(...)` of them
 (tests/test_fields.py checks both).
 """
 
@@ -40,7 +40,7 @@ class Rule:
 
     kind: HONOURED | HINT | DEFAULT_ONLY | REFUSED; routes: the routes that accept the field (by the route names
     of the table's module); accepts: DEFAULT_ONLY only, whether a (non-null) value is the default; note: what the
-    server does with it (the README's text; for DEFAULT_ONLY the values accepted, for REFUSED why)."""
+    server does with it (docs/api.md's text; for DEFAULT_ONLY the values accepted, for REFUSED why)."""
 
     kind: str
     routes: tuple[str, ...]
@@ -71,14 +71,14 @@ def check(body: dict, table: dict[str, Rule], route: str, where: str) -> None:
 
 
 def markdown(table: dict[str, Rule], route: str, title: str) -> str:
-    """The README's table of `route`'s fields: one row per field, in the table's order."""
+    """docs/api.md's table of `route`'s fields: one row per field, in the table's order."""
     rows = [f"| {title} | policy | what the server does |", "|---|---|---|"]
     rows += [f"| `{key}` | {_TITLES[rule.kind]} | {rule.note} |" for key, rule in table.items() if route in rule]
     return "\n".join(rows)
 
 
 def readme_tables() -> dict[str, str]:
-    """marker -> the README's generated table: one per route (chat, completions, messages, count_tokens)."""
+    """marker -> docs/api.md's generated table: one per route (chat, completions, messages, count_tokens)."""
     from . import anthropic, responses, schemas  # they import this module
 
     return {"chat": markdown(schemas.FIELDS, schemas.CHAT, "`/v1/chat/completions` field"),
@@ -97,7 +97,7 @@ def update_readme(text: str) -> str:
     return text
 
 
-if __name__ == "__main__":  # python -m server.fields README.md: regenerate the field tables in place
+if __name__ == "__main__":  # python -m server.fields docs/api.md: regenerate the field tables in place
     import sys
     from pathlib import Path
 

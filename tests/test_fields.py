@@ -1,4 +1,4 @@
-"""The field policy (server/fields.py): one table per API, the README's tables generated from them, and the
+"""The field policy (server/fields.py): one table per API, docs/api.md's tables generated from them, and the
 effort -> thinking switch mapping every route uses."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from server import anthropic, fields, schemas
 from server.fields import DEFAULT_ONLY, HINT, REFUSED
 from server.schemas import parse_chat, thinking_from_effort
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+API_DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-def test_the_readme_tables_are_generated_from_the_policy():
-    text = README.read_text()
-    assert fields.update_readme(text) == text, "run: python -m server.fields README.md"
+def test_the_api_doc_tables_are_generated_from_the_policy():
+    text = API_DOC.read_text()
+    assert fields.update_readme(text) == text, "run: python -m server.fields docs/api.md"
     for name, table in fields.readme_tables().items():
         assert f"<!-- fields:{name} -->\n{table}\n<!-- /fields -->" in text
 

@@ -326,7 +326,7 @@ NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", 
 def _enforced(schema):
     """`schema` less what the grammar does not enforce: numeric bounds (llama-cpp-python 0.3.36's JSON-schema
     converter, and llama.cpp's common/json-schema-to-grammar.cpp of the same release, write any integer for
-    {"type": "integer", "maximum": 0}; README "Structured output")."""
+    {"type": "integer", "maximum": 0}; docs/api.md "Structured output")."""
     if isinstance(schema, dict):
         return {k: _enforced(v) for k, v in schema.items() if k not in NUMERIC_BOUNDS}
     if isinstance(schema, list):
