@@ -19,7 +19,7 @@ Design. A `GrammarProcess` is `python -m orchestrator.grammar_guard MODEL` holdi
 bench/results/2026-12-01/grammar_guard/tiny.json, `python -m bench grammar-guard`), its address space capped at what it
 mapped to load plus `memory_mib` (RLIMIT_AS: a runaway allocation ends it, not the server). The parent speaks a
 framed protocol over its stdin/stdout (4-byte little-endian length, then one command byte):
-    I + JSON {"gbnf", "triggers"}: build the grammar sampler (`engine.grammar_sampler`), reply O or E + message
+    I + JSON {"gbnf", "triggers"}: build the grammar sampler (`sampling.grammar_sampler`), reply O or E + message
     A + int32 token: accept the token into the grammar (`llama_sampler_accept`), reply O
     M: the tokens the grammar allows now, reply M + a bitmask over the vocabulary (np.packbits, 31 KiB for
        248,320 tokens), computed by the grammar sampler's own `apply` over every token id
@@ -464,7 +464,7 @@ class Grammar:
 def _child(model_path: str, memory_mib: int) -> None:  # pragma: no cover - runs in the grammar process
     import llama_cpp
 
-    from .engine import TOKEN_DATA, candidates, grammar_sampler
+    from .sampling import TOKEN_DATA, candidates, grammar_sampler
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a child stuck in C dies with the server
     if os.getppid() == 1:

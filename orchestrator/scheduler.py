@@ -34,11 +34,12 @@ import time
 import numpy as np
 
 from .cache.snapshots import SnapshotCache
-from .engine import Engine, EngineThread, token_logprob
+from .engine import Engine, EngineThread
 from .errors import EngineError, OrchestratorError, QueueFull
 from .memory import IdleWork
 from .request import Collector, Event, EventKind, Job, Phase, Result, RetryAfter, Sink, Slot, Task
 from .reuse import PrefillRate, Reuse
+from .sampling import token_logprob
 
 log = logging.getLogger("orchestrator.scheduler")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from orchestrator.engine import TokenLogprob
+from orchestrator.request import TokenLogprob
 
 Piece = Callable[[int], bytes]  # token id -> its bytes
 

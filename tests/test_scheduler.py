@@ -21,10 +21,9 @@ from hypothesis import strategies as st
 
 from orchestrator import calibration
 from orchestrator.cache.snapshots import SnapshotCache
-from orchestrator.engine import SamplingParams
 from orchestrator.errors import EngineError, InvalidRequest, QueueFull, RequestCancelled, RequestTimeout
 from orchestrator.cache.radix import CHECKPOINT, KV, LOGITS, common_len
-from orchestrator.request import Collector, Event, EventKind, Job, Phase, Slot, Task
+from orchestrator.request import Collector, Event, EventKind, Job, Phase, SamplingParams, Slot, Task
 from orchestrator.reuse import Reuse
 from orchestrator.scheduler import Scheduler
 from orchestrator.cache.tiers import RamTier
