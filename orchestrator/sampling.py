@@ -125,9 +125,10 @@ def candidates(data: np.ndarray):
 
 
 def grammar_sampler(vocab, grammar: str, triggers: Sequence[str] = ()):
-    """(Called in the grammar process only: grammar_guard.py.) llama.cpp's grammar sampler for GBNF `grammar` (root rule `root`), lazy when `triggers` are given: a
-    trigger text that is one token of the vocabulary triggers on that token, any other on its text (an escaped
-    regular expression). A NULL pointer (falsy) when llama.cpp cannot parse the grammar."""
+    """(Called in the grammar process only: grammar_child.py.) llama.cpp's grammar sampler for GBNF `grammar`
+    (root rule `root`), lazy when `triggers` are given: a trigger text that is one token of the vocabulary
+    triggers on that token, any other on its text (an escaped regular expression). A NULL pointer (falsy) when
+    llama.cpp cannot parse the grammar."""
     text = grammar.encode("utf-8")
     if not triggers:
         return llama_cpp.llama_sampler_init_grammar(vocab, text, b"root")
