@@ -31,11 +31,8 @@ synthetic Qwen3.5 and for the real Gemma 3 270M). A segfault cannot be caught, s
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import logging
-import queue
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -44,6 +41,7 @@ import llama_cpp
 import numpy as np
 
 from .buffers import SpareBuffers, address, bytes_writer
+from .chunks import chunk_sizes
 from .devices import Offload, device_array, select_devices
 from .errors import EngineError, InvalidRequest, ModelLoadError
 from .grammar_guard import GrammarLimits, GrammarPool
@@ -539,79 +537,3 @@ class Engine:
             llama_cpp.llama_free(self.ctx)
             llama_cpp.llama_model_free(self.model)
             self.ctx = None
-
-
-def chunk_end(pos: int, target: int, chunk: int, n_batch: int, min_segment: int) -> int:
-    """Where the next prefill ubatch from token offset `pos` towards `target` (> pos) ends: at most `chunk`
-    tokens on, or `target` itself when the stretch fits one n_batch ubatch and `chunk` would leave less than
-    `min_segment`; a remainder shorter than min_segment is never left (it would compute other logits and
-    states: "Numerics"), so a stretch longer than n_batch ends its second-last ubatch at target - min_segment.
-    Needs n_batch >= 2 * min_segment - 1 and chunk <= n_batch.
-
-    >>> chunk_end(0, 513, 512, 512, 2), chunk_end(0, 130, 128, 512, 8), chunk_end(0, 600, 595, 512, 8)
-    (511, 130, 592)
-    """
-    end = min(pos + chunk, target)
-    if 0 < target - end < min_segment:
-        end = target if target - pos <= n_batch else target - min_segment
-    return end
-
-
-def chunk_sizes(n_tokens: int, n_batch: int, min_chunk: int = 2) -> list[tuple[int, int]]:
-    """(start, size) chunks covering n_tokens, each <= n_batch, ending where `chunk_end` says (so >= min_chunk
-    tokens unless n_tokens itself is shorter: then one chunk). Raises ValueError when n_batch < 2 * min_chunk - 1.
-
-    >>> chunk_sizes(513, 512)
-    [(0, 511), (511, 2)]
-    >>> chunk_sizes(515, 512, 8)
-    [(0, 507), (507, 8)]
-    """
-    if n_batch < 2 * min_chunk - 1 or min_chunk < 1:
-        raise ValueError(f"n_batch ({n_batch}) must be at least 2 * min_chunk - 1 ({2 * min_chunk - 1})")
-    chunks = []
-    start = 0
-    while start < n_tokens:
-        end = chunk_end(start, n_tokens, n_batch, n_batch, min_chunk)
-        chunks.append((start, end - start))
-        start = end
-    return chunks
-
-
-class EngineThread:
-    """The one thread that calls llama_decode: a daemon thread running the calls given to `submit` in order.
-
-    llama.cpp's CPU backend computes each graph on an OpenMP team (libgomp) of the thread that calls
-    llama_decode. Calls from two threads slowed every call: on the 0.8b with 2 threads, one-token decode steps
-    took 35 ms instead of 23 once calibration had decoded on the main thread and the scheduler decoded on its
-    own (`python -m bench decode-thread`). So the server loads and calibrates the model on this thread and
-    then runs the scheduler's worker loop on it (`Runtime.start`). A daemon, like the worker thread it replaces:
-    a process that never closes its runtime still exits.
-    """
-
-    def __init__(self, name: str = "orchestrator-worker") -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args, kwargs = call
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-                    future.set_exception(e)
-
-    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
-        """Queue `fn(*args, **kwargs)`; its result or exception arrives in the returned future."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((future, fn, args, kwargs))
-        return future
-
-    def run(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` on this thread, waiting for its result (its exception is raised here)."""
-        return self.submit(fn, *args, **kwargs).result()
-
-    def shutdown(self) -> None:
-        """Stop the thread after the calls queued so far."""
-        self._calls.put(None)

@@ -18,9 +18,10 @@ from . import calibration, sizing
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
+from .engine import Engine
+from .engine_thread import EngineThread
 from .errors import OrchestratorError
 from .config import MiB, Config
-from .engine import Engine, EngineThread
 from .grammar_guard import GrammarLimits
 from .output import grammar
 from .output.grammar import Constraint, Structure
@@ -104,7 +105,7 @@ class Runtime:
         """Load the model and start the worker. Raises ModelLoadError.
 
         The model is found (or synthesized) here; it is loaded and calibrated on the thread that then runs the
-        scheduler's worker loop, so that one thread makes every llama_decode call (engine.EngineThread)."""
+        scheduler's worker loop, so that one thread makes every llama_decode call (engine_thread.EngineThread)."""
         path = resolve_model(cfg)
         file_digest = model_file_digest(path)  # read once: the calibration key and the disk tier's fingerprint
         driver = EngineThread()

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from orchestrator.engine import chunk_sizes
+from orchestrator.chunks import chunk_sizes
 from orchestrator.errors import EngineError, ModelLoadError
 from orchestrator.request import SamplingParams
 from orchestrator.sampling import token_logprob

@@ -253,7 +253,7 @@ def test_the_gap_is_applied_once_in_reuse_to_the_raw_message_ends_and_to_interva
 
 
 def test_one_chunk_end_rule_for_the_engine_and_the_scheduler():
-    from orchestrator.engine import chunk_end, chunk_sizes
+    from orchestrator.chunks import chunk_end, chunk_sizes
 
     assert chunk_end(0, 100, 32, 512, MS) == 32
     assert chunk_end(0, 34, 32, 512, MS) == 34  # 2 left would be too short: the stretch fits one ubatch
