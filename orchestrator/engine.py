@@ -6,7 +6,15 @@ One `Engine` owns a model, a context and a reusable `llama_batch`. It tokenizes,
 n_batch tokens (llama_decode aborts the process on more), decodes one token at a time, samples with llama.cpp's
 sampler chain, and saves/restores a sequence's state as bytes (llama_state_seq_get_data / set_data).
 
-Not thread-safe: the scheduler's single worker thread is its only caller.
+Threads. An `Engine`'s methods fall in two groups:
+  * the vocabulary and metadata (`tokenize`, `piece`, `special_tokens`, `is_eog`, `meta`, and the attributes
+    set at construction: `info`, `n_ctx`, `n_vocab`, ...) read only what llama.cpp does not change after loading
+    and share no buffer between calls, and `check_grammar` goes to the thread-safe `GrammarPool`: safe from any
+    thread at any time, also while the engine thread decodes (the server tokenizes and detokenizes on its
+    thread pool and its event loop);
+  * everything else (`decode`, `decode_step`, `sampler`, `logits`, `logprob`, the sequence-state and spare-buffer
+    methods, `calibrate`, `close`) uses the context or the engine's kept buffers: one thread only, the engine
+    thread (engine_thread.EngineThread) that loads the model and then runs the scheduler's worker loop.
 
 Numerics (why cached equals cold, bit for bit). On the CPU backend a token's result depends on how it was
 batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-python 0.3.36:
@@ -96,6 +104,9 @@ class Engine:
     `offload` is the resulting layout (devices.Offload); `model_params` and `context_params` the llama.cpp
     parameters the model and context were created with.
 
+    grammars: the grammar processes for this model's constrained requests (grammar_guard.GrammarPool), owned
+        from here on (`close` closes them); None: a pool with the default limits, made on first use.
+
     Until `calibrate` is called with the measured facts (calibration.py), min_segment is 2 (no one-token
     chunks) and batch_invariant False.
     """
@@ -103,7 +114,7 @@ class Engine:
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
                  use_extra_bufts: bool = False, n_seq_max: int = 1, flash_attn: bool = False,
                  n_gpu_layers: int = -1, devices: Sequence[str] | None = None, main_gpu: int | None = None,
-                 kv_offload: bool = True, n_rs_seq: int = 0) -> None:
+                 kv_offload: bool = True, n_rs_seq: int = 0, grammars: GrammarPool | None = None) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -177,8 +188,7 @@ class Engine:
         self.batch_invariant = False
         self.rollback = False  # until calibrated: no checkpoint is taken back inside a prefill call
         self.state.probe(self, max(self.bos_id, 0))
-        self.grammar_limits = GrammarLimits()  # the runtime sets the configured ones before serving
-        self._grammars: GrammarPool | None = None
+        self._grammars = grammars
 
     def calibrate(self, min_segment: int, batch_invariant: bool = False, rollback: bool = False) -> None:
         """Set the measured facts of this model on this CPU (calibration.py): the fewest tokens a prefill ubatch
@@ -249,8 +259,8 @@ class Engine:
         """Bytes of one token (llama_token_to_piece, special tokens rendered as their text), kept once read (a
         prompt asks for every token's: 507 ctypes calls took about 4 ms).
 
-        Thread-safe (a buffer per call; a dict's get and set are atomic): the server tokenizes prompts while the
-        worker decodes.
+        Safe from any thread ("Threads" in the module docstring): a buffer per call, and a dict's get and set are
+        atomic.
         """
         got = self._pieces.get(token)
         if got is not None:
@@ -346,16 +356,17 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarPool:
-        """The grammar processes of this model (grammar_guard.py), started on first use."""
+        """The grammar processes of this model (grammar_guard.py): the pool given at construction, else one with
+        the default limits made here on first use (the children start when a grammar is first opened)."""
         if self._grammars is None:
-            self._grammars = GrammarPool(self.info.path, self.grammar_limits, keep=self.n_seq_max + 1)
+            self._grammars = GrammarPool(self.info.path, GrammarLimits(), keep=self.n_seq_max + 1)
         return self._grammars
 
     def check_grammar(self, grammar: str, triggers: Sequence[str], param: str, deadline: float | None = None
                       ) -> None:
         """Refuse a grammar llama.cpp does not parse, or (unless lazy) that allows no first token, within the
         budget and by `deadline` (GrammarPool.check, in a grammar process): raises GrammarFailed naming `param`.
-        Safe to call while the worker decodes."""
+        Safe from any thread, also while the engine thread decodes."""
         self.grammars.check(grammar, tuple(triggers), param, deadline)
 
     def logprob(self, token: int, k: int = 0, idx: int = -1) -> TokenLogprob:
