@@ -1,4 +1,4 @@
-"""One-token decode step time by which threads call llama_decode (why engine.EngineThread exists).
+"""One-token decode step time by which threads call llama_decode (why engine_thread.EngineThread exists).
 
     python -m bench decode-thread             # synthetic qwen3.5-0.8b, 2 threads
     python -m bench decode-thread --model my.gguf --steps 60

@@ -40,9 +40,9 @@ import llama_cpp  # noqa: E402
 from bench.workloads import agent_system_prompt, agent_tools  # noqa: E402
 from orchestrator import calibration  # noqa: E402
 from orchestrator.config import MiB, Config  # noqa: E402
-from orchestrator.engine import Engine, SamplingParams  # noqa: E402
+from orchestrator.engine import Engine  # noqa: E402
 from orchestrator.models.synth import ensure_model  # noqa: E402
-from orchestrator.request import Job  # noqa: E402
+from orchestrator.request import Job, SamplingParams  # noqa: E402
 from orchestrator.runtime import Runtime  # noqa: E402
 
 QUESTIONS = ["Which module owns the snapshot cache?", "Run the tests for the scheduler.", "Why does prefill stop "

@@ -12,10 +12,10 @@ import time
 import llama_cpp
 import numpy as np
 
-from orchestrator.engine import TOKEN_DATA, candidates, grammar_sampler
 from orchestrator.grammar_guard import GrammarLimits, GrammarPool
 from orchestrator.models.synth import ensure_model
 from orchestrator.output.grammar import _Rules
+from orchestrator.sampling import TOKEN_DATA, candidates, grammar_sampler
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
           "required": ["city", "days"]}

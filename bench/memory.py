@@ -20,10 +20,9 @@ from pathlib import Path
 
 from bench.common import add_model_args, results_dir, write_json
 from orchestrator.config import MiB, Config
-from orchestrator.engine import SamplingParams
 from orchestrator.cache.radix import CHECKPOINT, KV
+from orchestrator.request import Job, SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.request import Job
 from orchestrator.reuse import spaced_stops
 
 WORDS = ("the cache holds a snapshot of the recurrent state at every message boundary so that a later request "

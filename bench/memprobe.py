@@ -154,7 +154,7 @@ def main() -> int:
 
     limit_malloc_arenas(1)
     threading.Thread(target=_probe, args=(path, interval, top_every), daemon=True, name="memprobe").start()
-    from orchestrator.cli import main as cli_main
+    from server.__main__ import main as cli_main
 
     return cli_main(sys.argv[2:])
 

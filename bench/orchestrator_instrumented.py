@@ -88,7 +88,7 @@ def main() -> int:
     path = os.environ.get("BENCH_AFTERGEN_LOG")
     if path:
         install(path)
-    from orchestrator.cli import main as cli_main
+    from server.__main__ import main as cli_main
 
     return cli_main(sys.argv[1:])
 

@@ -23,9 +23,8 @@ from pathlib import Path
 from bench.common import add_model_args, results_dir, write_json
 from bench.workloads import agent_system_prompt, agent_tools
 from orchestrator.config import Config
-from orchestrator.engine import SamplingParams
+from orchestrator.request import Job, SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.request import Job
 
 TAILS = [
     "Please look at the failing test in tests/test_cache.py and tell me which assertion fails and why it fails now.",

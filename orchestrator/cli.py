@@ -1,5 +1,7 @@
 """Command line: `serve` (the OpenAI-compatible server) and `synth-model` (random-weight Qwen3.5 GGUFs).
 
+`python -m orchestrator` runs it (orchestrator/__main__.py), with `serve` from server/__main__.py.
+
 Flags use llama-server's spelling where one exists (--host, --port, --ctx-size, --threads, --batch-size,
 --cache-ram, --alias, --chat-template-file, -ngl/--n-gpu-layers, --device, --main-gpu, --no-kv-offload).
 """
@@ -11,6 +13,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from platformdirs import user_cache_dir
 
@@ -257,38 +260,10 @@ def bind_warning(cfg: Config) -> str | None:
             f"can use it (set ORCHESTRATOR_API_KEY or --api-key)")
 
 
-def serve(cfg: Config, log_level: str = "info") -> int:
-    """Start the runtime and run uvicorn until interrupted."""
-    import uvicorn
-
-    from server.app import create_app
-
-    from .errors import OrchestratorError
-    from .memory import limit_malloc_arenas
-    from .runtime import Runtime
-
-    limit_malloc_arenas(1)  # before any thread starts: one heap to fragment instead of one per thread
-    log = logging.getLogger("orchestrator")
-    if cfg.cache_enabled:
-        log.info("snapshot RAM budget: %d MiB", cfg.cache_ram_mib)
-    else:
-        log.info("snapshot cache off: every request is prefilled cold")
-    try:
-        rt = Runtime.start(cfg)
-    except (OrchestratorError, ValueError) as e:
-        log.error("%s", getattr(e, "message", e))
-        return 2
-    warning = bind_warning(cfg)
-    if warning:
-        log.warning("%s", warning)
-    try:
-        uvicorn.run(create_app(rt), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False)
-    finally:
-        rt.close()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(serve: Callable[[Config, str], int], argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]); `serve` runs the `serve` subcommand with the
+    configuration and the log level, and returns the exit status (server/__main__.py's: the HTTP layer sits above
+    this package, so the launchers pass it in)."""
     parser = argparse.ArgumentParser(prog="python -m orchestrator", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)

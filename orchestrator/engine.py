@@ -1,12 +1,20 @@
-"""The only module that talks to llama.cpp (through llama-cpp-python's low-level ctypes API; devices.py reads
-ggml's device registry for it) in the server's process; grammars run in grammar processes (grammar_guard.py),
-which use this module's `grammar_sampler`.
+"""The llama.cpp model and context (through llama-cpp-python's low-level ctypes API): with sampling.py (the
+sampler chain over its logits) and devices.py (ggml's device registry), the only code in the server's process
+that calls llama.cpp; grammars run in grammar processes (grammar_guard.py, grammar_child.py).
 
 One `Engine` owns a model, a context and a reusable `llama_batch`. It tokenizes, prefills in chunks of at most
 n_batch tokens (llama_decode aborts the process on more), decodes one token at a time, samples with llama.cpp's
 sampler chain, and saves/restores a sequence's state as bytes (llama_state_seq_get_data / set_data).
 
-Not thread-safe: the scheduler's single worker thread is its only caller.
+Threads. An `Engine`'s methods fall in two groups:
+  * the vocabulary and metadata (`tokenize`, `piece`, `special_tokens`, `is_eog`, `meta`, and the attributes
+    set at construction: `info`, `n_ctx`, `n_vocab`, ...) read only what llama.cpp does not change after loading
+    and share no buffer between calls, and `check_grammar` goes to the thread-safe `GrammarPool`: safe from any
+    thread at any time, also while the engine thread decodes (the server tokenizes and detokenizes on its
+    thread pool and its event loop);
+  * everything else (`decode`, `decode_step`, `sampler`, `logits`, `logprob`, the sequence-state and spare-buffer
+    methods, `calibrate`, `close`) uses the context or the engine's kept buffers: one thread only, the engine
+    thread (engine_thread.EngineThread) that loads the model and then runs the scheduler's worker loop.
 
 Numerics (why cached equals cold, bit for bit). On the CPU backend a token's result depends on how it was
 batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-python 0.3.36:
@@ -31,12 +39,8 @@ synthetic Qwen3.5 and for the real Gemma 3 270M). A segfault cannot be caught, s
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import logging
-import queue
-import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -45,47 +49,18 @@ import llama_cpp
 import numpy as np
 
 from .buffers import SpareBuffers, address, bytes_writer
+from .chunks import chunk_sizes
 from .devices import Offload, device_array, select_devices
 from .errors import EngineError, InvalidRequest, ModelLoadError
-from .grammar_guard import Grammar, GrammarFailed, GrammarLimits, GrammarPool
+from .grammar_guard import GrammarLimits, GrammarPool
+from .request import SamplingParams, TokenLogprob
+from .sampling import Sampler, token_logprob
 from .state import StateKind, state_kind
 
 log = logging.getLogger("orchestrator.engine")
 
 PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 _LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings of one request. temperature <= 0 means greedy (llama_sampler_init_greedy).
-
-    grammar: GBNF text (root rule `root`) that every sampled token must fit, "" for none (llama.cpp's grammar
-    sampler, first in the chain). grammar_triggers: texts that start the grammar (a lazy grammar: tokens before
-    a trigger are not constrained, and the grammar must match from the trigger's text on); empty: the grammar
-    constrains from the first token.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    grammar: str = ""
-    grammar_triggers: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The log-probability of a sampled token and of the most likely tokens at that step: natural logs of the
-    softmax of the raw logits (before the grammar, temperature or truncation samplers changed them).
-
-    token: the sampled id; logprob: its log-probability (<= 0); top: (id, logprob) of the k most likely tokens,
-    most likely first (k = the request's top_logprobs; ties in id order)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,157 +79,6 @@ class ModelInfo:
     eot_text: str
     bos_text: str
     add_bos: bool
-
-
-class Sampler:
-    """A llama.cpp sampler chain (top-k → top-p → min-p → temperature → dist, or greedy) over the logits of one
-    context, after the request's grammar if it has one. Free with close().
-
-    With a grammar, only tokens that fit it keep their logits (the others get -inf before the other samplers,
-    llama.cpp's "grammar first"), and an end-of-generation token only where the grammar may end. The grammar
-    runs in a child process under a budget (grammar_guard.py: the same candidates as llama.cpp's grammar sampler
-    in the chain); its failures raise GrammarFailed (HTTP 400), never reach this process.
-    """
-
-    def __init__(self, params: SamplingParams, ctx, vocab=None, grammar: Grammar | None = None) -> None:
-        self._ctx = ctx
-        self._vocab = vocab
-        self._grammar = grammar
-        self._chain = None
-        # candidates and their token ids, where this chain samples outside llama_sampler_sample (made once)
-        self._data: np.ndarray | None = None
-        self._ids: np.ndarray | None = None
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        self._chain = chain  # freed by close() from here on
-        if params.temperature <= 0:
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
-        else:
-            if params.top_k > 0:
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
-            if params.top_p < 1.0:
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-            if params.min_p > 0.0:
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
-
-    def sample(self, idx: int = -1, logits: np.ndarray | None = None) -> int:
-        """Sample from the logits of batch index `idx` of the last llama_decode (-1: its last token with logits
-        on), with llama_sampler_sample (which also accepts the token into the chain), or from `logits` (float32,
-        (n_vocab,): stored ones) through the same steps llama_sampler_sample takes (candidates in token order,
-        llama_sampler_apply, llama_sampler_accept: llama-sampling.cpp), so both give the same token; with a
-        grammar, over the logits the grammar allows (waiting for its mask unless `ready`). Raises GrammarFailed
-        when the grammar allows no token or runs past its budget."""
-        if self._grammar is None and logits is None:
-            return int(llama_cpp.llama_sampler_sample(self._chain, self._ctx, idx))
-        if self._data is None:  # kept: a grammar samples every token this way
-            n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-            self._data, self._ids = np.empty(n_vocab, dtype=TOKEN_DATA), np.arange(n_vocab, dtype=np.int32)
-        data = self._data
-        if logits is None:
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, idx), shape=(len(data),))
-        data["id"] = self._ids  # the samplers reorder the candidates in place
-        data["logit"] = logits
-        data["p"] = 0.0
-        if self._grammar is not None:
-            allowed = self._grammar.mask()
-            if not allowed.any():
-                raise GrammarFailed("no token fits the request's grammar at this point of the reply (a dead end "
-                                    "in the schema: an empty pattern class, or bounds no string meets)")
-            data["logit"] = np.where(allowed, data["logit"], np.float32(-np.inf))
-        cur = candidates(data)
-        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(cur))
-        token = int(cur.data[cur.selected].id)
-        llama_cpp.llama_sampler_accept(self._chain, token)
-        if self._grammar is None:
-            return token
-        self._grammar.accept(token)
-        if not llama_cpp.llama_vocab_is_eog(self._vocab, token):
-            self._grammar.prefetch()  # filtered while the token is decoded
-        return token
-
-    def ready(self) -> bool:
-        """Whether `sample` can run now without waiting for the grammar process: always without a grammar; with
-        one, once it is built and has answered this step's mask (read without waiting: `Grammar.ready`). A caller
-        that must not wait (the scheduler's worker) keeps the step's logits meanwhile and samples them later
-        with `sample(idx, logits)`: the same token. Raises GrammarFailed as `sample` would."""
-        return self._grammar is None or self._grammar.ready()
-
-    def fileno(self) -> int | None:
-        """The pipe the grammar's answers arrive on (select it for reading to wait until `ready` may have
-        changed); None without a grammar."""
-        return None if self._grammar is None else self._grammar.fileno()
-
-    def accept(self, token: int) -> None:
-        """Accept a token that was not sampled (a forced one) into the chain: the grammar advances over it."""
-        llama_cpp.llama_sampler_accept(self._chain, token)
-        if self._grammar is not None:
-            self._grammar.accept(token)
-
-    def close(self) -> None:
-        if self._chain is not None:
-            llama_cpp.llama_sampler_free(self._chain)
-            self._chain = None
-        if self._grammar is not None:
-            self._grammar.close()
-            self._grammar = None
-
-
-TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data's layout
-
-
-def candidates(data: np.ndarray):
-    """A llama_token_data_array over `data` (a TOKEN_DATA array, read and written in place by the samplers),
-    unsorted, nothing selected."""
-    return llama_cpp.llama_token_data_array(data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
-                                            size=len(data), selected=-1, sorted=False)
-
-
-def grammar_sampler(vocab, grammar: str, triggers: Sequence[str] = ()):
-    """(Called in the grammar process only: grammar_guard.py.) llama.cpp's grammar sampler for GBNF `grammar` (root rule `root`), lazy when `triggers` are given: a
-    trigger text that is one token of the vocabulary triggers on that token, any other on its text (an escaped
-    regular expression). A NULL pointer (falsy) when llama.cpp cannot parse the grammar."""
-    text = grammar.encode("utf-8")
-    if not triggers:
-        return llama_cpp.llama_sampler_init_grammar(vocab, text, b"root")
-    tokens, patterns = [], []
-    for trigger in triggers:
-        ids = _tokenize(vocab, trigger)
-        if len(ids) == 1:
-            tokens.append(ids[0])
-        else:
-            patterns.append(re.escape(trigger).encode("utf-8"))
-    c_patterns = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
-    c_tokens = (llama_cpp.llama_token * max(1, len(tokens)))(*tokens)
-    return llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab, text, b"root", c_patterns, len(patterns),
-                                                              c_tokens, len(tokens))
-
-
-def _tokenize(vocab, text: str) -> list[int]:
-    """Token ids of `text` with special-token texts parsed (no BOS)."""
-    data = text.encode("utf-8")
-    buf = (llama_cpp.llama_token * (len(data) + 16))()
-    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(buf), False, True)
-    if n < 0:
-        raise EngineError(f"llama_tokenize failed ({n}) on {len(data)} bytes")
-    return list(buf[:n])
-
-
-def token_logprob(logits: np.ndarray, token: int, k: int = 0) -> TokenLogprob:
-    """`token`'s log-probability under `logits` (raw, shape (n_vocab,)) and the k most likely tokens', from the
-    log-softmax computed in float64. Raises ValueError for a token outside the vocabulary."""
-    if not 0 <= token < len(logits):
-        raise ValueError(f"token {token} is outside the vocabulary of {len(logits)}")
-    x = logits.astype(np.float64)
-    m = x.max()
-    logprobs = x - (m + np.log(np.exp(x - m).sum()))
-    top: tuple[tuple[int, float], ...] = ()
-    if k > 0:
-        k = min(k, len(x))
-        best = np.argpartition(-logprobs, k - 1)[:k]
-        best = best[np.lexsort((best, -logprobs[best]))]  # most likely first, ties by id
-        top = tuple((int(i), float(logprobs[i])) for i in best)
-    return TokenLogprob(int(token), float(logprobs[token]), top)
 
 
 class Engine:
@@ -280,6 +104,9 @@ class Engine:
     `offload` is the resulting layout (devices.Offload); `model_params` and `context_params` the llama.cpp
     parameters the model and context were created with.
 
+    grammars: the grammar processes for this model's constrained requests (grammar_guard.GrammarPool), owned
+        from here on (`close` closes them); None: a pool with the default limits, made on first use.
+
     Until `calibrate` is called with the measured facts (calibration.py), min_segment is 2 (no one-token
     chunks) and batch_invariant False.
     """
@@ -287,7 +114,7 @@ class Engine:
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
                  use_extra_bufts: bool = False, n_seq_max: int = 1, flash_attn: bool = False,
                  n_gpu_layers: int = -1, devices: Sequence[str] | None = None, main_gpu: int | None = None,
-                 kv_offload: bool = True, n_rs_seq: int = 0) -> None:
+                 kv_offload: bool = True, n_rs_seq: int = 0, grammars: GrammarPool | None = None) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -361,8 +188,7 @@ class Engine:
         self.batch_invariant = False
         self.rollback = False  # until calibrated: no checkpoint is taken back inside a prefill call
         self.state.probe(self, max(self.bos_id, 0))
-        self.grammar_limits = GrammarLimits()  # the runtime sets the configured ones before serving
-        self._grammars: GrammarPool | None = None
+        self._grammars = grammars
 
     def calibrate(self, min_segment: int, batch_invariant: bool = False, rollback: bool = False) -> None:
         """Set the measured facts of this model on this CPU (calibration.py): the fewest tokens a prefill ubatch
@@ -433,8 +259,8 @@ class Engine:
         """Bytes of one token (llama_token_to_piece, special tokens rendered as their text), kept once read (a
         prompt asks for every token's: 507 ctypes calls took about 4 ms).
 
-        Thread-safe (a buffer per call; a dict's get and set are atomic): the server tokenizes prompts while the
-        worker decodes.
+        Safe from any thread ("Threads" in the module docstring): a buffer per call, and a dict's get and set are
+        atomic.
         """
         got = self._pieces.get(token)
         if got is not None:
@@ -530,16 +356,17 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarPool:
-        """The grammar processes of this model (grammar_guard.py), started on first use."""
+        """The grammar processes of this model (grammar_guard.py): the pool given at construction, else one with
+        the default limits made here on first use (the children start when a grammar is first opened)."""
         if self._grammars is None:
-            self._grammars = GrammarPool(self.info.path, self.grammar_limits, keep=self.n_seq_max + 1)
+            self._grammars = GrammarPool(self.info.path, GrammarLimits(), keep=self.n_seq_max + 1)
         return self._grammars
 
     def check_grammar(self, grammar: str, triggers: Sequence[str], param: str, deadline: float | None = None
                       ) -> None:
         """Refuse a grammar llama.cpp does not parse, or (unless lazy) that allows no first token, within the
         budget and by `deadline` (GrammarPool.check, in a grammar process): raises GrammarFailed naming `param`.
-        Safe to call while the worker decodes."""
+        Safe from any thread, also while the engine thread decodes."""
         self.grammars.check(grammar, tuple(triggers), param, deadline)
 
     def logprob(self, token: int, k: int = 0, idx: int = -1) -> TokenLogprob:
@@ -721,79 +548,3 @@ class Engine:
             llama_cpp.llama_free(self.ctx)
             llama_cpp.llama_model_free(self.model)
             self.ctx = None
-
-
-def chunk_end(pos: int, target: int, chunk: int, n_batch: int, min_segment: int) -> int:
-    """Where the next prefill ubatch from token offset `pos` towards `target` (> pos) ends: at most `chunk`
-    tokens on, or `target` itself when the stretch fits one n_batch ubatch and `chunk` would leave less than
-    `min_segment`; a remainder shorter than min_segment is never left (it would compute other logits and
-    states: "Numerics"), so a stretch longer than n_batch ends its second-last ubatch at target - min_segment.
-    Needs n_batch >= 2 * min_segment - 1 and chunk <= n_batch.
-
-    >>> chunk_end(0, 513, 512, 512, 2), chunk_end(0, 130, 128, 512, 8), chunk_end(0, 600, 595, 512, 8)
-    (511, 130, 592)
-    """
-    end = min(pos + chunk, target)
-    if 0 < target - end < min_segment:
-        end = target if target - pos <= n_batch else target - min_segment
-    return end
-
-
-def chunk_sizes(n_tokens: int, n_batch: int, min_chunk: int = 2) -> list[tuple[int, int]]:
-    """(start, size) chunks covering n_tokens, each <= n_batch, ending where `chunk_end` says (so >= min_chunk
-    tokens unless n_tokens itself is shorter: then one chunk). Raises ValueError when n_batch < 2 * min_chunk - 1.
-
-    >>> chunk_sizes(513, 512)
-    [(0, 511), (511, 2)]
-    >>> chunk_sizes(515, 512, 8)
-    [(0, 507), (507, 8)]
-    """
-    if n_batch < 2 * min_chunk - 1 or min_chunk < 1:
-        raise ValueError(f"n_batch ({n_batch}) must be at least 2 * min_chunk - 1 ({2 * min_chunk - 1})")
-    chunks = []
-    start = 0
-    while start < n_tokens:
-        end = chunk_end(start, n_tokens, n_batch, n_batch, min_chunk)
-        chunks.append((start, end - start))
-        start = end
-    return chunks
-
-
-class EngineThread:
-    """The one thread that calls llama_decode: a daemon thread running the calls given to `submit` in order.
-
-    llama.cpp's CPU backend computes each graph on an OpenMP team (libgomp) of the thread that calls
-    llama_decode. Calls from two threads slowed every call: on the 0.8b with 2 threads, one-token decode steps
-    took 35 ms instead of 23 once calibration had decoded on the main thread and the scheduler decoded on its
-    own (`python -m bench decode-thread`). So the server loads and calibrates the model on this thread and
-    then runs the scheduler's worker loop on it (`Runtime.start`). A daemon, like the worker thread it replaces:
-    a process that never closes its runtime still exits.
-    """
-
-    def __init__(self, name: str = "orchestrator-worker") -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args, kwargs = call
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-                    future.set_exception(e)
-
-    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
-        """Queue `fn(*args, **kwargs)`; its result or exception arrives in the returned future."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((future, fn, args, kwargs))
-        return future
-
-    def run(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` on this thread, waiting for its result (its exception is raised here)."""
-        return self.submit(fn, *args, **kwargs).result()
-
-    def shutdown(self) -> None:
-        """Stop the thread after the calls queued so far."""
-        self._calls.put(None)

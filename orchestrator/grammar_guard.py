@@ -14,12 +14,12 @@ fails in ways nothing in this process could survive or stop:
 The static checks in output/grammar.py refuse what is known to do that before anything is parsed (400 naming
 the field); this module contains what they miss.
 
-Design. A `GrammarProcess` is `python -m orchestrator.grammar_guard MODEL` holding the model's vocabulary only
+Design. A `GrammarProcess` is `python -m orchestrator.grammar_child MODEL` holding the model's vocabulary only
 (`vocab_only`; its RSS, start time and per-token mask cost against the in-process apply:
 bench/results/2026-12-01/grammar_guard/tiny.json, `python -m bench grammar-guard`), its address space capped at what it
 mapped to load plus `memory_mib` (RLIMIT_AS: a runaway allocation ends it, not the server). The parent speaks a
 framed protocol over its stdin/stdout (4-byte little-endian length, then one command byte):
-    I + JSON {"gbnf", "triggers"}: build the grammar sampler (`engine.grammar_sampler`), reply O or E + message
+    I + JSON {"gbnf", "triggers"}: build the grammar sampler (`sampling.grammar_sampler`), reply O or E + message
     A + int32 token: accept the token into the grammar (`llama_sampler_accept`), reply O
     M: the tokens the grammar allows now, reply M + a bitmask over the vocabulary (np.packbits, 31 KiB for
        248,320 tokens), computed by the grammar sampler's own `apply` over every token id
@@ -50,12 +50,9 @@ grammar reads those first, each within the budget, and moves to a new child once
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import json
 import os
-import resource
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -67,7 +64,7 @@ import numpy as np
 
 from .errors import InvalidRequest
 
-_LEN = struct.Struct("<I")
+FRAME_LEN = struct.Struct("<I")  # a frame's head: the length of its payload (command byte included)
 _LOAD_S = 120.0  # seconds a new child may take to load the vocabulary (not the request's budget)
 _POLL_S = 0.1  # seconds between two looks at the child's CPU time while waiting for it
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -97,7 +94,7 @@ class GrammarProcess:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.grammar_guard", model_path,
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.grammar_child", model_path,
                                       str(memory_mib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env)
         self.ready = False  # the hello (vocabulary loaded) was read
@@ -116,7 +113,7 @@ class GrammarProcess:
     def send(self, payload: bytes) -> None:
         """Write one frame; raises GrammarFailed when the child is gone."""
         try:
-            self.proc.stdin.write(_LEN.pack(len(payload)) + payload)
+            self.proc.stdin.write(FRAME_LEN.pack(len(payload)) + payload)
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as e:
             raise GrammarFailed("llama.cpp's grammar code stopped (the grammar process exited)") from e
@@ -140,7 +137,7 @@ class GrammarProcess:
             self._buf += chunk
         out = []
         while len(self._buf) >= 4:
-            (n,) = _LEN.unpack_from(self._buf)
+            (n,) = FRAME_LEN.unpack_from(self._buf)
             if len(self._buf) < 4 + n:
                 break
             out.append(self._buf[4:4 + n])
@@ -200,8 +197,8 @@ class GrammarPool:
 
     def spawn(self) -> GrammarProcess:
         """A new child (it loads the vocabulary in the background: its hello comes when done), started from the
-        pool's own thread: a child dies with the thread that started it (PR_SET_PDEATHSIG in `_child` is the
-        thread's, not the process's), and the threads that check grammars come and go (the server's thread pool
+        pool's own thread: a child dies with the thread that started it (PR_SET_PDEATHSIG in `grammar_child.main`
+        is the thread's, not the process's), and the threads that check grammars come and go (the server's thread pool
         ends idle ones: the children they had started for the next requests were killed with them)."""
         try:
             started = self._spawner.submit(GrammarProcess, self.model_path, self.limits.memory_mib)
@@ -457,87 +454,3 @@ class Grammar:
         proc.unread = sum(kind != b"H" for kind, *_ in self._sent)
         self._sent = []
         self._pool.give(proc, healthy=True)
-
-
-# ---------------------------------------------------------------------- the child
-
-def _child(model_path: str, memory_mib: int) -> None:  # pragma: no cover - runs in the grammar process
-    import llama_cpp
-
-    from .engine import TOKEN_DATA, candidates, grammar_sampler
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a child stuck in C dies with the server
-    if os.getppid() == 1:
-        sys.exit(4)  # the parent died before prctl
-    out = os.fdopen(sys.stdout.fileno(), "wb", buffering=0)
-    inp = os.fdopen(sys.stdin.fileno(), "rb", buffering=0)
-    logs: list[str] = []
-
-    @llama_cpp.llama_log_callback
-    def on_log(level, text, _user):  # llama.cpp's parse errors: sent back with E
-        if level >= 3 and len(logs) < 50:
-            logs.append(text.decode("utf-8", "replace"))
-
-    llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
-    llama_cpp.llama_backend_init()
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
-    if not model:
-        sys.exit(3)
-    vocab = llama_cpp.llama_model_get_vocab(model)
-    n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-    with open("/proc/self/statm") as f:
-        vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    limit = vm + memory_mib * (1 << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-    data = np.zeros(n_vocab, dtype=TOKEN_DATA)
-    ids = np.arange(n_vocab, dtype=np.int32)
-
-    def write(payload: bytes) -> None:
-        out.write(_LEN.pack(len(payload)) + payload)
-
-    def read() -> bytes | None:
-        head = inp.read(4)
-        if len(head) < 4:
-            return None
-        (n,) = _LEN.unpack(head)
-        body = b""
-        while len(body) < n:
-            chunk = inp.read(n - len(body))
-            if not chunk:
-                return None
-            body += chunk
-        return body
-
-    write(b"H" + n_vocab.to_bytes(4, "little"))
-    sampler = None
-    while (msg := read()) is not None:
-        cmd = msg[:1]
-        if cmd == b"I":
-            if sampler:
-                llama_cpp.llama_sampler_free(sampler)
-            spec = json.loads(msg[1:])
-            logs.clear()
-            sampler = grammar_sampler(vocab, spec["gbnf"], tuple(spec["triggers"]))
-            write(b"O" if sampler else b"E" + "".join(logs).strip().encode())
-        elif cmd == b"A":
-            llama_cpp.llama_sampler_accept(sampler, struct.unpack("<i", msg[1:5])[0])
-            write(b"O")
-        elif cmd == b"M":
-            data["id"] = ids
-            data["logit"] = 0.0
-            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(candidates(data)))
-            allowed = np.zeros(n_vocab, dtype=bool)
-            allowed[data["id"][np.isfinite(data["logit"])]] = True
-            write(b"M" + np.packbits(allowed).tobytes())
-        elif cmd == b"F":
-            if sampler:
-                llama_cpp.llama_sampler_free(sampler)
-                sampler = None
-            write(b"O")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _child(sys.argv[1], int(sys.argv[2]))

@@ -1,8 +1,9 @@
 """A request inside the scheduler: the job as submitted (`Job`), what it produced (`Result`), the events it
 streams (`Event`), its progress from submission to release (`Task`, in a `Phase`), and the sequence that serves
-it (`Slot`). Plain data: the scheduler moves a task through its phases; the reuse rules (reuse.py) are the only
-writer of `Task.reuse` (what was restored, the prefill's progress, what was stored) and of a slot's `live`,
-`salt` and `stale`.
+it (`Slot`), with the sampling settings (`SamplingParams`) and log-probabilities (`TokenLogprob`) the API reads
+and writes. Plain data, no llama.cpp: the scheduler moves a task through its phases; the reuse rules (reuse.py)
+are the only writer of `Task.reuse` (what was restored, the prefill's progress, what was stored) and of a slot's
+`live`, `salt` and `stale`.
 
 A job of n > 1 choices is n tasks: choice 0 is queued, restored and prefilled like any job; at its admission
 choices 1..n-1 (`Task.fork`) take a slot each and wait (FORK) until choice 0's prompt is prefilled, when its
@@ -31,7 +32,6 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from .engine import Sampler, SamplingParams, TokenLogprob
 from .errors import ContextOverflow, InvalidRequest, OrchestratorError, RequestCancelled, RequestTimeout
 from .output.stops import TextStream
 
@@ -39,6 +39,39 @@ if TYPE_CHECKING:
     from .prompt.boundaries import Boundaries
 
 log = logging.getLogger("orchestrator.request")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request. temperature <= 0 means greedy (llama_sampler_init_greedy).
+
+    grammar: GBNF text (root rule `root`) that every sampled token must fit, "" for none (llama.cpp's grammar
+    sampler, first in the chain). grammar_triggers: texts that start the grammar (a lazy grammar: tokens before
+    a trigger are not constrained, and the grammar must match from the trigger's text on); empty: the grammar
+    constrains from the first token.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    grammar: str = ""
+    grammar_triggers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of a sampled token and of the most likely tokens at that step: natural logs of the
+    softmax of the raw logits (before the grammar, temperature or truncation samplers changed them).
+
+    token: the sampled id; logprob: its log-probability (<= 0); top: (id, logprob) of the k most likely tokens,
+    most likely first (k = the request's top_logprobs; ties in id order)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 
 class Phase(str, Enum):
@@ -214,7 +247,7 @@ class Task:
         self.reuse = TaskReuse(self.tokens)  # written by reuse.Reuse only
         # generation
         self.first_logits: np.ndarray | None = None
-        self.sampler: Sampler | None = None
+        self.sampler = None  # a sampling.Sampler from the scheduler's start of decoding until `finish` closes it
         self.stream = TextStream(stop=job.stop)
         self.out: list[int] = []
         self.eog: int | None = None  # the end-of-generation token that ended it, if one did

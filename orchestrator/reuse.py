@@ -26,7 +26,7 @@ computed alone (as in decoding), do not. Hence these rules, each written once:
     a prefill segment may be stored or restored after if it has >= min_segment tokens    (`exact`)
     last restorable position of an n-token prompt = n - min_segment                       (`max_hit`)
     ... or n itself, with the logits its prefill computed, for a byte-identical repeat    (`plans`, LOGITS)
-    no prefill chunk leaves a remainder shorter than min_segment before a stop   (`chunk_end`, engine.chunk_end)
+    no prefill chunk leaves a remainder shorter than min_segment before a stop   (`chunk_end`, chunks.chunk_end)
     the last stop is taken back after the final call where the engine can          (`taken_back`)
 
 (vLLM's max_cache_hit_length, which is n - 1 there). Every request stores, after its final prefill call, the
@@ -64,7 +64,8 @@ import numpy as np
 
 from .cache.radix import CHECKPOINT, KV, LOGITS, EntryKind, common_len
 from .cache.snapshots import RestorePlan, SnapshotCache
-from .engine import Engine, chunk_end
+from .chunks import chunk_end
+from .engine import Engine
 from .errors import EngineError, OrchestratorError
 from .prompt.boundaries import Boundaries
 from .request import Job, Phase, Slot, Task
@@ -289,7 +290,7 @@ class Reuse:
     def chunk_end(self, task: Task, chunk: int) -> int:
         """Where the task's next prefill chunk of at most `chunk` tokens ends: at its next snapshot position
         (unless it is `taken_back`) or the end of its work, never leaving less than min_segment before it
-        (engine.chunk_end). A chunk towards the end that would pass a taken-back position without being the
+        (chunks.chunk_end). A chunk towards the end that would pass a taken-back position without being the
         final one cannot: the remainder after it would be shorter than min_segment, so it ends at the end or
         exactly at that position (a plain stop)."""
         r = task.reuse

@@ -18,10 +18,11 @@ from . import calibration, sizing
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
+from .engine import Engine
+from .engine_thread import EngineThread
 from .errors import OrchestratorError
 from .config import MiB, Config
-from .engine import Engine, EngineThread
-from .grammar_guard import GrammarLimits
+from .grammar_guard import GrammarLimits, GrammarPool
 from .output import grammar
 from .output.grammar import Constraint, Structure
 from .prompt.builder import PromptBuilder, load_template
@@ -105,7 +106,7 @@ class Runtime:
         """Load the model and start the worker. Raises ModelLoadError.
 
         The model is found (or synthesized) here; it is loaded and calibrated on the thread that then runs the
-        scheduler's worker loop, so that one thread makes every llama_decode call (engine.EngineThread)."""
+        scheduler's worker loop, so that one thread makes every llama_decode call (engine_thread.EngineThread)."""
         path = resolve_model(cfg)
         file_digest = model_file_digest(path)  # read once: the calibration key and the disk tier's fingerprint
         driver = EngineThread()
@@ -138,12 +139,12 @@ class Runtime:
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
         if cfg.ctx_size is None:
             cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path))
+        grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
                         devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,
-                        n_rs_seq=cfg.rs_snapshots if cfg.cache_enabled else 0)
+                        n_rs_seq=cfg.rs_snapshots if cfg.cache_enabled else 0, grammars=grammars)
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
-        engine.grammar_limits = GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib)
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
             cfg.calibration_file, file_digest, cfg.batch_size, cfg.use_extra_bufts, engine.offload),
             cfg.decode_batching)

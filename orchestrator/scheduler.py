@@ -34,11 +34,13 @@ import time
 import numpy as np
 
 from .cache.snapshots import SnapshotCache
-from .engine import Engine, EngineThread, token_logprob
+from .engine import Engine
+from .engine_thread import EngineThread
 from .errors import EngineError, OrchestratorError, QueueFull
 from .memory import IdleWork
 from .request import Collector, Event, EventKind, Job, Phase, Result, RetryAfter, Sink, Slot, Task
 from .reuse import PrefillRate, Reuse
+from .sampling import token_logprob
 
 log = logging.getLogger("orchestrator.scheduler")
 
@@ -97,7 +99,8 @@ class Scheduler:
         prefill_tps: measured prompt tokens/s (calibration.prefill_rate; None: from the first chunk on), refined
             by every chunk: a shared tier's fetch-or-recompute choice reads it.
         driver: the thread to run the worker loop on, shut down on close: the one that made the engine's earlier
-            llama_decode calls, since calls from a second thread are slower (engine.EngineThread); None: a new one.
+            llama_decode calls, since calls from a second thread are slower (engine_thread.EngineThread); None: a
+            new one.
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A failing job gets an ERROR event (`_fail`); the

@@ -1,6 +1,6 @@
 """Token log-probabilities in OpenAI's two shapes.
 
-Each entry is an `orchestrator.engine.TokenLogprob`: the natural log of the softmax of the raw logits at that
+Each entry is an `orchestrator.request.TokenLogprob`: the natural log of the softmax of the raw logits at that
 step (before the grammar, temperature or truncation samplers), for the sampled token and the most likely ones.
 There is one entry per completion token (`usage.completion_tokens`): the end-of-generation token is not one,
 tokens of a stop string are.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from orchestrator.engine import TokenLogprob
+from orchestrator.request import TokenLogprob
 
 Piece = Callable[[int], bytes]  # token id -> its bytes
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from orchestrator.config import Config
-from orchestrator.engine import SamplingParams
 from orchestrator.errors import InvalidRequest
 from orchestrator.output.grammar import Structure
+from orchestrator.request import SamplingParams
 
 from . import fields
 from .fields import DEFAULT_ONLY as _DEFAULT_ONLY_KIND, HINT, HONOURED, Rule

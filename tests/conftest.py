@@ -25,9 +25,8 @@ import pytest
 import uvicorn
 
 from orchestrator.config import Config
-from orchestrator.engine import SamplingParams
+from orchestrator.request import Event, Job, Result, SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.request import Event, Job, Result
 from server.app import create_app
 
 

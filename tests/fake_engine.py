@@ -31,8 +31,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from orchestrator.engine import SamplingParams, chunk_sizes, token_logprob
+from orchestrator.chunks import chunk_sizes
 from orchestrator.errors import EngineError, ModelLoadError
+from orchestrator.request import SamplingParams
+from orchestrator.sampling import token_logprob
 from orchestrator.state import HEADER, HybridState, KVState
 
 MAGIC = b"FAKESEQ\0"

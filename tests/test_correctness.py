@@ -9,9 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from orchestrator.engine import SamplingParams
+from orchestrator.request import Job, SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.request import Job
 from orchestrator.models.synth import ensure_model
 
 from .conftest import assert_same_as_cold, make_config

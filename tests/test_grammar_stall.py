@@ -25,10 +25,9 @@ import pytest
 
 from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.cache.tiers import RamTier
-from orchestrator.engine import SamplingParams
 from orchestrator.errors import RequestTimeout
 from orchestrator.grammar_guard import GrammarFailed
-from orchestrator.request import Collector, Event, EventKind, Job, Result
+from orchestrator.request import Collector, Event, EventKind, Job, Result, SamplingParams
 from orchestrator.scheduler import Scheduler
 
 from .conftest import serve_process

@@ -10,8 +10,8 @@ import numpy as np
 import openai
 import pytest
 
-from orchestrator.engine import SamplingParams, token_logprob
-from orchestrator.request import Job
+from orchestrator.request import Job, SamplingParams
+from orchestrator.sampling import token_logprob
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}]

@@ -9,10 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.engine import SamplingParams
 from orchestrator.cache.radix import KV, LOGITS
+from orchestrator.request import Job, SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.request import Job
 from orchestrator.state import KVState
 from orchestrator.models.synth import ensure_model
 

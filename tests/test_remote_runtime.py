@@ -10,8 +10,7 @@ import time
 import httpx
 import numpy as np
 
-from orchestrator.engine import SamplingParams
-from orchestrator.request import Job
+from orchestrator.request import Job, SamplingParams
 from server.metrics import Metrics
 
 from .conftest import LiveServer, assert_same_as_cold, run_chat

@@ -9,7 +9,7 @@ from .conftest import run_chat
 
 
 def test_every_llama_decode_call_comes_from_the_one_engine_thread(start, monkeypatch):
-    # A second thread calling llama_decode slows every call (engine.EngineThread): loading, calibration and
+    # A second thread calling llama_decode slows every call (engine_thread.EngineThread): loading, calibration and
     # serving must all decode on the worker's thread, never on the thread that called Runtime.start.
     callers: set[str] = set()
     decode, decode_step = Engine.decode, Engine.decode_step

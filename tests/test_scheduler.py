@@ -21,10 +21,9 @@ from hypothesis import strategies as st
 
 from orchestrator import calibration
 from orchestrator.cache.snapshots import SnapshotCache
-from orchestrator.engine import SamplingParams
 from orchestrator.errors import EngineError, InvalidRequest, QueueFull, RequestCancelled, RequestTimeout
 from orchestrator.cache.radix import CHECKPOINT, KV, LOGITS, common_len
-from orchestrator.request import Collector, Event, EventKind, Job, Phase, Slot, Task
+from orchestrator.request import Collector, Event, EventKind, Job, Phase, SamplingParams, Slot, Task
 from orchestrator.reuse import Reuse
 from orchestrator.scheduler import Scheduler
 from orchestrator.cache.tiers import RamTier
@@ -254,7 +253,7 @@ def test_the_gap_is_applied_once_in_reuse_to_the_raw_message_ends_and_to_interva
 
 
 def test_one_chunk_end_rule_for_the_engine_and_the_scheduler():
-    from orchestrator.engine import chunk_end, chunk_sizes
+    from orchestrator.chunks import chunk_end, chunk_sizes
 
     assert chunk_end(0, 100, 32, 512, MS) == 32
     assert chunk_end(0, 34, 32, 512, MS) == 34  # 2 left would be too short: the stretch fits one ubatch

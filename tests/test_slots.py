@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 from orchestrator.calibration import check_batch_invariance
-from orchestrator.engine import SamplingParams
 from orchestrator.errors import QueueFull, RequestCancelled, RequestTimeout
 from orchestrator.cache.radix import CHECKPOINT, KV
+from orchestrator.request import Event, Job, SamplingParams
 from orchestrator.runtime import Runtime
-from orchestrator.request import Event, Job
 from orchestrator.reuse import spaced_stops
 from orchestrator.models.synth import ensure_model
 

@@ -17,12 +17,12 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from orchestrator.engine import SamplingParams
 from orchestrator.errors import InvalidRequest
 from orchestrator.output import grammar
 from orchestrator.output.formats import QWEN35, detect_format
 from orchestrator.output.grammar import Structure
 from orchestrator.output.parsing import parse_output
+from orchestrator.request import SamplingParams
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MSGS = [{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": "Describe a city."}]

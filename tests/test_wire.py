@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.engine import SamplingParams
-from orchestrator.request import Job
+from orchestrator.request import Job, SamplingParams
 from server.schemas import parse_chat
 
 from .conftest import LiveServer
