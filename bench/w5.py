@@ -1,14 +1,14 @@
 """W5: one Claude Code session and one Codex session, replayed as the CLIs send them, side by side.
 
 Inputs are the CLIs' own first requests, captured with a logging server and committed:
-bench/captures/claude-code/turn1.json (Claude Code 2.1.332, `claude -p`: POST /v1/messages with its system
-blocks, a `system` message at messages[1] and 12 tool schemas) and bench/captures/codex/001.json (Codex 0.171.0,
-`codex exec`: POST /v1/responses with two developer messages, function, namespace and web_search tools). Each
-session is `turns` requests: the first is the captured body; every later one appends one scripted assistant tool
-call (Claude Code's `Bash`, Codex's `exec_command`) and its tool result of 200-1,500 tokens, as the CLI would send
-them, so every system sees the same conversation. Each request asks for 100-400 tokens (drawn with a fixed seed;
-greedy). Assistant turns are scripted because the synthetic model writes gibberish: what is measured is what the
-server does with the CLI's prompt.
+tests/fixtures/captures/claude-code/turn1.json (Claude Code 2.1.332, `claude -p`: POST /v1/messages with its system
+blocks, a `system` message at messages[1] and 12 tool schemas) and tests/fixtures/captures/codex/001.json (Codex
+0.171.0, `codex exec`: POST /v1/responses with two developer messages, function, namespace and web_search tools).
+Each session is `turns` requests: the first is the captured body; every later one appends one scripted assistant
+tool call (Claude Code's `Bash`, Codex's `exec_command`) and its tool result of 200-1,500 tokens, as the CLI would
+send them, so every system sees the same conversation. Each request asks for 100-400 tokens (drawn with a fixed
+seed; greedy). Assistant turns are scripted because the synthetic model writes gibberish: what is measured is what
+the server does with the CLI's prompt.
 
 Shapes: `cli` is the body as the CLI sends it; `moved` is the same conversation with every system and developer
 text moved to the front (Claude Code: messages[1] appended to `system`; Codex: the developer messages merged into
@@ -42,7 +42,7 @@ from bench.scenarios import _words
 from bench.systems import SYSTEMS, System, launch, omp_policy
 
 ROOT = Path(__file__).resolve().parent
-CAPTURES = ROOT / "captures"
+CAPTURES = ROOT.parent / "tests" / "fixtures" / "captures"
 BASE_PORT = 18600
 CLAUDE, CODEX = "claude-code", "codex"
 SHAPES = ("cli", "moved")
