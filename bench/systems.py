@@ -30,7 +30,6 @@ Cold references run on "cold" variants: orchestrator with `cache_prompt: false`,
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -341,10 +340,3 @@ def orchestrator_variants(specs: list[str]) -> list[System]:
         out.append(System(f"orchestrator-{name}", "orchestrator", "chat", extra=tuple(flags.split())))
     return out
 
-
-def write_ab(out: Path, systems: list[System], rows: list[dict], summary: dict, **fields) -> None:
-    """Write an A/B script's JSON (its `fields`, each system's extra flags, the rows, the summary) to `out`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**fields, "systems": {s.name: list(s.extra) for s in systems}, "rows": rows,
-                               "summary": summary}, indent=2))
-    print(f"wrote {out}")
