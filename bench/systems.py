@@ -121,34 +121,27 @@ class Running:
     def __post_init__(self) -> None:
         self.proc = psutil.Process(self.popen.pid)
 
-    def rss(self) -> int:
-        """Resident bytes of the server process and its children now (0 once gone)."""
-        total = 0
+    def _tree_sum(self, measure) -> float:
+        """Σ measure(process) over the server process and its children now (a process gone counts 0)."""
         try:
             procs = [self.proc] + self.proc.children(recursive=True)
         except psutil.Error:
             return 0
+        total = 0
         for p in procs:
             try:
-                total += p.memory_info().rss
+                total += measure(p)
             except psutil.Error:
                 pass
         return total
 
+    def rss(self) -> int:
+        """Resident bytes of the server process and its children now (0 once gone)."""
+        return self._tree_sum(lambda p: p.memory_info().rss)
+
     def cpu_s(self) -> float:
         """CPU seconds (user+system) used so far by the server process tree."""
-        total = 0.0
-        try:
-            procs = [self.proc] + self.proc.children(recursive=True)
-        except psutil.Error:
-            return 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
+        return float(self._tree_sum(lambda p: sum(p.cpu_times()[:2])))
 
     def wait_idle(self, quiet_s: float = 0.25, max_s: float = 60.0) -> float:
         """Block until the server has used under 2% CPU for `quiet_s` seconds; returns seconds waited.

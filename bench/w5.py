@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import sse_events
+from bench.common import add_model_args
 from bench.scenarios import _words
 from bench.systems import SYSTEMS, System, launch, omp_policy
 
@@ -163,19 +165,6 @@ def plan(turns: int, tokenize, shapes=SHAPES) -> list[W5Req]:
     return out
 
 
-def _sse(resp: httpx.Response):
-    event = None
-    for line in resp.iter_lines():
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            obj = json.loads(data)
-            yield obj.get("type") or event, obj
-
-
 # Events that carry the first generated token even when it is not text a client sees: Claude Code asks for
 # thinking with display "omitted", so the thinking block opens (content_block_start) with no text deltas.
 FIRST_OUTPUT = ("content_block_start", "response.output_item.added")
@@ -227,7 +216,7 @@ def send(client: httpx.Client, url: str, q: W5Req, cold: bool, timeout_s: float)
                 o.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 o.total_s = time.perf_counter() - t0
                 return o
-            for kind, obj in _sse(resp):
+            for kind, obj in sse_events(resp):
                 text = _delta_text(kind or "", obj)
                 if not o.ttft_s and (text or kind in FIRST_OUTPUT):
                     o.ttft_s = time.perf_counter() - t0
@@ -333,10 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m bench w5", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
+    add_model_args(ap)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cold", choices=("last", "all", "none"), default="last")
     ap.add_argument("--systems", default="orchestrator,llama-server")
     ap.add_argument("--orchestrator-shapes", default="cli,moved", help="shapes sent to orchestrator (cli, moved)")
