@@ -3,7 +3,8 @@
 Without NAME (or with `side-by-side`) the side-by-side benchmark (bench/run.py: orchestrator against llama-server
 and llama-cpp-python's server), so `python -m bench --quick` is what it always was. `python -m bench --list`
 names every subcommand with its module's first docstring line; `python -m bench NAME --help` gives its options.
-Results go to bench/results/<date>/ (bench/results/README.md is the index).
+Results go to bench/results/<date>/ (bench/results/README.md is the index). A one-off investigation, once it
+has answered its question, leaves bench/ and its results folder keeps the command and the commit to run it at.
 """
 
 from __future__ import annotations
@@ -16,22 +17,13 @@ from pathlib import Path
 # subcommand -> module under bench/ (its main(argv) -> exit status)
 COMMANDS = {
     "side-by-side": "run",
-    "prefill": "prefill",
+    "cold": "cold",
+    "w5": "w5",
     "slots": "slots",
-    "ab-decode": "ab_decode",
-    "decode-thread": "decode_thread",
-    "save": "save",
-    "restore": "restore",
-    "boundaries": "boundaries",
     "memory": "memory",
     "prefix": "prefix",
     "cluster": "cluster",
     "soak": "soak",
-    "stops": "stops",
-    "grammar-guard": "grammar_guard",
-    "w5": "w5",
-    "engine-gap": "engine_gap",
-    "cold": "cold",
 }
 
 

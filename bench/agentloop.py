@@ -12,8 +12,8 @@ Measured per run (times in seconds, sizes in tokens; epoch wall clock on both si
   per agent task: wall time from its first request to its last answer (tool waits included), Σ TTFT;
   per request: TTFT (first chunk carrying text, as bench/client.py), total, completion and cached tokens (as the
       server reports them), decode rate (completion - 1) / (total - TTFT);
-  per server: CPU seconds of its process tree; for orchestrator, /metrics and /v1/cache/stats at the end, and the
-      after-generation events of bench/orchestrator_instrumented.py (the same timing on any checkout).
+  per server: CPU seconds of its process tree; for orchestrator, /metrics (its after-generation counters among
+      them) and /v1/cache/stats at the end.
 """
 
 from __future__ import annotations
@@ -228,84 +228,9 @@ def decode_rate(turns: Sequence[dict]) -> float | None:
     return toks / secs if secs > 0 else None
 
 
-def store_tasks(events: Sequence[dict]) -> dict[int, dict]:
-    """After-generation work per finished request (keyed by the shim's task id): when its STORE started, its
-    chunks, whether it finished, and its CPU seconds (the choice and rewind plus every chunk)."""
-    tasks: dict[int, dict] = {}
-    for e in events:
-        if e["ev"] == "after":
-            tasks[e["task"]] = {"start": e["t1"], "end": e["t1"], "store": e["store"], "cpu_s": e["cpu_s"],
-                                "wall_s": e["t1"] - e["t0"], "tokens": 0, "chunks": [],
-                                "answer": e["store"] and e["work"] > e["prompt"],
-                                "planned": (e["work"] - e["start"]) if e["store"] else 0,
-                                "prompt": e["prompt"], "generated": e["generated"]}
-    for e in events:
-        if e["ev"] == "chunk" and e["task"] in tasks:
-            t = tasks[e["task"]]
-            t["chunks"].append((e["t0"], e["t1"]))
-            t["end"] = max(t["end"], e["t1"])
-            t["cpu_s"] += e["cpu_s"]
-            t["wall_s"] += e["t1"] - e["t0"]
-            t["tokens"] += e["tokens"]
-    for t in tasks.values():
-        t["finished"] = t["store"] and t["tokens"] >= t["planned"]
-    return tasks
-
-
-def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
-    return max(0.0, min(a1, b1) - max(a0, b0))
-
-
-def after_generation(events: Sequence[dict], turns: Sequence[dict], metrics: dict | None = None) -> dict:
-    """Issue 18's figures for one run: CPU and wall seconds and tokens of after-generation work; how much of it a
-    later request restored; the TTFT of requests that arrived while it ran, and the STORE compute inside them.
-
-    restored_tokens: Σ over each agent's requests after the first of max(0, cached - the previous request's
-    prompt tokens): the part of a restore that lies beyond the previous prompt's end, which only the
-    after-generation state (restored or taken over) can provide. restored_share = that / STORE tokens.
-    A request arrived during after-generation work when it was sent between a STORE's start (the end of the
-    choice) and its last chunk; store_in_ttft_s is the STORE chunk time inside its [sent, sent + TTFT].
-    """
-    tasks = store_tasks(events)
-    stores = [t for t in tasks.values() if t["store"]]
-    chunks = [c for t in stores for c in t["chunks"]]
-    by_agent: dict[int, list[dict]] = {}
-    for t in sorted(turns, key=lambda x: (x["agent"], x["turn"])):
-        by_agent.setdefault(t["agent"], []).append(t)
-    restored = restoring = 0
-    for seq in by_agent.values():
-        for prev, cur in zip(seq, seq[1:]):
-            if cur.get("ok") and prev.get("prompt_tokens") and cur.get("cached_tokens") is not None:
-                beyond = max(0, cur["cached_tokens"] - prev["prompt_tokens"])
-                restored += beyond
-                restoring += beyond > 0
-    during, other, inside = [], [], []
-    for t in turns:
-        if not t.get("ok"):
-            continue
-        s0, s1 = t["sent"], t["sent"] + t["ttft_s"]
-        inside.append(sum(_overlap(c0, c1, s0, s1) for c0, c1 in chunks))
-        (during if any(x["start"] <= s0 < x["end"] for x in stores) else other).append(t["ttft_s"])
-    tokens = sum(t["tokens"] for t in stores)
-    takes = [e for e in events if e["ev"] == "take_over"]
-    return {
-        "cpu_s": sum(t["cpu_s"] for t in tasks.values()), "wall_s": sum(t["wall_s"] for t in tasks.values()),
-        "tokens": tokens, "finished": len(tasks), "stores": len(stores),
-        "stores_answer": sum(t["answer"] for t in stores), "stores_prompt_end": sum(not t["answer"] for t in stores),
-        "stores_completed": sum(t["finished"] for t in stores),
-        "stores_cut": sum(not t["finished"] for t in stores),
-        "taken_over": len(takes), "taken_over_tokens": sum(e["depth"] for e in takes),
-        "restored_tokens": restored, "requests_restoring": restoring,
-        "restored_share": (min(1.0, restored / tokens) if tokens else None),
-        "arrived_during": len(during), "ttft_during_mean_s": statistics.fmean(during) if during else None,
-        "ttft_other_mean_s": statistics.fmean(other) if other else None,
-        "store_in_ttft_max_s": max(inside, default=0.0), "store_in_ttft_sum_s": sum(inside),
-        "metrics": metrics or {},
-    }
-
-
 def summarize_run(run: dict) -> dict:
-    """Per-run figures: task wall times, Σ TTFT, decode rates, tokens, CPU; after-generation work when logged."""
+    """Per-run figures: task wall times, Σ TTFT, decode rates, tokens, CPU; orchestrator's after-generation
+    counters (/metrics) when read."""
     agents = run["agents"]
     turns = [t for a in agents for t in a["turns"]]
     ok = all(t["ok"] for t in turns) and all(len(a["turns"]) == run["turns_planned"] for a in agents)
@@ -328,8 +253,9 @@ def summarize_run(run: dict) -> dict:
         "server_cpu_s": run.get("server_cpu_s"),
         "cold_checked": len(run.get("cold", [])), "cold_equal": sum(c["equal"] for c in run.get("cold", [])),
     }
-    if run.get("after_events") is not None:
-        out["after"] = after_generation(run["after_events"], turns, run.get("metrics"))
+    after = {k: v for k, v in (run.get("metrics") or {}).items() if k.startswith("orchestrator_after_generation")}
+    if after:
+        out["after"] = after
     return out
 
 
@@ -406,30 +332,13 @@ def markdown(summaries: Sequence[dict], runs: Sequence[dict], meta: dict) -> str
                 f"{f'{cold[0]}/{cold[1]}' if cold[1] else '—'} |")
         ag = [s for s in summaries if s["workload"] == wl and s.get("after")]
         if ag:
-            lines += ["", f"### {wl}: after-generation work (issue 18), per run", "",
-                      "From bench/orchestrator_instrumented.py, the same timing on both checkouts. CPU s: the "
-                      "server process's CPU time during the after-generation choice and rewind and during every "
-                      "STORE chunk; tokens: re-prefilled; STOREs: answer (state after the answer) / prompt end; cut: "
-                      "preempted or taken over before the end; restored: tokens of later restores beyond the "
-                      "previous request's prompt end (what only the after-generation state can give) and the share "
-                      "of STORE tokens that is; arrived during: requests sent while a STORE was pending or running, "
-                      "their mean TTFT against the others'; STORE s in a TTFT: STORE chunk time inside one "
-                      "request's wait (max; sum).", "",
-                      "| system | rep | CPU s | wall s | tokens | STOREs answer/prompt end | completed/cut | taken over "
-                      "(tokens) | restored tok (share) | arrived during | TTFT during / other s | STORE s in a TTFT "
-                      "max (sum) | /metrics after_generation |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += ["", f"### {wl}: after-generation work, per run", "",
+                      "orchestrator's /metrics at the end of the run (orchestrator_after_generation…).", "",
+                      "| system | rep | after_generation counters |", "|---|---|---|"]
             for s in ag:
-                a = s["after"]
-                m = a["metrics"]
-                mtxt = ", ".join(f"{k.replace('orchestrator_after_generation', '') or 'total'}={v:g}"
-                                 for k, v in sorted(m.items()) if k.startswith("orchestrator_after_generation")) or "—"
-                lines.append(
-                    f"| {s['system']} | {s['rep']} | {a['cpu_s']:.2f} | {a['wall_s']:.2f} | {a['tokens']:,} | "
-                    f"{a['stores_answer']}/{a['stores_prompt_end']} | {a['stores_completed']}/{a['stores_cut']} | "
-                    f"{a['taken_over']} ({a['taken_over_tokens']:,}) | {a['restored_tokens']:,} "
-                    f"({_f(a['restored_share'], '{:.0%}')}) | {a['arrived_during']} | "
-                    f"{_f(a['ttft_during_mean_s'])} / {_f(a['ttft_other_mean_s'])} | "
-                    f"{a['store_in_ttft_max_s']:.2f} ({a['store_in_ttft_sum_s']:.2f}) | {mtxt} |")
+                counters = ", ".join(f"{k.replace('orchestrator_after_generation', '') or 'total'}={v:g}"
+                                     for k, v in sorted(s["after"].items()))
+                lines.append(f"| {s['system']} | {s['rep']} | {counters} |")
         first = {}
         for run in runs:
             if run["workload"] == wl:
@@ -476,24 +385,14 @@ def parse_metrics(text: str, prefixes: Sequence[str] = ("orchestrator_after_gene
     return out
 
 
-def read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 def run_once(system, plan: LoopPlan, rep: int, args, port: int, log_dir: Path, tool_choice: str | None,
              cold: str, log) -> dict:
     """One run: start `system`, run every agent of `plan` at once, (cold-check,) read its counters, stop it."""
     from bench.systems import launch
 
-    ag_log = log_dir / f"aftergen-{plan.workload}-{system.name}-r{rep}.jsonl"
-    ag_log.parent.mkdir(parents=True, exist_ok=True)
-    ag_log.unlink(missing_ok=True)
-    env = {"BENCH_AFTERGEN_LOG": str(ag_log)} if system.kind == "orchestrator" else None
     t = time.monotonic()
     r = launch(system, args.model, port, args.threads, args.scale.w4_ctx_size, log_dir, args.cache_ram,
-               plan.workload, env_extra=env, omp_wait_policy=getattr(args, "omp_wait_policy", None))
+               plan.workload, omp_wait_policy=getattr(args, "omp_wait_policy", None))
     log(f"  started {system.name} on :{port} in {time.monotonic() - t:.1f} s")
     r.wait_idle()  # done starting up (loading, warming up) before the agents start
     run: dict = {"workload": plan.workload, "system": system.name, "rep": rep,
@@ -520,7 +419,6 @@ def run_once(system, plan: LoopPlan, rep: int, args, port: int, log_dir: Path, t
                     run["cache_stats"] = c.get(r.url + "/v1/cache/stats").json()
                 except (httpx.HTTPError, ValueError):
                     run["cache_stats"] = None
-            run["after_events"] = read_events(ag_log)
         if cold == "last":
             run["cold"] = []
             with httpx.Client() as client:

@@ -58,18 +58,29 @@ def request_body(api: str, kind: str, chat: dict, prompt_text: str, max_tokens: 
     return {"prompt": prompt_text, **common}
 
 
-def sse_chunks(resp: httpx.Response, t0: float, timeout_s: float) -> Iterator[dict]:
-    """The JSON objects of an OpenAI-style SSE stream, until `data: [DONE]` or its end. Raises TimeoutError once
-    `timeout_s` seconds have passed since `t0` (perf_counter), json.JSONDecodeError on a malformed chunk."""
+def sse_events(resp: httpx.Response, t0: float = 0.0,
+               timeout_s: float | None = None) -> Iterator[tuple[str | None, dict]]:
+    """(event, JSON object) of an SSE stream until `data: [DONE]` or its end; event is the object's "type", else the
+    last `event:` line (Anthropic and Responses streams), else None (OpenAI chunks). With `timeout_s`, raises
+    TimeoutError once that many seconds have passed since `t0` (perf_counter); json.JSONDecodeError on a malformed
+    chunk."""
+    event = None
     for line in resp.iter_lines():
-        if time.perf_counter() - t0 > timeout_s:
+        if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
             raise TimeoutError(f"request exceeded {timeout_s:.0f} s")
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
+        if line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            yield obj.get("type") or event, obj
+
+
+def sse_chunks(resp: httpx.Response, t0: float, timeout_s: float) -> Iterator[dict]:
+    """The JSON objects of an OpenAI-style SSE stream (sse_events without the event names)."""
+    return (obj for _, obj in sse_events(resp, t0, timeout_s))
 
 
 def send(client: httpx.Client, base_url: str, api: str, body: dict, timeout_s: float = 900.0) -> Outcome:

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import request_body, send
-from bench.common import results_dir, write_json
+from bench.common import add_model_args, results_dir, write_json
 from bench.render import Renderer
 from bench.report import oracle
 from bench.run import default_model
@@ -123,8 +123,7 @@ def answer_checks(runs: list[dict], systems: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--workloads", default="W1,W2,W3")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=1)

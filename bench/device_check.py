@@ -1,8 +1,8 @@
 """Cached-equals-cold and speed on whatever device the installed llama-cpp-python offloads to (issue 29).
 
-Run by bench/vulkan_check.sh (lavapipe) and bench/cuda_check.sh (a lent NVIDIA machine) with the Python whose
-llama_cpp was built for that backend; on the CPU build it checks the CPU (and `--dry-run` checks its own steps
-in seconds, tests/test_device_check.py). Per preset, with every layer offloaded (-ngl all) unless told:
+Run by bench/cuda_check.sh (a lent NVIDIA machine; once on lavapipe: bench/results/2026-12-01/vulkan/) with the
+Python whose llama_cpp was built for that backend; on the CPU build it checks the CPU (and `--dry-run` checks its
+own steps in seconds, tests/test_device_check.py). Per preset, with every layer offloaded (-ngl all) unless told:
 
   layout          the backend and devices (orchestrator/devices.Offload), llama_print_system_info
   calibration     min_segment (calibration.measure_min_segment) and batch invariance at 4 slots (2 in a dry run)

@@ -282,6 +282,8 @@ def plots(records: list[dict], systems: Sequence[str], out_dir) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    files: list[str] = []
+
     def rounds(ax, order) -> None:
         """Vertical lines between rounds, with the round's name at the top."""
         for i, (rnd, _) in enumerate(order):
@@ -290,7 +292,18 @@ def plots(records: list[dict], systems: Sequence[str], out_dir) -> list[str]:
                     ax.axvline(i - 0.5, color="0.6", lw=0.6, ls=":")
                 ax.text(i - 0.4, 1.0, rnd, transform=ax.get_xaxis_transform(), fontsize=6, va="bottom")
 
-    files = []
+    def finish(fig, ax, order, labels, title: str, name: str) -> None:
+        """Label the requests on the x axis, title, legend; write `name` into out_dir and list it in `files`."""
+        ax.set_xticks(range(len(order)))
+        ax.set_xticklabels(labels, rotation=90, fontsize=6)
+        ax.set_title(title, pad=14)
+        rounds(ax, order)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+
     warm = [r for r in records if not r["cold"]]
     for wl in sorted({r["workload"] for r in warm}):
         rs = [r for r in warm if r["workload"] == wl]
@@ -314,16 +327,7 @@ def plots(records: list[dict], systems: Sequence[str], out_dir) -> list[str]:
                         color=line.get_color(), alpha=0.6)
         ax.set_yscale("log")
         ax.set_ylabel("TTFT, s (log); dashes: same system cold")
-        ax.set_xticks(range(len(order)))
-        ax.set_xticklabels(labels, rotation=90, fontsize=6)
-        ax.set_title(f"{wl}: time to first token per request", pad=14)
-        rounds(ax, order)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        f = out_dir / f"ttft_{wl}.png"
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
-        files.append(f.name)
+        finish(fig, ax, order, labels, f"{wl}: time to first token per request", f"ttft_{wl}.png")
 
         fig, ax = plt.subplots(figsize=(max(8, len(order) * 0.28), 4.5))
         orc = [next(r["oracle"] for r in rs if (r["round"], r["index"]) == k) for k in order]
@@ -335,14 +339,5 @@ def plots(records: list[dict], systems: Sequence[str], out_dir) -> list[str]:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=0.8,
                         label=s + (" (implied from TTFT)" if pts[0][2] else ""))
         ax.set_ylabel("cached tokens")
-        ax.set_xticks(range(len(order)))
-        ax.set_xticklabels(labels, rotation=90, fontsize=6)
-        ax.set_title(f"{wl}: cached tokens against the oracle", pad=14)
-        rounds(ax, order)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        f = out_dir / f"cached_{wl}.png"
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
-        files.append(f.name)
+        finish(fig, ax, order, labels, f"{wl}: cached tokens against the oracle", f"cached_{wl}.png")
     return files

@@ -300,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in loop_plans:
         for s in loop_systems[w]:
             meta["commands"][f"{w} {s.name}"] = (f"PYTHONPATH={s.root} " if s.root else "") + " ".join(
-                command(s, args.model, 0, args.threads, args.scale.w4_ctx_size, args.cache_ram, Path("$TMP"), w,
-                        instrument=s.kind == "orchestrator"))
+                command(s, args.model, 0, args.threads, args.scale.w4_ctx_size, args.cache_ram, Path("$TMP"), w))
 
     def save() -> None:
         meta["wall_s"] = time.monotonic() - t_start

@@ -30,7 +30,6 @@ Cold references run on "cold" variants: orchestrator with `cache_prompt: false`,
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -122,34 +121,27 @@ class Running:
     def __post_init__(self) -> None:
         self.proc = psutil.Process(self.popen.pid)
 
-    def rss(self) -> int:
-        """Resident bytes of the server process and its children now (0 once gone)."""
-        total = 0
+    def _tree_sum(self, measure) -> float:
+        """Σ measure(process) over the server process and its children now (a process gone counts 0)."""
         try:
             procs = [self.proc] + self.proc.children(recursive=True)
         except psutil.Error:
             return 0
+        total = 0
         for p in procs:
             try:
-                total += p.memory_info().rss
+                total += measure(p)
             except psutil.Error:
                 pass
         return total
 
+    def rss(self) -> int:
+        """Resident bytes of the server process and its children now (0 once gone)."""
+        return self._tree_sum(lambda p: p.memory_info().rss)
+
     def cpu_s(self) -> float:
         """CPU seconds (user+system) used so far by the server process tree."""
-        total = 0.0
-        try:
-            procs = [self.proc] + self.proc.children(recursive=True)
-        except psutil.Error:
-            return 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
+        return float(self._tree_sum(lambda p: sum(p.cpu_times()[:2])))
 
     def wait_idle(self, quiet_s: float = 0.25, max_s: float = 60.0) -> float:
         """Block until the server has used under 2% CPU for `quiet_s` seconds; returns seconds waited.
@@ -204,12 +196,11 @@ def np_flag(flags: tuple[str, ...] | list[str]) -> int:
 
 
 def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram_mib: int | None,
-            tmp: Path, workload: str = "", instrument: bool = False) -> list[str]:
+            tmp: Path, workload: str = "") -> list[str]:
     """The command line that starts system `s` on `port` for `workload` (cache_ram_mib: orchestrator's
-    --cache-ram; ctx: context per slot; instrument: orchestrator through bench/orchestrator_instrumented.py)."""
+    --cache-ram; ctx: context per slot)."""
     if s.kind == "orchestrator":
-        entry = [str(ROOT / "bench" / "orchestrator_instrumented.py")] if instrument else ["-m", "orchestrator"]
-        cmd = [sys.executable, *entry, "serve", "-m", str(model), "--port", str(port),
+        cmd = [sys.executable, "-m", "orchestrator", "serve", "-m", str(model), "--port", str(port),
                "-c", str(ctx), "-t", str(threads), "-b", "512", "--cache-disk-dir", str(tmp / "snapshots"),
                "--log-level", "info"]
         if s.cold:
@@ -238,10 +229,10 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
 
 def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: Path,
            cache_ram_mib: int | None = None, workload: str = "", ready_timeout_s: float = 300.0,
-           env_extra: dict[str, str] | None = None, omp_wait_policy: str | None = OMP_WAIT_POLICY) -> Running:
+           omp_wait_policy: str | None = OMP_WAIT_POLICY) -> Running:
     """Start `s` and wait until it serves (GET /v1/models answers 200); raises RuntimeError on failure.
-    env_extra: more environment (BENCH_AFTERGEN_LOG runs orchestrator instrumented). omp_wait_policy: the
-    OMP_WAIT_POLICY given unless the environment sets one; None leaves OpenMP's default (spin, then sleep)."""
+    omp_wait_policy: the OMP_WAIT_POLICY given unless the environment sets one; None leaves OpenMP's default (spin,
+    then sleep)."""
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:
             raise RuntimeError(f"port {port} is already in use: another server would answer for {s.name}")
@@ -249,13 +240,11 @@ def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: P
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{s.name}{'-cold' if s.cold else ''}-{port}.log"
     env = dict(os.environ, PYTHONPATH=s.root or str(ROOT), ORCHESTRATOR_CACHE_DIR=os.environ.get(
-        "ORCHESTRATOR_CACHE_DIR", str(Path.home() / ".cache" / "orchestrator")), **(env_extra or {}))
+        "ORCHESTRATOR_CACHE_DIR", str(Path.home() / ".cache" / "orchestrator")))
     if omp_wait_policy:
         env.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
-    instrument = bool((env_extra or {}).get("BENCH_AFTERGEN_LOG"))
     with open(log, "ab") as fh:
-        popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp, workload, instrument),
-                                 stdout=fh,
+        popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp, workload), stdout=fh,
                                  stderr=subprocess.STDOUT, cwd=s.root or ROOT, env=env)  # -m puts the cwd first
     r = Running(s, f"http://127.0.0.1:{port}", popen, log, tmp)
     deadline = time.monotonic() + ready_timeout_s
@@ -341,10 +330,3 @@ def orchestrator_variants(specs: list[str]) -> list[System]:
         out.append(System(f"orchestrator-{name}", "orchestrator", "chat", extra=tuple(flags.split())))
     return out
 
-
-def write_ab(out: Path, systems: list[System], rows: list[dict], summary: dict, **fields) -> None:
-    """Write an A/B script's JSON (its `fields`, each system's extra flags, the rows, the summary) to `out`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**fields, "systems": {s.name: list(s.extra) for s in systems}, "rows": rows,
-                               "summary": summary}, indent=2))
-    print(f"wrote {out}")

@@ -1,14 +1,14 @@
 """W5: one Claude Code session and one Codex session, replayed as the CLIs send them, side by side.
 
 Inputs are the CLIs' own first requests, captured with a logging server and committed:
-bench/captures/claude-code/turn1.json (Claude Code 2.1.332, `claude -p`: POST /v1/messages with its system
-blocks, a `system` message at messages[1] and 12 tool schemas) and bench/captures/codex/001.json (Codex 0.171.0,
-`codex exec`: POST /v1/responses with two developer messages, function, namespace and web_search tools). Each
-session is `turns` requests: the first is the captured body; every later one appends one scripted assistant tool
-call (Claude Code's `Bash`, Codex's `exec_command`) and its tool result of 200-1,500 tokens, as the CLI would send
-them, so every system sees the same conversation. Each request asks for 100-400 tokens (drawn with a fixed seed;
-greedy). Assistant turns are scripted because the synthetic model writes gibberish: what is measured is what the
-server does with the CLI's prompt.
+tests/fixtures/captures/claude-code/turn1.json (Claude Code 2.1.332, `claude -p`: POST /v1/messages with its system
+blocks, a `system` message at messages[1] and 12 tool schemas) and tests/fixtures/captures/codex/001.json (Codex
+0.171.0, `codex exec`: POST /v1/responses with two developer messages, function, namespace and web_search tools).
+Each session is `turns` requests: the first is the captured body; every later one appends one scripted assistant
+tool call (Claude Code's `Bash`, Codex's `exec_command`) and its tool result of 200-1,500 tokens, as the CLI would
+send them, so every system sees the same conversation. Each request asks for 100-400 tokens (drawn with a fixed
+seed; greedy). Assistant turns are scripted because the synthetic model writes gibberish: what is measured is what
+the server does with the CLI's prompt.
 
 Shapes: `cli` is the body as the CLI sends it; `moved` is the same conversation with every system and developer
 text moved to the front (Claude Code: messages[1] appended to `system`; Codex: the developer messages merged into
@@ -38,11 +38,13 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import sse_events
+from bench.common import add_model_args
 from bench.scenarios import _words
 from bench.systems import SYSTEMS, System, launch, omp_policy
 
 ROOT = Path(__file__).resolve().parent
-CAPTURES = ROOT / "captures"
+CAPTURES = ROOT.parent / "tests" / "fixtures" / "captures"
 BASE_PORT = 18600
 CLAUDE, CODEX = "claude-code", "codex"
 SHAPES = ("cli", "moved")
@@ -163,19 +165,6 @@ def plan(turns: int, tokenize, shapes=SHAPES) -> list[W5Req]:
     return out
 
 
-def _sse(resp: httpx.Response):
-    event = None
-    for line in resp.iter_lines():
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            obj = json.loads(data)
-            yield obj.get("type") or event, obj
-
-
 # Events that carry the first generated token even when it is not text a client sees: Claude Code asks for
 # thinking with display "omitted", so the thinking block opens (content_block_start) with no text deltas.
 FIRST_OUTPUT = ("content_block_start", "response.output_item.added")
@@ -227,7 +216,7 @@ def send(client: httpx.Client, url: str, q: W5Req, cold: bool, timeout_s: float)
                 o.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 o.total_s = time.perf_counter() - t0
                 return o
-            for kind, obj in _sse(resp):
+            for kind, obj in sse_events(resp):
                 text = _delta_text(kind or "", obj)
                 if not o.ttft_s and (text or kind in FIRST_OUTPUT):
                     o.ttft_s = time.perf_counter() - t0
@@ -333,10 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m bench w5", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b)")
+    add_model_args(ap)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cold", choices=("last", "all", "none"), default="last")
     ap.add_argument("--systems", default="orchestrator,llama-server")
     ap.add_argument("--orchestrator-shapes", default="cli,moved", help="shapes sent to orchestrator (cli, moved)")

@@ -1,6 +1,6 @@
 """Helpers for the tests that run real agent clients against a live server: a recorder of the requests they
-send, the server's refusal and token counters, the captured request shapes under bench/captures/, and README.md's
-code blocks for each client (what a test runs is what the README documents)."""
+send, the server's refusal and token counters, the captured request shapes under tests/fixtures/captures/, and
+README.md's code blocks for each client (what a test runs is what the README documents)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from orchestrator.runtime import Runtime
 
 from .conftest import LiveServer, make_config
 
-CAPTURES = Path(__file__).resolve().parent.parent / "bench" / "captures"
+CAPTURES = Path(__file__).resolve().parent / "fixtures" / "captures"
 
 
 class Recorder:
@@ -57,7 +57,7 @@ def counters(url: str) -> dict[str, float]:
 
 
 def capture(client: str, name: str) -> dict:
-    """A captured request (method, path, headers, body) of bench/captures/<client>/<name>.json."""
+    """A captured request (method, path, headers, body) of tests/fixtures/captures/<client>/<name>.json."""
     return json.loads((CAPTURES / client / f"{name}.json").read_text())
 
 

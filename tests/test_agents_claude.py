@@ -10,7 +10,7 @@ then a short text, stop reason end_turn); everything before them (parsing, rende
 generation itself) is the real run, and the same requests are then checked against cold runs of the model.
 
 What the CLI sends (system[0] a billing line, messages[1] a system message, thinking adaptive with display
-omitted, context_management, output_config, a deferred tool) is captured in bench/captures/claude-code/."""
+omitted, context_management, output_config, a deferred tool) is captured in tests/fixtures/captures/claude-code/."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """pi (the real CLI at the version tests/agents/package-lock.json pins) with a model marked "reasoning": true, and
-aider's two-prompt session replayed from its captured requests (bench/captures/aider/), against a live server on
-loopback (tiny model). pi's request (reasoning_effort "medium") is served and its cached answer equals the cold
-run; aider's second turn restores at least through the message before the one it rewrote."""
+aider's two-prompt session replayed from its captured requests (tests/fixtures/captures/aider/), against a live
+server on loopback (tiny model). pi's request (reasoning_effort "medium") is served and its cached answer equals the
+cold run; aider's second turn restores at least through the message before the one it rewrote."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What Claude Code 2.1.x sends to /v1/messages (captured: bench/captures/claude-code/), field by field, on a live
-server (tiny model): the billing line left out of the prompt, messages[1] with role system rendered where it
+"""What Claude Code 2.1.x sends to /v1/messages (captured: tests/fixtures/captures/claude-code/), field by field, on a
+live server (tiny model): the billing line left out of the prompt, messages[1] with role system rendered where it
 stands, context_management's thinking edits, output_config's effort, deferred tools and tool references,
 thinking blocks whose signature carries an omitted display back, every thinking display it asks for, and what it
 sends in its other modes (stream-json output, --resume, /compact, sub-agents)."""
@@ -20,8 +20,8 @@ from .agent_support import capture
 from .conftest import scripted
 
 TURN1, TURN2 = capture("claude-code", "turn1")["body"], capture("claude-code", "turn2")["body"]
-# its other modes (bench/captures/README.md): -p --output-format stream-json --verbose (display "updates"), then
-# -c -p with it, --resume <id> -p, -c -p "/compact"; and a sub-agent's request with its parent's next one
+# its other modes (tests/fixtures/captures/README.md): -p --output-format stream-json --verbose (display "updates"),
+# then -c -p with it, --resume <id> -p, -c -p "/compact"; and a sub-agent's request with its parent's next one
 MODES = ("stream-json-turn1", "resume-turn3", "compact", "subagent", "subagent-parent-turn2")
 TOOL = {"name": "lookup", "description": "Look a word up", "input_schema": {"type": "object", "properties": {
     "word": {"type": "string"}}}}

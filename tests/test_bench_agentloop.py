@@ -87,42 +87,6 @@ def _turn(agent, turn, sent, ttft, total, prompt, cached, comp, ok=True):
             "cached_tokens": cached, "completion_tokens": comp, "ok": ok, "tool_calls": 0, "max_tokens": 128}
 
 
-def test_after_generation_figures_from_events_and_turns():
-    events = [
-        # request A finished at t=10: STORE of 300 tokens from 100 s, two chunks, the second cut short
-        {"ev": "after", "task": 1, "t0": 10.0, "t1": 10.1, "cpu_s": 0.05, "store": True, "prompt": 1000,
-         "generated": 200, "work": 1200, "start": 900},
-        {"ev": "chunk", "task": 1, "seq": 0, "t0": 10.1, "t1": 11.1, "cpu_s": 1.9, "tokens": 128},
-        {"ev": "chunk", "task": 1, "seq": 0, "t0": 11.1, "t1": 12.1, "cpu_s": 2.0, "tokens": 128},
-        # request B stored nothing
-        {"ev": "after", "task": 2, "t0": 20.0, "t1": 20.01, "cpu_s": 0.01, "store": False, "prompt": 500,
-         "generated": 50, "work": 0, "start": None},
-        # request C: a prompt-end STORE (work == prompt), completed, then taken over
-        {"ev": "after", "task": 3, "t0": 30.0, "t1": 30.0, "cpu_s": 0.0, "store": True, "prompt": 700,
-         "generated": 10, "work": 700, "start": 690},
-        {"ev": "chunk", "task": 3, "seq": 1, "t0": 30.0, "t1": 30.5, "cpu_s": 1.0, "tokens": 10},
-        {"ev": "take_over", "task": 9, "t": 30.2, "depth": 690},
-    ]
-    turns = [
-        _turn(1, 1, 0.0, 5.0, 10.0, 1000, 0, 200),
-        _turn(1, 2, 10.6, 1.0, 3.0, 1500, 1150, 100),   # arrived during STORE 1; restored 150 beyond prompt 1000
-        _turn(2, 1, 12.5, 2.0, 4.0, 800, 0, 50),        # arrived after STORE 1 ended
-        _turn(2, 2, 30.2, 0.5, 1.0, 900, 690, 10),      # arrived during STORE 3; nothing beyond prompt 800
-    ]
-    a = agentloop.after_generation(events, turns)
-    assert abs(a["cpu_s"] - (0.05 + 1.9 + 2.0 + 0.01 + 1.0)) < 1e-9
-    assert a["tokens"] == 266 and a["stores"] == 2 and a["finished"] == 3
-    assert (a["stores_answer"], a["stores_prompt_end"]) == (1, 1)
-    assert (a["stores_completed"], a["stores_cut"]) == (1, 1)   # 256 of 300 planned tokens: cut
-    assert (a["taken_over"], a["taken_over_tokens"]) == (1, 690)
-    assert a["restored_tokens"] == 150 and a["requests_restoring"] == 1
-    assert abs(a["restored_share"] - 150 / 266) < 1e-9
-    assert a["arrived_during"] == 2
-    assert abs(a["ttft_during_mean_s"] - 0.75) < 1e-9 and abs(a["ttft_other_mean_s"] - 3.5) < 1e-9
-    # request (1,2) waited [10.6, 11.6]: 0.5 s of chunk 1 and 0.5 s of chunk 2; (2,2) [30.2, 30.7]: 0.3 s
-    assert abs(a["store_in_ttft_max_s"] - 1.0) < 1e-9 and abs(a["store_in_ttft_sum_s"] - 1.3) < 1e-9
-
-
 def _run(system, rep, walls, ttfts, workload="W4"):
     agents = []
     for i, (w, t) in enumerate(zip(walls, ttfts), start=1):
@@ -151,8 +115,14 @@ def test_summary_aggregate_and_report():
     failed = _run("orchestrator", 3, [1.0], [1.0])
     failed["agents"][0]["turns"][0]["ok"] = False
     assert agentloop.summarize_run(failed)["ok"] is False
+    runs[0]["metrics"] = {'orchestrator_after_generation_total{outcome="answer"}': 3.0,
+                          "orchestrator_request_phase_seconds_sum": 9.0}
+    sums = [agentloop.summarize_run(r) for r in runs]
+    assert sums[0]["after"] == {'orchestrator_after_generation_total{outcome="answer"}': 3.0}
+    assert "after" not in sums[1]
     md = agentloop.markdown(sums, runs, {"loops": {"W4": {"description": "d"}}})
     assert "## W4: the agent tool loop" in md
+    assert '| orchestrator | 1 | _total{outcome="answer"}=3 |' in md
     assert "| orchestrator | 2 | 42.5 [35.0, 50.0] |" in md
     assert "0.61×" in md  # 42.5 / 70
 
@@ -174,8 +144,8 @@ def test_w4_commands_give_every_slot_the_same_context():
     assert tuned[tuned.index("-c") + 1] == str(3 * 12288) and "--ctx-checkpoints" in tuned and "-sps" not in tuned
     w1 = command(SYSTEMS["llama-server"], m, 1, 2, 8192, None, Path("/t"), "W1")
     assert w1[w1.index("-c") + 1] == "8192" and np_flag(w1) == 0  # W1-W3 unchanged: automatic slots
-    orch = command(SYSTEMS["orchestrator"], m, 1, 2, 12288, 4096, Path("/t"), "W4", instrument=True)
-    assert orch[1].endswith("bench/orchestrator_instrumented.py") and orch[2] == "serve"
+    orch = command(SYSTEMS["orchestrator"], m, 1, 2, 12288, 4096, Path("/t"), "W4")
+    assert orch[1:4] == ["-m", "orchestrator", "serve"]
     assert orch[orch.index("-c") + 1] == "12288"
     assert before_system(Path("/tmp/b")).root == "/tmp/b"
 

@@ -64,7 +64,7 @@ ACCEPTED = [  # what OpenAI-compatible clients send, with values the server hono
     {"max_completion_tokens": 3}, {"top_p": 0.9, "top_k": 20, "min_p": 0.0, "seed": 7}, {"stop": ["\n\n"]},
     {"n": None, "logprobs": None, "reasoning_effort": None, "stream": None, "temperature": None},
     # hints and effort (server/fields.py): the hosted API takes them and they change nothing here or map to the
-    # thinking switch (pi sends reasoning_effort "medium" with store false: bench/captures/pi/)
+    # thinking switch (pi sends reasoning_effort "medium" with store false: tests/fixtures/captures/pi/)
     {"store": True}, {"service_tier": "flex"}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"},
     {"reasoning_effort": "medium", "store": False},
 ]

@@ -1,5 +1,5 @@
 """OpenAI's Responses API (POST /v1/responses): the translation of input items and tools into the messages the
-prompt builder renders (unit tests on the captured client requests, bench/captures/), and the route through the
+prompt builder renders (unit tests on the captured client requests, tests/fixtures/captures/), and the route through the
 official openai client on a live server (tiny model): output items, usage with cached_tokens, the stream's events
 as the SDK parses them, tool calls (scripted), and errors naming the field. Every cached answer is compared with
 the same request run cold (the extension field cache_prompt: false)."""
@@ -20,7 +20,7 @@ from server.schemas import parse_chat, thinking_from_effort
 
 from .conftest import scripted
 
-CAPTURES = Path(__file__).parent.parent / "bench" / "captures"
+CAPTURES = Path(__file__).parent / "fixtures" / "captures"
 INSTRUCTIONS = "You are the help desk of a public library. Answer in one short sentence and cite the shelf. " * 3
 TOOL = {"type": "function", "name": "find_book", "description": "Find a book in the catalogue", "strict": True,
         "parameters": {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"],

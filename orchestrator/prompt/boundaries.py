@@ -83,7 +83,7 @@ class Boundaries:
         message's start (the message end before the last, None if there is none) is kept too, but after the
         thinning, so that it moves no other stop: it is where a client that rewrites its latest message diverges
         on the next turn (aider appends its instructions to the current user message and sends that message back
-        without them: bench/captures/aider/)."""
+        without them: tests/fixtures/captures/aider/)."""
         def inside(p: int | None) -> bool:
             return p is not None and 0 < p < n_prompt
 

@@ -1,5 +1,5 @@
 """Two turns of an OpenAI Agents SDK agent (its default model: the Responses API) with one function tool, against
-the server at URL (e.g. http://127.0.0.1:PORT/v1):  python bench/captures/openai_agents_session.py URL"""
+the server at URL (e.g. http://127.0.0.1:PORT/v1):  python bench/capture/openai_agents_session.py URL"""
 import asyncio, sys
 from openai import AsyncOpenAI
 from agents import Agent, Runner, function_tool, set_default_openai_client, set_tracing_disabled
