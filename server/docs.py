@@ -113,7 +113,7 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "metadata": _nullable({"type": "object"}),
         "n": _nullable({"type": "integer", "minimum": 1, "maximum": cfg.max_choices,
                         "description": "choices from one prefill; choice i is sampled with seed + i"}),
-        # accepted with their default value only (server/schemas.py DEFAULT_ONLY)
+        # accepted with their default value only (server/protocols/openai.py DEFAULT_ONLY)
         "best_of": _nullable({"const": 1}),
         "presence_penalty": _nullable({"const": 0}),
         "frequency_penalty": _nullable({"const": 0}),
@@ -133,7 +133,7 @@ def _request(props: dict[str, dict], endpoint: str, required: list[str]) -> dict
 
 
 def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
-    """JSON schema of every field in server/anthropic.py's FIELDS (/v1/messages and its count_tokens)."""
+    """JSON schema of every field in server/protocols/anthropic.py's FIELDS (/v1/messages and its count_tokens)."""
     cache_control = {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
         "type": {"const": "ephemeral"}, "ttl": {"enum": ["5m", "1h"]}},
         "description": "a caller-chosen snapshot boundary where this block ends"}
@@ -211,7 +211,8 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_BUDGET},
         "stop_sequences": {"type": "array", "maxItems": 16, "items": {"type": "string"}},
         "stream": {"type": "boolean"},
-        "temperature": {"type": "number", "minimum": anthropic.TEMPERATURE[0], "maximum": anthropic.TEMPERATURE[1]},
+        "temperature": {"type": "number", "minimum": anthropic.TEMPERATURE[0],
+                        "maximum": anthropic.TEMPERATURE[1]},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
         "top_k": {"type": "integer", "minimum": 0, "maximum": 1 << 20},
         "metadata": {"type": "object"},
@@ -224,7 +225,7 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
 
 
 def _responses_request(cfg: Config) -> dict:
-    """The /v1/responses request: every field in server/responses.py's FIELDS (refused ones are left out, so
+    """The /v1/responses request: every field in server/protocols/responses.py's FIELDS (refused ones are left out, so
     `additionalProperties: false` covers them)."""
     text = {"type": "string"}
     part = {"type": "object", "required": ["type"], "properties": {

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from orchestrator.errors import InvalidRequest
-from server.anthropic import parse_messages
-from server.context_edits import EDIT, PLACEHOLDER, ClearToolUses
+from server.protocols.anthropic import parse_messages
+from server.protocols.context_edits import EDIT, PLACEHOLDER, ClearToolUses
 
 TOOLS = [{"name": "read_file", "description": "Read a file", "input_schema": {
              "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},

@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.engine import SamplingParams
 from orchestrator.request import Job
-from server.schemas import parse_chat
+from server.protocols.openai_chat import parse_chat
 
 from .conftest import LiveServer
 

@@ -57,8 +57,8 @@ from .. import fields
 from ..conversation import BREAKPOINT, conversation
 from ..errors import anthropic_payload
 from ..fields import HINT, HONOURED, REFUSED, Rule
-from ..validate import (GenerationOptions, bad, body_fields, check_prompt_size, identities, json_object, mapping, options,
-                        stops, thinking_from_effort)
+from ..validate import (GenerationOptions, bad, body_fields, check_prompt_size, identities, json_object, mapping,
+                        options, thinking_from_effort)
 from .base import ChatCall, Encoder, Reading, Sse, timings
 from .context_edits import EDIT as CLEAR_TOOL_USES
 from .context_edits import ClearToolUses
@@ -129,7 +129,7 @@ def _cache_control(block: dict, p: str) -> bool:
             or set(cc) - {"type", "ttl"}:
         name = f"{p}.cache_control" if p else "cache_control"
         raise bad(f"'{name}' must be {{\"type\": \"ephemeral\"}}, optionally with \"ttl\" \"5m\" or \"1h\"",
-                   name)
+                  name)
     return True
 
 
@@ -161,7 +161,7 @@ def _text_blocks(content: Any, p: str) -> list[dict]:
         q = f"{p}[{j}]"
         if _kind(block, q) != "text":
             raise bad(f"'{q}.type' must be \"text\", got {json.dumps(block['type'])[:40]} (images and documents "
-                       f"are not supported)", f"{q}.type")
+                      f"are not supported)", f"{q}.type")
         parts.append(_text_part(block, q))
     return parts
 
@@ -227,7 +227,7 @@ def _user(m: dict, p: str, blocks: list, conv: list[dict], origin: list, deferre
             origin.append((q, []))
         else:
             raise bad(f"'{q}.type' {json.dumps(kind)[:40]} is not supported in a user message: text and "
-                       f"tool_result blocks are (images and documents are not)", f"{q}.type")
+                      f"tool_result blocks are (images and documents are not)", f"{q}.type")
     if texts:
         conv.append({"role": "user", "content": texts})
         origin.append((p, []))
@@ -264,7 +264,7 @@ def _assistant(m: dict, p: str, blocks: list, conv: list[dict], origin: list, ke
             mark_end |= _cache_control(block, q)
         else:
             raise bad(f"'{q}.type' {json.dumps(kind)[:40]} is not supported in an assistant message: text, "
-                       f"thinking, redacted_thinking and tool_use blocks are", f"{q}.type")
+                      f"thinking, redacted_thinking and tool_use blocks are", f"{q}.type")
     if mark_end:  # a mark on a block that is not text: the end of the message
         parts.append({"type": "text", "text": "", "prompt_cache_breakpoint": _MARK})
     msg: dict[str, Any] = {"role": "assistant", "content": parts}
@@ -313,7 +313,7 @@ def _convert(body: dict, max_messages: int, keep_thinking: int | None, deferred:
         raise bad("'messages' must be a non-empty list", "messages")
     if len(raw) > max_messages:
         raise bad(f"'messages' holds {len(raw)} messages; this server accepts at most {max_messages} "
-                   f"(--max-messages)", "messages")
+                  f"(--max-messages)", "messages")
     kept = _thinking_turns(raw, keep_thinking)
     for i, m in enumerate(raw):
         p = f"messages[{i}]"
@@ -322,7 +322,7 @@ def _convert(body: dict, max_messages: int, keep_thinking: int | None, deferred:
         role = m.get("role")
         if role not in ("user", "assistant", "system"):
             raise bad(f"'{p}.role' must be \"user\", \"assistant\" or \"system\"; got {json.dumps(role)[:40]}",
-                       f"{p}.role")
+                      f"{p}.role")
         content = m.get("content")
         if isinstance(content, str):
             blocks = [{"type": "text", "text": content}]
@@ -340,7 +340,7 @@ def _convert(body: dict, max_messages: int, keep_thinking: int | None, deferred:
     if raw[-1]["role"] == "assistant":
         p = f"messages[{len(raw) - 1}].role"
         raise bad(f"'{p}': the last message must be a user message; continuing a partial assistant message "
-                   f"(prefill) is not supported", p)
+                  f"(prefill) is not supported", p)
     return conv, origin
 
 
@@ -348,7 +348,7 @@ def _context_management(raw: Any) -> tuple[int | None, ClearToolUses | None]:
     """context_management -> (how many of the latest assistant turns with thinking keep it (None: all), the
     tool-result clearing to apply once the prompt is rendered), as Anthropic documents the edits
     (platform.claude.com/docs/en/build-with-claude/context-editing): clear_thinking_20251015 with `keep` "all" or
-    {"type": "thinking_turns", "value": N} (default 1); clear_tool_uses_20250919 (server/context_edits.py)."""
+    {"type": "thinking_turns", "value": N} (default 1); clear_tool_uses_20250919 (context_edits.py)."""
     if raw is None:
         return None, None
     if not isinstance(raw, dict) or not isinstance(raw.get("edits", []), list) or set(raw) - {"edits"}:
@@ -365,7 +365,7 @@ def _context_management(raw: Any) -> tuple[int | None, ClearToolUses | None]:
             n = value.get("value") if isinstance(value, dict) and value.get("type") == "thinking_turns" else None
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise bad(f"'{q}.keep' must be \"all\" or {{\"type\": \"thinking_turns\", \"value\": N}}",
-                           f"{q}.keep")
+                          f"{q}.keep")
             keep = n if keep is None else min(keep, n)
         elif kind == CLEAR_TOOL_USES:
             if clear is not None:
@@ -373,7 +373,7 @@ def _context_management(raw: Any) -> tuple[int | None, ClearToolUses | None]:
             clear = ClearToolUses.parse(edit, q)
         else:
             raise bad(f"'{q}.type' must be clear_thinking_20251015 or {CLEAR_TOOL_USES}; got "
-                       f"{json.dumps(kind)[:60]}", f"{q}.type")
+                      f"{json.dumps(kind)[:60]}", f"{q}.type")
     return keep, clear
 
 
@@ -387,7 +387,7 @@ def _output_config(raw: Any) -> bool | None:
     for key in raw:
         if key not in ("effort", "format") and raw[key] is not None:
             raise bad(f"'output_config.{str(key)[:40]}' is not supported: effort and format are",
-                       f"output_config.{key}")
+                      f"output_config.{key}")
     return thinking_from_effort(raw.get("effort"), "output_config.effort")
 
 
@@ -442,7 +442,7 @@ def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, str]]:
             raise bad(f"'{q}' must be an object", q)
         if t.get("type") not in (None, "custom"):
             raise bad(f"'{q}.type' {json.dumps(t['type'])[:60]} is a server tool, which this server does not run; "
-                       f"client tools (\"custom\", or no type) are supported", f"{q}.type")
+                      f"client tools (\"custom\", or no type) are supported", f"{q}.type")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise bad(f"'{q}.name' must be a non-empty string", f"{q}.name")
         if not isinstance(t.get("input_schema"), dict):
@@ -471,13 +471,13 @@ def _tool_choice(raw: Any, tools: list[dict] | None) -> tuple[str, str | None, b
         return "auto", None, True
     if not isinstance(raw, dict) or raw.get("type") not in TOOL_CHOICES:
         raise bad("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"} (with \"name\" for "
-                   "\"tool\")", "tool_choice")
+                  "\"tool\")", "tool_choice")
     if raw.get("disable_parallel_tool_use") is not None and not isinstance(raw["disable_parallel_tool_use"], bool):
         raise bad("'tool_choice.disable_parallel_tool_use' must be true or false",
-                   "tool_choice.disable_parallel_tool_use")
+                  "tool_choice.disable_parallel_tool_use")
     if raw["type"] == "tool" and not any(t["function"]["name"] == raw.get("name") for t in tools or ()):
         raise bad(f"'tool_choice.name' names the tool {json.dumps(raw.get('name'))[:60]}, which is not in 'tools'",
-                   "tool_choice.name")
+                  "tool_choice.name")
     choice = {"auto": "auto", "none": "none"}.get(raw["type"], "required")
     return choice, raw.get("name") if raw["type"] == "tool" else None, not raw.get("disable_parallel_tool_use")
 
@@ -488,12 +488,12 @@ def _thinking(raw: Any) -> tuple[bool, bool]:
         return False, False
     if not isinstance(raw, dict) or raw.get("type") not in THINKING:
         raise bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} or "
-                   "{\"type\": \"disabled\"}", "thinking")
+                  "{\"type\": \"disabled\"}", "thinking")
     if raw.get("display") not in (None,) + THINKING_DISPLAY:
         # ends in the hosted API's wording, which Claude Code reads to retry without the field
         raise bad(f"'thinking.display' {json.dumps(raw['display'])[:40]} is not a display: thinking.{raw['type']}"
-                   f".display: Input should be " + ", ".join(f"'{d}'" for d in THINKING_DISPLAY[:-1])
-                   + f" or '{THINKING_DISPLAY[-1]}'", "thinking.display")
+                  f".display: Input should be " + ", ".join(f"'{d}'" for d in THINKING_DISPLAY[:-1])
+                  + f" or '{THINKING_DISPLAY[-1]}'", "thinking.display")
     if raw["type"] == "enabled":
         budget = raw.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:

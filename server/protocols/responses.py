@@ -155,7 +155,7 @@ def _kind(item: Any, p: str) -> str:
     kind = item.get("type", "message" if "role" in item else None)
     if not isinstance(kind, str):
         raise bad(f"'{p}.type' must be a string (message, function_call, function_call_output, reasoning, ...)",
-                   f"{p}.type")
+                  f"{p}.type")
     return kind
 
 
@@ -171,7 +171,7 @@ def _text(parts: Any, p: str, allowed: tuple[str, ...]) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in allowed:
             raise bad(f"'{q}.type' must be one of {', '.join(allowed)}, got {json.dumps(kind)[:40]} (images, files "
-                       f"and audio are not supported)", f"{q}.type")
+                      f"and audio are not supported)", f"{q}.type")
         key = "refusal" if kind == "refusal" else "text"
         if not isinstance(part.get(key), str):
             raise bad(f"'{q}.{key}' must be a string", f"{q}.{key}")
@@ -226,7 +226,7 @@ def _reasoning_text(item: dict, p: str) -> str:
     for j, s in enumerate(parts):
         if not isinstance(s, dict) or s.get("type") != "text" or not isinstance(s.get("text"), str):
             raise bad(f"'{p}.summary[{j}]' must be {{\"type\": \"summary_text\", \"text\": \"...\"}}",
-                       f"{p}.summary[{j}]")
+                      f"{p}.summary[{j}]")
     return "\n\n".join(s["text"] for s in parts)
 
 
@@ -253,7 +253,7 @@ def _convert(body: dict, max_messages: int) -> _Turns:
         raise bad("'input' must be a string or a non-empty list of input items", "input")
     if len(raw) > max_messages:
         raise bad(f"'input' holds {len(raw)} items; this server accepts at most {max_messages} (--max-messages)",
-                   "input")
+                  "input")
     for i, item in enumerate(raw):
         p = f"input[{i}]"
         kind = _kind(item, p)
@@ -261,7 +261,7 @@ def _convert(body: dict, max_messages: int) -> _Turns:
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
                 raise bad(f"'{p}.role' must be system, developer, user or assistant; got {json.dumps(role)[:40]}",
-                           f"{p}.role")
+                          f"{p}.role")
             if role == "assistant":
                 text = _text(item.get("content"), f"{p}.content", ("output_text", "input_text", "refusal"))
                 turns.assistant(p, "content")["content"] += text
@@ -290,8 +290,8 @@ def _convert(body: dict, max_messages: int) -> _Turns:
             turns.add({"role": "tool", "tool_call_id": call_id, "content": output}, p)
         else:
             raise bad(f"'{p}.type' {json.dumps(kind)[:60]} is not supported: this server takes message, reasoning, "
-                       f"function_call(_output) and custom_tool_call(_output) items (it runs no hosted tools and "
-                       f"stores no items to refer to)", f"{p}.type")
+                      f"function_call(_output) and custom_tool_call(_output) items (it runs no hosted tools and "
+                      f"stores no items to refer to)", f"{p}.type")
     return turns
 
 
@@ -321,7 +321,7 @@ def _function(t: dict, q: str, prefix: str) -> tuple[dict, str]:
         fmt = t.get("format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar")):
             raise bad(f"'{q}.format' must be {{\"type\": \"text\"}} or {{\"type\": \"grammar\", ...}}",
-                       f"{q}.format")
+                      f"{q}.format")
         fn["parameters"] = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
     else:
         params = t.get("parameters")
@@ -372,8 +372,8 @@ def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, ToolName]]:
             log.debug("/v1/responses: %s is a %s tool, which this server cannot run: not rendered", q, kind)
         else:
             raise bad(f"'{q}.type' {json.dumps(kind)[:60]} is not supported: function, custom and namespace tools are "
-                       f"rendered; the hosted types {', '.join(HOSTED)} are accepted and not offered to the model",
-                       f"{q}.type")
+                      f"rendered; the hosted types {', '.join(HOSTED)} are accepted and not offered to the model",
+                      f"{q}.type")
     return out or None, names
 
 
@@ -388,14 +388,14 @@ def _tool_choice(raw: Any, names: dict[str, ToolName]) -> tuple[str, str | None]
         full = f"{ns}{SEP}{name}" if isinstance(ns, str) and ns else name
         if not isinstance(full, str) or full not in names or names[full].kind != kind:
             raise bad(f"'tool_choice.name' names the {kind} tool {json.dumps(full)[:60]}, which is not in 'tools'",
-                       "tool_choice.name")
+                      "tool_choice.name")
         return "required", full
     if kind in HOSTED or kind in ("allowed_tools", "mcp"):
         raise bad(f"'tool_choice' {json.dumps(kind)[:40]} is not supported: it forces (or restricts to) tools this "
-                   f"server does not offer the model; \"auto\", \"none\", \"required\" and a named function or custom "
-                   f"tool are", "tool_choice")
+                  f"server does not offer the model; \"auto\", \"none\", \"required\" and a named function or custom "
+                  f"tool are", "tool_choice")
     raise bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...}",
-               "tool_choice")
+              "tool_choice")
 
 
 # ------------------------------------------------------------------ the request
@@ -446,10 +446,10 @@ def _check_fields(body: dict) -> None:
         for v in include:
             if v not in INCLUDE_NOTHING:
                 raise bad(f"'include' value {json.dumps(v)[:60]} is not supported (log-probabilities are returned "
-                           f"by /v1/chat/completions); accepted: {', '.join(INCLUDE_NOTHING)}", "include")
+                          f"by /v1/chat/completions); accepted: {', '.join(INCLUDE_NOTHING)}", "include")
     if number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0, integer=True):
         raise bad("'top_logprobs' must be 0 or null on /v1/responses (log-probabilities are returned by "
-                   "/v1/chat/completions)", "top_logprobs")
+                  "/v1/chat/completions)", "top_logprobs")
     if body.get("truncation") not in (None, "auto", "disabled"):
         raise bad("'truncation' must be \"auto\" or \"disabled\"", "truncation")
     boolean(body, "parallel_tool_calls")
