@@ -147,7 +147,7 @@ def options(body: dict, cfg: Config, budget: tuple[str, ...] = ("max_tokens", "m
     stream_options = mapping(body, "stream_options") or {}
     if not isinstance(stream_options.get("include_usage", False), bool):
         raise bad("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
-    temp = number(body, "temperature", *temperature, 1.0)
+    temp = number(body, "temperature", float(temperature[0]), float(temperature[1]), 1.0)
     seed = number(body, "seed", *SEED, 0, integer=True)
     sampling = SamplingParams(
         temperature=float(temp),
