@@ -1,6 +1,6 @@
 """Render chat requests exactly as orchestrator's server does, and tokenize them, without loading the weights.
 
-The prompt text is what `server.schemas.parse_chat` + `orchestrator.template.ChatTemplate` produce from the
+The prompt text is what `server.protocols.openai_chat.parse_chat` + `orchestrator.template.ChatTemplate` produce from the
 GGUF's own chat template (the same code path as `POST /v1/chat/completions`); tokens are llama.cpp's
 (`llama_tokenize`, special tokens parsed, BOS only where the vocabulary asks for one and the text lacks it),
 from a vocab-only load of the same GGUF. These token ids are the oracle's input and the prompt that
@@ -17,7 +17,7 @@ from pathlib import Path
 import llama_cpp
 
 from orchestrator.prompt.template import ChatTemplate
-from server.schemas import parse_chat
+from server.protocols.openai_chat import parse_chat
 
 
 class Renderer:

@@ -173,8 +173,8 @@ FIRST_OUTPUT = ("content_block_start", "response.output_item.added")
 def _delta_text(kind: str, obj: dict) -> str:
     """A streamed event's part of the answer. A thinking block's `signature_delta` is part of it: with display
     "omitted" (as Claude Code asks) the thinking travels only there (this server's signature holds it,
-    server/anthropic.py `signature`), so without it a warm and a cold answer of nothing but thinking would
-    compare equal whatever they thought."""
+    server/protocols/anthropic.py `signature`), so without it a warm and a cold answer of nothing but thinking
+    would compare equal whatever they thought."""
     if kind == "content_block_delta":
         d = obj.get("delta") or {}
         return d.get("text") or d.get("thinking") or d.get("partial_json") or d.get("signature") or ""

@@ -167,6 +167,9 @@ class Result:
     phases: dict[str, float] = field(default_factory=dict)  # the breakdown of total_s (and of the prompt's
     #   preparation before it), seconds by phase: `Task.result` lists them in order
     index: int = 0  # the choice (0..n-1); choices i > 0 report choice 0's restore and prefill as theirs
+    stop_sequence: str | None = None  # the stop string that ended `text` (finish_reason "stop"), if one did
+    token_ends: list[int] = field(default_factory=list)  # per completion token, the characters of `text` through
+    #   it (TextStream.ends): how many tokens a span of the text took, without tokenizing it again
 
     @property
     def cut(self) -> bool:
@@ -358,7 +361,8 @@ class Task:
             prefill_s=c.prefilled - c.restored,
             ttft_s=c.first_token - c.submitted if c.first_token is not None else total, total_s=total,
             snapshots_saved=r.saved, snapshot_s=r.snapshot_s, first_logits=self.first_logits,
-            slot=self.slot.seq, logprobs=self.logprobs, phases=phases, index=self.index)
+            slot=self.slot.seq, logprobs=self.logprobs, phases=phases, index=self.index,
+            stop_sequence=self.stream.matched, token_ends=self.stream.ends)
 
 
 class RetryAfter:

@@ -11,11 +11,9 @@ is one of:
   value would change the answer and the server cannot honour it (penalties, logit_bias, best_of, suffix);
 * REFUSED: a known field the server never honours (it would run something the server does not have).
 
-A field in no table is refused by name too, so a client never believes an unknown setting took effect.
-server/schemas.py (chat and completions), server/anthropic.py (messages, count_tokens) and server/responses.py
-(responses) hold the tables;
-server/openapi.py publishes the same fields, and docs/api.md's field tables are `markdown(...)` of them
-(tests/test_fields.py checks both).
+A field in no table is refused by name too, so a client never believes an unknown setting took effect. Each
+protocol of server/protocols/ holds its table; server/docs.py publishes the same fields in /openapi.json and
+writes docs/api.md's field tables with `markdown`. This module imports nothing of server/.
 """
 
 from __future__ import annotations
@@ -75,31 +73,3 @@ def markdown(table: dict[str, Rule], route: str, title: str) -> str:
     rows = [f"| {title} | policy | what the server does |", "|---|---|---|"]
     rows += [f"| `{key}` | {_TITLES[rule.kind]} | {rule.note} |" for key, rule in table.items() if route in rule]
     return "\n".join(rows)
-
-
-def readme_tables() -> dict[str, str]:
-    """marker -> docs/api.md's generated table: one per route (chat, completions, messages, count_tokens)."""
-    from . import anthropic, responses, schemas  # they import this module
-
-    return {"chat": markdown(schemas.FIELDS, schemas.CHAT, "`/v1/chat/completions` field"),
-            "completions": markdown(schemas.FIELDS, schemas.COMPLETION, "`/v1/completions` field"),
-            "messages": markdown(anthropic.FIELDS, anthropic.MESSAGES, "`/v1/messages` field"),
-            "count_tokens": markdown(anthropic.FIELDS, anthropic.COUNT_TOKENS, "`/v1/messages/count_tokens` field"),
-            "responses": markdown(responses.FIELDS, responses.RESPONSES, "`/v1/responses` field")}
-
-
-def update_readme(text: str) -> str:
-    """`text` with each `<!-- fields:NAME -->` … `<!-- /fields -->` block replaced by readme_tables()[NAME]."""
-    for name, table in readme_tables().items():
-        start, end = f"<!-- fields:{name} -->\n", "<!-- /fields -->"
-        i = text.index(start) + len(start)
-        text = text[:i] + table + "\n" + text[text.index(end, i):]
-    return text
-
-
-if __name__ == "__main__":  # python -m server.fields docs/api.md: regenerate the field tables in place
-    import sys
-    from pathlib import Path
-
-    path = Path(sys.argv[1])
-    path.write_text(update_readme(path.read_text()))

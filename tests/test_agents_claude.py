@@ -20,8 +20,8 @@ import subprocess
 
 import pytest
 
-from server.anthropic import SIGNATURE_PREFIX, parse_messages
-from server.schemas import late_system_as_user
+from server.protocols.anthropic import SIGNATURE_PREFIX, parse_messages
+from server.conversation import late_system_as_user
 
 from .agent_support import counters, recorded_server
 from .conftest import assert_same_as_cold, scripted

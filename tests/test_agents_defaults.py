@@ -29,8 +29,8 @@ import pytest
 
 from orchestrator import cli
 from orchestrator.request import Event
-from server.responses import parse_responses
-from server.schemas import parse_chat
+from server.protocols.responses import parse_responses
+from server.protocols.openai_chat import parse_chat
 
 from .agent_support import README_URL, Recorder, counters, readme_blocks, recorded_server, shell_lines
 from .conftest import AGENTS_DIR

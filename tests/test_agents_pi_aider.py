@@ -12,7 +12,7 @@ import subprocess
 import httpx
 import pytest
 
-from server.schemas import parse_chat
+from server.protocols.openai_chat import parse_chat
 
 from .agent_support import capture, counters, recorded_server
 from .conftest import assert_same_as_cold

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from server.anthropic import parse_messages
-from server.schemas import parse_chat
+from server.protocols.anthropic import parse_messages
+from server.protocols.openai_chat import parse_chat
 
 from .conftest import scripted
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from orchestrator.reuse import spaced_stops
-from server.anthropic import SIGNATURE_PREFIX, parse_messages
-from server.schemas import late_system_as_user
+from server.protocols.anthropic import SIGNATURE_PREFIX, parse_messages
+from server.conversation import late_system_as_user
 
 from .agent_support import capture
 from .conftest import scripted

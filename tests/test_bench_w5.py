@@ -41,7 +41,7 @@ def test_moved_puts_every_system_text_first_and_keeps_the_rest_in_order():
 
 def test_an_omitted_thinking_blocks_signature_is_part_of_the_compared_answer():
     """Claude Code asks for thinking with display "omitted": the block's only content is its signature_delta,
-    which holds the thinking (server/anthropic.py), so W5's warm-against-cold comparison must see it."""
+    which holds the thinking (server/protocols/anthropic.py), so W5's warm-against-cold comparison must see it."""
     sig = {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "orchestrator1.eA"}}
     assert w5._delta_text("content_block_delta", sig) == "orchestrator1.eA"
     text = {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "hi"}}

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from server.schemas import parse_chat
+from server.protocols.openai_chat import parse_chat
 
 pytestmark = pytest.mark.usefixtures("fresh_cache")
 

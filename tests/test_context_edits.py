@@ -1,4 +1,4 @@
-"""Anthropic's tool-result clearing (context_management edit clear_tool_uses_20250919, server/context_edits.py):
+"""Anthropic's tool-result clearing (context_management edit clear_tool_uses_20250919, server/protocols/context_edits.py):
 the edit's fields and defaults, which tool uses it clears, and on a live server (tiny model) what the answer
 reports, count_tokens' original length, clear_at_least, and that the next turn restores the cleared prompt and
 equals its cold run."""
@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from orchestrator.errors import InvalidRequest
-from server.anthropic import parse_messages
-from server.context_edits import EDIT, PLACEHOLDER, ClearToolUses
+from server.protocols.anthropic import parse_messages
+from server.protocols.context_edits import EDIT, PLACEHOLDER, ClearToolUses
 
 TOOLS = [{"name": "read_file", "description": "Read a file", "input_schema": {
              "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},

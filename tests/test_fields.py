@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import InvalidRequest
-from server import anthropic, fields, schemas
+from server import docs, fields
+from server.protocols import anthropic, openai
 from server.fields import DEFAULT_ONLY, HINT, REFUSED
-from server.schemas import parse_chat, thinking_from_effort
+from server.protocols.openai_chat import parse_chat
+from server.validate import thinking_from_effort
 
 API_DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 MSGS = [{"role": "user", "content": "hi"}]
@@ -18,19 +20,19 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 def test_the_api_doc_tables_are_generated_from_the_policy():
     text = API_DOC.read_text()
-    assert fields.update_readme(text) == text, "run: python -m server.fields docs/api.md"
-    for name, table in fields.readme_tables().items():
+    assert docs.update_readme(text) == text, "run: python -m server.docs docs/api.md"
+    for name, table in docs.readme_tables().items():
         assert f"<!-- fields:{name} -->\n{table}\n<!-- /fields -->" in text
 
 
 def test_every_rule_is_complete():
-    for table in (schemas.FIELDS, anthropic.FIELDS):
+    for table in (openai.FIELDS, anthropic.FIELDS):
         for key, rule in table.items():
             assert rule.routes and rule.note, key
             assert (rule.accepts is not None) == (rule.kind == DEFAULT_ONLY), key
 
 
-@pytest.mark.parametrize("table,route,where", [(schemas.FIELDS, schemas.CHAT, "/v1/chat/completions"),
+@pytest.mark.parametrize("table,route,where", [(openai.FIELDS, openai.CHAT, "/v1/chat/completions"),
                                                (anthropic.FIELDS, anthropic.MESSAGES, "/v1/messages")])
 def test_hints_pass_refused_fields_and_unknown_ones_are_named(table, route, where):
     for key, rule in table.items():

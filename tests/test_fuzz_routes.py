@@ -35,9 +35,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from server import anthropic as anthropic_fields
-from server import responses as responses_fields
-from server import schemas as openai_fields
+from server.protocols import anthropic as anthropic_fields
+from server.protocols import responses as responses_fields
+from server.protocols import openai as openai_fields
 
 from .conftest import serve_process
 

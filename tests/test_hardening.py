@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator import cli
 from orchestrator.runtime import Runtime
-from server.schemas import DEFAULT_ONLY, FIELDS
+from server.protocols.openai import DEFAULT_ONLY, FIELDS
 
 from .conftest import LiveServer, make_config
 

@@ -12,12 +12,12 @@ from schemathesis import GenerationMode
 from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
                                  status_code_conformance)
 
-from server.openapi import openapi_schema
-from server.anthropic import COUNT_TOKENS, MESSAGES
-from server.anthropic import FIELDS as ANTHROPIC_FIELDS
+from server.docs import openapi_schema
+from server.protocols.anthropic import COUNT_TOKENS, MESSAGES
+from server.protocols.anthropic import FIELDS as ANTHROPIC_FIELDS
 from server.fields import REFUSED
-from server.responses import FIELDS as RESPONSES_FIELDS
-from server.schemas import CHAT, COMPLETION, FIELDS
+from server.protocols.responses import FIELDS as RESPONSES_FIELDS
+from server.protocols.openai import CHAT, COMPLETION, FIELDS
 
 from .conftest import serving
 

@@ -14,7 +14,7 @@ from orchestrator.errors import InvalidRequest
 from orchestrator.prompt.boundaries import MAX_BREAKPOINTS, BoundaryDetector, byte_offsets
 from orchestrator.prompt.control import CUT
 from orchestrator.prompt.template import ChatTemplate, templates_dir
-from server.schemas import MAX_NESTING, body_fields, check_nesting, check_prompt_size
+from server.validate import MAX_NESTING, body_fields, check_nesting, check_prompt_size
 
 
 def nested(depth: int):

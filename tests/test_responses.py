@@ -15,8 +15,9 @@ import openai
 import pytest
 
 from orchestrator.errors import InvalidRequest
-from server.responses import parse_responses
-from server.schemas import parse_chat, thinking_from_effort
+from server.protocols.responses import parse_responses
+from server.protocols.openai_chat import parse_chat
+from server.validate import thinking_from_effort
 
 from .conftest import scripted
 

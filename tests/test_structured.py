@@ -354,9 +354,9 @@ def test_engine_logits_are_untouched_by_the_grammar(runtime, fresh_cache):
 def test_grammar_errors_name_each_routes_own_field():
     """The same contradictory schema, given as chat's response_format, Responses' text.format and the Messages
     API's output_config.format: the 400 names the field the request used."""
-    from server.anthropic import parse_messages
-    from server.responses import parse_responses
-    from server.schemas import parse_chat
+    from server.protocols.anthropic import parse_messages
+    from server.protocols.responses import parse_responses
+    from server.protocols.openai_chat import parse_chat
 
     bad = {"type": "integer", "minimum": 5, "maximum": 1}
     chat = parse_chat({"model": "m", "messages": MSGS, "response_format": {

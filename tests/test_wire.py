@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from orchestrator.request import Job, SamplingParams
-from server.schemas import parse_chat
+from server.protocols.openai_chat import parse_chat
 
 from .conftest import LiveServer
 

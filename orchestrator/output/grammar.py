@@ -584,7 +584,7 @@ class _Converter(SchemaConverter):
 
 @dataclass(frozen=True)
 class Structure:
-    """A chat request's structured-output settings, validated (server/schemas.py).
+    """A chat request's structured-output settings, validated (server/protocols/).
 
     response: None (free text) or the JSON schema the reply must be valid against (`json_object`:
     {"type": "object"}; `json_schema`: its schema).

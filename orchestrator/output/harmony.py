@@ -56,7 +56,8 @@ def parse_harmony(text: str, parse_tools: bool = True) -> tuple[str, str | None,
 
 class HarmonyStreamParser:
     """Streams harmony text as ("reasoning", s) / ("content", s) pieces; tool-call bodies are held and parsed at
-    the end of their message. Same interface as parsing.StreamParser."""
+    the end of their message. Same interface as parsing.StreamParser (`reasoning_end`: characters of the pushed
+    text through the last reasoning piece, None while there is none)."""
 
     def __init__(self, parse_tools: bool = True) -> None:
         self.parse_tools = parse_tools
@@ -65,9 +66,12 @@ class HarmonyStreamParser:
         self.kind, self.name = "content", None
         self.tool_body = ""
         self.calls: list[dict] = []
+        self.pushed = 0  # characters pushed so far; `buf` is always their tail
+        self.reasoning_end: int | None = None
 
     def push(self, delta: str) -> list[tuple[str, str]]:
         self.buf += delta
+        self.pushed += len(delta)
         out: list[tuple[str, str]] = []
         while self.buf:
             if not self.in_body:
@@ -98,6 +102,8 @@ class HarmonyStreamParser:
             self.tool_body += text
         else:
             out.append((self.kind, text))
+            if self.kind == "reasoning":  # `text` is a prefix of `buf`
+                self.reasoning_end = self.pushed - len(self.buf) + len(text)
 
     def _end_message(self, out: list) -> None:
         if self.in_body and self.kind == "tool":

@@ -86,7 +86,9 @@ class StreamParser:
     """Routes streamed text deltas to ("reasoning", s) / ("content", s) pieces; holds tool-call text back.
 
     Tool calls are parsed once at the end (`finish`), from everything after the first call-start marker of
-    `fmt`. For harmony, use `make_stream_parser`.
+    `fmt`. For harmony, use `make_stream_parser`. `reasoning_end`: characters of the pushed text through the end
+    of the reasoning (its closing tag; all of it when generation ended inside it), None while no reasoning has
+    ended; after `finish`, None exactly where `parse` returns no reasoning (None).
     """
 
     def __init__(self, opens_reasoning: bool, parse_tools: bool = True, fmt: OutputFormat = QWEN35,
@@ -103,9 +105,12 @@ class StreamParser:
         self._held = ""  # trailing newlines not emitted yet
         self._started = False  # the current section has emitted text
         self._may_open_think = not opens_reasoning and fmt.think is not None
+        self.pushed = 0  # characters pushed so far; `buf` is always their tail
+        self.reasoning_end: int | None = None
 
     def push(self, delta: str) -> list[tuple[str, str]]:
         self.buf += delta
+        self.pushed += len(delta)
         out: list[tuple[str, str]] = []
         if self._may_open_think:  # a completion may itself open with <think>
             head = self.buf.lstrip()
@@ -128,6 +133,8 @@ class StreamParser:
                     self._end_section(out, self.buf[:i])
                 else:  # content up to a tool call: its trailing newlines are dropped only if the call parses
                     self._emit(out, self.buf[:i])
+                if self.in_reasoning:
+                    self.reasoning_end = self.pushed - len(self.buf) + i + len(tag)
                 self.buf = self.buf[i + len(tag):]
                 if self.in_reasoning:
                     self.in_reasoning = False
@@ -162,6 +169,8 @@ class StreamParser:
         """Flush held text; returns the last pieces and the tool calls (`cut`: generation stopped at its budget,
         so a call that does not parse is partial and dropped, as parse_tool_calls does)."""
         out: list[tuple[str, str]] = []
+        if self.in_reasoning:  # ended while thinking: all of it was reasoning
+            self.reasoning_end = self.pushed
         if self.in_tools:
             _, calls = parse_tool_calls(self.tool_text + self.buf, self.fmt, self.tools)
             if not calls and not cut:

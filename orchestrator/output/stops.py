@@ -23,12 +23,18 @@ def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
 
 @dataclass
 class TextStream:
-    """Accumulates token bytes; `stop` strings end the text (the stop string itself is not part of it)."""
+    """Accumulates token bytes; `stop` strings end the text (the stop string itself is not part of it).
+
+    matched: the stop string that ended the text (the one at the earliest position; of several there, the first
+    in `stop`), None while none has. ends: per pushed token, the characters of `text` through it when it was
+    pushed (nondecreasing; a token that holds part of a stop string may end past the final `text`)."""
 
     stop: tuple[str, ...] = ()
     text: str = ""  # all complete text so far (before any stop string)
     emitted: int = 0  # characters of `text` already returned
     stopped: bool = False
+    matched: str | None = None
+    ends: list[int] = field(default_factory=list)
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
 
@@ -37,7 +43,9 @@ class TextStream:
         if self.stopped:
             return ""
         self.text += self._decoder.decode(piece)
-        return self._release(final=False)
+        out = self._release(final=False)
+        self.ends.append(len(self.text))
+        return out
 
     def finish(self) -> str:
         """Flush at the end of generation: everything not yet emitted (incomplete UTF-8 becomes U+FFFD)."""
@@ -51,7 +59,7 @@ class TextStream:
                 i = self.text.find(s, max(0, self.emitted - len(s)))
                 if i >= 0:
                     self.text = self.text[:i]
-                    self.stopped = True
+                    self.stopped, self.matched = True, s
         limit = len(self.text)
         if not final and not self.stopped:  # hold back a tail that is a prefix of a stop string
             limit -= partial_suffix(self.text, self.stop)

@@ -1,9 +1,11 @@
-"""The OpenAPI 3.1 description of the server's routes, served at /openapi.json.
+"""The documents generated from the protocols: the OpenAPI 3.1 description served at /openapi.json, and the
+docs/api.md's field tables (`python -m server.docs docs/api.md` rewrites them in place).
 
-Hand-written, with the request limits of the running server's Config (max_tokens, messages). The request
-properties are exactly server/schemas.py's FIELDS and, for the Anthropic routes, server/anthropic.py's FIELDS,
-for /v1/responses server/responses.py's FIELDS (tests/test_openapi.py checks it), and
-`additionalProperties: false` says what the server does with anything else: 400.
+The OpenAPI document is hand-written, with the request limits of the running server's Config (max_tokens,
+messages). The request properties are exactly each protocol's FIELDS (server/protocols/openai.py for the OpenAI
+routes, anthropic.py, responses.py; tests/test_openapi.py checks it), and `additionalProperties: false` says what
+the server does with anything else: 400. docs/api.md's tables are `fields.markdown` of the same tables
+(tests/test_fields.py checks them).
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from typing import Any
 
 from orchestrator.config import Config
 
-from .anthropic import COUNT_TOKENS, MESSAGES
-from .anthropic import FIELDS as ANTHROPIC_FIELDS
-from .schemas import CHAT, COMPLETION, EFFORT_OFF, EFFORT_ON, FIELDS, MAX_BUDGET, MAX_ID_CHARS, MAX_TOP_LOGPROBS
-from . import responses as responses_api
+from .fields import markdown
+from .protocols import anthropic
+from .protocols import responses as responses_api
+from .protocols.anthropic import COUNT_TOKENS, MESSAGES
+from .protocols.anthropic import FIELDS as ANTHROPIC_FIELDS
+from .protocols.openai import CHAT, COMPLETION, FIELDS
+from .validate import EFFORT_OFF, EFFORT_ON, MAX_BUDGET, MAX_ID_CHARS, MAX_TOP_LOGPROBS, TEMPERATURE
 
 _NULL = {"type": "null"}
 
@@ -89,7 +94,7 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "echo": boolean,
         "max_tokens": max_tokens,
         "max_completion_tokens": max_tokens,
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "temperature": _nullable({"type": "number", "minimum": TEMPERATURE[0], "maximum": TEMPERATURE[1]}),
         "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
         "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 20}),
         "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
@@ -108,7 +113,7 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "metadata": _nullable({"type": "object"}),
         "n": _nullable({"type": "integer", "minimum": 1, "maximum": cfg.max_choices,
                         "description": "choices from one prefill; choice i is sampled with seed + i"}),
-        # accepted with their default value only (server/schemas.py DEFAULT_ONLY)
+        # accepted with their default value only (server/protocols/openai.py DEFAULT_ONLY)
         "best_of": _nullable({"const": 1}),
         "presence_penalty": _nullable({"const": 0}),
         "frequency_penalty": _nullable({"const": 0}),
@@ -128,7 +133,7 @@ def _request(props: dict[str, dict], endpoint: str, required: list[str]) -> dict
 
 
 def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
-    """JSON schema of every field in server/anthropic.py's FIELDS (/v1/messages and its count_tokens)."""
+    """JSON schema of every field in server/protocols/anthropic.py's FIELDS (/v1/messages and its count_tokens)."""
     cache_control = {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
         "type": {"const": "ephemeral"}, "ttl": {"enum": ["5m", "1h"]}},
         "description": "a caller-chosen snapshot boundary where this block ends"}
@@ -206,7 +211,8 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_BUDGET},
         "stop_sequences": {"type": "array", "maxItems": 16, "items": {"type": "string"}},
         "stream": {"type": "boolean"},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "temperature": {"type": "number", "minimum": anthropic.TEMPERATURE[0],
+                        "maximum": anthropic.TEMPERATURE[1]},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
         "top_k": {"type": "integer", "minimum": 0, "maximum": 1 << 20},
         "metadata": {"type": "object"},
@@ -219,7 +225,7 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
 
 
 def _responses_request(cfg: Config) -> dict:
-    """The /v1/responses request: every field in server/responses.py's FIELDS (refused ones are left out, so
+    """The /v1/responses request: every field in server/protocols/responses.py's FIELDS (refused ones are left out, so
     `additionalProperties: false` covers them)."""
     text = {"type": "string"}
     part = {"type": "object", "required": ["type"], "properties": {
@@ -265,7 +271,7 @@ def _responses_request(cfg: Config) -> dict:
                                                                  "summary": _nullable(summary),
                                                                  "generate_summary": _nullable(summary)}}),
         "max_output_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_BUDGET}),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "temperature": _nullable({"type": "number", "minimum": TEMPERATURE[0], "maximum": TEMPERATURE[1]}),
         "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable({"type": "object"}),
@@ -456,3 +462,30 @@ def openapi_schema(cfg: Config) -> dict:
                 "responses": _responses({"type": "object"})}},
         },
     }
+
+
+def readme_tables() -> dict[str, str]:
+    """marker -> docs/api.md's generated table: one per route (chat, completions, messages, count_tokens,
+    responses)."""
+    return {"chat": markdown(FIELDS, CHAT, "`/v1/chat/completions` field"),
+            "completions": markdown(FIELDS, COMPLETION, "`/v1/completions` field"),
+            "messages": markdown(ANTHROPIC_FIELDS, MESSAGES, "`/v1/messages` field"),
+            "count_tokens": markdown(ANTHROPIC_FIELDS, COUNT_TOKENS, "`/v1/messages/count_tokens` field"),
+            "responses": markdown(responses_api.FIELDS, responses_api.RESPONSES, "`/v1/responses` field")}
+
+
+def update_readme(text: str) -> str:
+    """`text` with each `<!-- fields:NAME -->` … `<!-- /fields -->` block replaced by readme_tables()[NAME]."""
+    for name, table in readme_tables().items():
+        start, end = f"<!-- fields:{name} -->\n", "<!-- /fields -->"
+        i = text.index(start) + len(start)
+        text = text[:i] + table + "\n" + text[text.index(end, i):]
+    return text
+
+
+if __name__ == "__main__":  # python -m server.docs docs/api.md: regenerate the field tables in place
+    import sys
+    from pathlib import Path
+
+    path = Path(sys.argv[1])
+    path.write_text(update_readme(path.read_text()))

@@ -1,11 +1,11 @@
 """OpenAI's Responses API (POST /v1/responses), stateless as Codex uses it (`store: false`, the whole input every
 turn), over the same prompt builder, reply shaper and scheduler as the other routes.
 
-A request is translated into the OpenAI-style messages that server/schemas.py's `conversation()` validates (so
+A request is translated into the OpenAI-style messages that server/conversation.py validates (so
 tool results are bound to their calls and leading system/developer text is merged the same way), and the answer
 back into Responses output items and stream events (the shapes of the openai SDK's `openai.types.responses`, and
-what Codex reads: codex-rs/codex-api/src/sse/responses.rs). What the clients send: bench/captures/codex/ and
-bench/captures/openai-agents/.
+what Codex reads: codex-rs/codex-api/src/sse/responses.rs). What the clients send: tests/fixtures/captures/codex/ and
+tests/fixtures/captures/openai-agents/.
 
 Input (`input`: a string, or a list of items; `instructions` -> a system message first):
 
@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,13 +59,16 @@ from typing import Any
 from orchestrator.config import Config
 from orchestrator.errors import InvalidRequest
 from orchestrator.output.grammar import Structure
-from orchestrator.output.parsing import ParsedOutput
-from orchestrator.request import Result
+from orchestrator.output.reply import Reply
+from orchestrator.request import Event, Result
 
-from . import fields
-from .fields import HINT, HONOURED, REFUSED, Rule
-from .schemas import (MAX_ID_CHARS, MAX_TOP_LOGPROBS, GenerationOptions, _bad, _num, _options, _response_format,
-                      body_fields, check_prompt_size, conversation, thinking_from_effort)
+from .. import fields
+from ..conversation import conversation
+from ..errors import error_payload
+from ..fields import HINT, HONOURED, REFUSED, Rule
+from ..validate import (MAX_TOP_LOGPROBS, bad, body_fields, boolean, check_prompt_size, identities, json_object,
+                        mapping, number, options, schema_spec, thinking_from_effort)
+from .base import ChatCall, Encoder, Reading, Sse, timings
 
 log = logging.getLogger("orchestrator.server")
 
@@ -73,7 +77,7 @@ _R = (RESPONSES,)
 _NO_STORE = ("responses are not stored (store: true is refused): send the whole conversation as 'input' each turn; "
              "its prefix is restored from the snapshot cache all the same")
 
-# The field policy of /v1/responses (server/fields.py; the README's table is generated from it). cache_prompt and
+# The field policy of /v1/responses (server/fields.py; docs/api.md's table is generated from it). cache_prompt and
 # cache_salt are this server's extensions, as on the other routes.
 FIELDS: dict[str, Rule] = {
     "model": Rule(HONOURED, _R, "any string: one model is served"),
@@ -136,16 +140,10 @@ class ToolName:
 
 
 @dataclass
-class ResponsesRequest:
-    messages: list[dict]  # OpenAI-style, as server/schemas.conversation returns them
-    tools: list[dict] | None  # OpenAI-style, as rendered
-    names: dict[str, ToolName]  # prompt name -> the tool it is
-    template_kwargs: dict[str, Any]
-    options: GenerationOptions
-    structure: Structure = field(default_factory=Structure)
-    prompt_cache_key: str = ""
-    cache_breakpoints: tuple[tuple[int, int], ...] = ()
-    late_system: str | None = None  # the input path of a system/developer message after the leading ones
+class ResponsesCall(ChatCall):
+    """A Responses API request; late_system is the input path of a late system or developer message."""
+
+    names: dict[str, ToolName] = field(default_factory=dict)  # prompt name -> the tool it is
     echo: dict = field(default_factory=dict)  # request settings the response object repeats
 
 
@@ -153,11 +151,11 @@ class ResponsesRequest:
 
 def _kind(item: Any, p: str) -> str:
     if not isinstance(item, dict):
-        raise _bad(f"'{p}' must be an object (an input item)", p)
+        raise bad(f"'{p}' must be an object (an input item)", p)
     kind = item.get("type", "message" if "role" in item else None)
     if not isinstance(kind, str):
-        raise _bad(f"'{p}.type' must be a string (message, function_call, function_call_output, reasoning, ...)",
-                   f"{p}.type")
+        raise bad(f"'{p}.type' must be a string (message, function_call, function_call_output, reasoning, ...)",
+                  f"{p}.type")
     return kind
 
 
@@ -166,17 +164,17 @@ def _text(parts: Any, p: str, allowed: tuple[str, ...]) -> str:
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list):
-        raise _bad(f"'{p}' must be a string or a list of content parts", p)
+        raise bad(f"'{p}' must be a string or a list of content parts", p)
     texts = []
     for j, part in enumerate(parts):
         q = f"{p}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in allowed:
-            raise _bad(f"'{q}.type' must be one of {', '.join(allowed)}, got {json.dumps(kind)[:40]} (images, files "
-                       f"and audio are not supported)", f"{q}.type")
+            raise bad(f"'{q}.type' must be one of {', '.join(allowed)}, got {json.dumps(kind)[:40]} (images, files "
+                      f"and audio are not supported)", f"{q}.type")
         key = "refusal" if kind == "refusal" else "text"
         if not isinstance(part.get(key), str):
-            raise _bad(f"'{q}.{key}' must be a string", f"{q}.{key}")
+            raise bad(f"'{q}.{key}' must be a string", f"{q}.{key}")
         texts.append(part[key])
     return "".join(texts)
 
@@ -184,7 +182,7 @@ def _text(parts: Any, p: str, allowed: tuple[str, ...]) -> str:
 def _id(item: dict, key: str, p: str) -> str:
     v = item.get(key)
     if not isinstance(v, str) or not v:
-        raise _bad(f"'{p}.{key}' must be a non-empty string", f"{p}.{key}")
+        raise bad(f"'{p}.{key}' must be a non-empty string", f"{p}.{key}")
     return v
 
 
@@ -218,17 +216,17 @@ def _reasoning_text(item: dict, p: str) -> str:
     content = item.get("content")
     if content:
         if not isinstance(content, list):
-            raise _bad(f"'{p}.content' must be a list of reasoning_text parts", f"{p}.content")
+            raise bad(f"'{p}.content' must be a list of reasoning_text parts", f"{p}.content")
         return _text([dict(c, type="text") if isinstance(c, dict) and c.get("type") == "reasoning_text" else c
                       for c in content], f"{p}.content", ("text",))
     summary = item.get("summary", [])
     if not isinstance(summary, list):
-        raise _bad(f"'{p}.summary' must be a list of summary_text parts", f"{p}.summary")
+        raise bad(f"'{p}.summary' must be a list of summary_text parts", f"{p}.summary")
     parts = [dict(s, type="text") if isinstance(s, dict) and s.get("type") == "summary_text" else s for s in summary]
     for j, s in enumerate(parts):
         if not isinstance(s, dict) or s.get("type") != "text" or not isinstance(s.get("text"), str):
-            raise _bad(f"'{p}.summary[{j}]' must be {{\"type\": \"summary_text\", \"text\": \"...\"}}",
-                       f"{p}.summary[{j}]")
+            raise bad(f"'{p}.summary[{j}]' must be {{\"type\": \"summary_text\", \"text\": \"...\"}}",
+                      f"{p}.summary[{j}]")
     return "\n\n".join(s["text"] for s in parts)
 
 
@@ -237,7 +235,7 @@ def _call_name(item: dict, p: str) -> str:
     name = _id(item, "name", p)
     ns = item.get("namespace")
     if ns is not None and not isinstance(ns, str):
-        raise _bad(f"'{p}.namespace' must be a string", f"{p}.namespace")
+        raise bad(f"'{p}.namespace' must be a string", f"{p}.namespace")
     return f"{ns}{SEP}{name}" if ns else name
 
 
@@ -246,24 +244,24 @@ def _convert(body: dict, max_messages: int) -> _Turns:
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise _bad("'instructions' must be a string (a list of items is the input)", "instructions")
+            raise bad("'instructions' must be a string (a list of items is the input)", "instructions")
         turns.add({"role": "system", "content": instructions}, "instructions")
     raw = body.get("input")
     if isinstance(raw, str):
         raw = [{"type": "message", "role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
-        raise _bad("'input' must be a string or a non-empty list of input items", "input")
+        raise bad("'input' must be a string or a non-empty list of input items", "input")
     if len(raw) > max_messages:
-        raise _bad(f"'input' holds {len(raw)} items; this server accepts at most {max_messages} (--max-messages)",
-                   "input")
+        raise bad(f"'input' holds {len(raw)} items; this server accepts at most {max_messages} (--max-messages)",
+                  "input")
     for i, item in enumerate(raw):
         p = f"input[{i}]"
         kind = _kind(item, p)
         if kind == "message":
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
-                raise _bad(f"'{p}.role' must be system, developer, user or assistant; got {json.dumps(role)[:40]}",
-                           f"{p}.role")
+                raise bad(f"'{p}.role' must be system, developer, user or assistant; got {json.dumps(role)[:40]}",
+                          f"{p}.role")
             if role == "assistant":
                 text = _text(item.get("content"), f"{p}.content", ("output_text", "input_text", "refusal"))
                 turns.assistant(p, "content")["content"] += text
@@ -278,10 +276,10 @@ def _convert(body: dict, max_messages: int) -> _Turns:
             if kind == "function_call":
                 args = item.get("arguments", "{}")
                 if not isinstance(args, str):
-                    raise _bad(f"'{p}.arguments' must be a JSON string", f"{p}.arguments")
+                    raise bad(f"'{p}.arguments' must be a JSON string", f"{p}.arguments")
             else:
                 if not isinstance(item.get("input"), str):
-                    raise _bad(f"'{p}.input' must be a string", f"{p}.input")
+                    raise bad(f"'{p}.input' must be a string", f"{p}.input")
                 args = {"input": item["input"]}
             a = turns.assistant(p, "call")
             a.setdefault("tool_calls", []).append({"id": call_id, "type": "function",
@@ -291,9 +289,9 @@ def _convert(body: dict, max_messages: int) -> _Turns:
             output = _text(item.get("output"), f"{p}.output", ("input_text", "output_text", "text"))
             turns.add({"role": "tool", "tool_call_id": call_id, "content": output}, p)
         else:
-            raise _bad(f"'{p}.type' {json.dumps(kind)[:60]} is not supported: this server takes message, reasoning, "
-                       f"function_call(_output) and custom_tool_call(_output) items (it runs no hosted tools and "
-                       f"stores no items to refer to)", f"{p}.type")
+            raise bad(f"'{p}.type' {json.dumps(kind)[:60]} is not supported: this server takes message, reasoning, "
+                      f"function_call(_output) and custom_tool_call(_output) items (it runs no hosted tools and "
+                      f"stores no items to refer to)", f"{p}.type")
     return turns
 
 
@@ -315,22 +313,22 @@ def _translate(e: InvalidRequest, turns: _Turns) -> InvalidRequest:
 def _function(t: dict, q: str, prefix: str) -> tuple[dict, str]:
     name = _id(t, "name", q)
     if t.get("description") is not None and not isinstance(t["description"], str):
-        raise _bad(f"'{q}.description' must be a string", f"{q}.description")
+        raise bad(f"'{q}.description' must be a string", f"{q}.description")
     fn: dict[str, Any] = {"name": prefix + name}
     if t.get("description"):
         fn["description"] = t["description"]
     if t.get("type") == "custom":
         fmt = t.get("format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar")):
-            raise _bad(f"'{q}.format' must be {{\"type\": \"text\"}} or {{\"type\": \"grammar\", ...}}",
-                       f"{q}.format")
+            raise bad(f"'{q}.format' must be {{\"type\": \"text\"}} or {{\"type\": \"grammar\", ...}}",
+                      f"{q}.format")
         fn["parameters"] = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
     else:
         params = t.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise _bad(f"'{q}.parameters' must be a JSON schema object", f"{q}.parameters")
+            raise bad(f"'{q}.parameters' must be a JSON schema object", f"{q}.parameters")
         if t.get("strict") is not None and not isinstance(t["strict"], bool):
-            raise _bad(f"'{q}.strict' must be true or false", f"{q}.strict")
+            raise bad(f"'{q}.strict' must be true or false", f"{q}.strict")
         if params is not None:
             fn["parameters"] = params
     return {"type": "function", "function": fn}, name
@@ -341,18 +339,18 @@ def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, ToolName]]:
     if raw is None:
         return None, {}
     if not isinstance(raw, list):
-        raise _bad("'tools' must be a list", "tools")
+        raise bad("'tools' must be a list", "tools")
     out: list[dict] = []
     names: dict[str, ToolName] = {}
 
     def add(t: dict, q: str, ns: str | None) -> None:
         kind = t.get("type")
         if kind not in ("function", "custom"):
-            raise _bad(f"'{q}.type' must be \"function\" or \"custom\" inside a namespace", f"{q}.type")
+            raise bad(f"'{q}.type' must be \"function\" or \"custom\" inside a namespace", f"{q}.type")
         tool, name = _function(t, q, f"{ns}{SEP}" if ns else "")
         full = tool["function"]["name"]
         if full in names:
-            raise _bad(f"'{q}.name': the tool name {json.dumps(full)[:80]} is given twice", f"{q}.name")
+            raise bad(f"'{q}.name': the tool name {json.dumps(full)[:80]} is given twice", f"{q}.name")
         names[full] = ToolName(kind, name, ns)
         out.append(tool)
 
@@ -365,17 +363,17 @@ def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, ToolName]]:
             ns = _id(t, "name", q)
             inner = t.get("tools")
             if not isinstance(inner, list):
-                raise _bad(f"'{q}.tools' must be a list", f"{q}.tools")
+                raise bad(f"'{q}.tools' must be a list", f"{q}.tools")
             for k, u in enumerate(inner):
                 if not isinstance(u, dict):
-                    raise _bad(f"'{q}.tools[{k}]' must be an object", f"{q}.tools[{k}]")
+                    raise bad(f"'{q}.tools[{k}]' must be an object", f"{q}.tools[{k}]")
                 add(u, f"{q}.tools[{k}]", ns)
         elif kind in HOSTED:
             log.debug("/v1/responses: %s is a %s tool, which this server cannot run: not rendered", q, kind)
         else:
-            raise _bad(f"'{q}.type' {json.dumps(kind)[:60]} is not supported: function, custom and namespace tools are "
-                       f"rendered; the hosted types {', '.join(HOSTED)} are accepted and not offered to the model",
-                       f"{q}.type")
+            raise bad(f"'{q}.type' {json.dumps(kind)[:60]} is not supported: function, custom and namespace tools are "
+                      f"rendered; the hosted types {', '.join(HOSTED)} are accepted and not offered to the model",
+                      f"{q}.type")
     return out or None, names
 
 
@@ -389,38 +387,36 @@ def _tool_choice(raw: Any, names: dict[str, ToolName]) -> tuple[str, str | None]
         ns = raw.get("namespace")
         full = f"{ns}{SEP}{name}" if isinstance(ns, str) and ns else name
         if not isinstance(full, str) or full not in names or names[full].kind != kind:
-            raise _bad(f"'tool_choice.name' names the {kind} tool {json.dumps(full)[:60]}, which is not in 'tools'",
-                       "tool_choice.name")
+            raise bad(f"'tool_choice.name' names the {kind} tool {json.dumps(full)[:60]}, which is not in 'tools'",
+                      "tool_choice.name")
         return "required", full
     if kind in HOSTED or kind in ("allowed_tools", "mcp"):
-        raise _bad(f"'tool_choice' {json.dumps(kind)[:40]} is not supported: it forces (or restricts to) tools this "
-                   f"server does not offer the model; \"auto\", \"none\", \"required\" and a named function or custom "
-                   f"tool are", "tool_choice")
-    raise _bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...}",
-               "tool_choice")
+        raise bad(f"'tool_choice' {json.dumps(kind)[:40]} is not supported: it forces (or restricts to) tools this "
+                  f"server does not offer the model; \"auto\", \"none\", \"required\" and a named function or custom "
+                  f"tool are", "tool_choice")
+    raise bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...}",
+              "tool_choice")
 
 
 # ------------------------------------------------------------------ the request
 
 def _text_format(raw: Any) -> dict | None:
-    if raw is None:
+    """The JSON schema `text.format` asks for: None for text (or null), {"type": "object"} for json_object, the
+    schema of the flat {"type": "json_schema", "name", "schema", "strict"}."""
+    if mapping({"text": raw}, "text") is None:
         return None
-    if not isinstance(raw, dict):
-        raise _bad("'text' must be an object", "text")
     if raw.get("verbosity") not in (None, "low", "medium", "high"):
-        raise _bad("'text.verbosity' must be \"low\", \"medium\" or \"high\"", "text.verbosity")
+        raise bad("'text.verbosity' must be \"low\", \"medium\" or \"high\"", "text.verbosity")
     fmt = raw.get("format")
-    if fmt is None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
         return None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # Responses' flat shape -> chat's
-        fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-    try:
-        return _response_format(fmt)
-    except InvalidRequest as e:
-        param = (e.param or "").replace("response_format.json_schema", "text.format").replace("response_format",
-                                                                                              "text.format")
-        raise _bad(e.message.replace("'response_format.json_schema", "'text.format").replace(
-            "'response_format", "'text.format"), param) from e
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise bad("'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                  "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}", "text.format")
+    return schema_spec(fmt, "text.format")
 
 
 def _reasoning(raw: Any) -> bool | None:
@@ -428,53 +424,44 @@ def _reasoning(raw: Any) -> bool | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise _bad("'reasoning' must be an object", "reasoning")
+        raise bad("'reasoning' must be an object", "reasoning")
     effort = raw.get("effort")  # validated by thinking_from_effort
     for key in ("summary", "generate_summary"):
         if raw.get(key) not in (None, "auto", "concise", "detailed", "none"):
-            raise _bad(f"'reasoning.{key}' must be \"auto\", \"concise\", \"detailed\" or \"none\"", f"reasoning.{key}")
+            raise bad(f"'reasoning.{key}' must be \"auto\", \"concise\", \"detailed\" or \"none\"", f"reasoning.{key}")
     return thinking_from_effort(effort, "reasoning.effort")
 
 
 def _check_fields(body: dict) -> None:
     fields.check(body, FIELDS, RESPONSES, "/v1/responses")
     if body.get("store") not in (None, False):
-        raise _bad(f"'store' must be false or null: {_NO_STORE}", "store")
-    for key in ("model", "prompt_cache_key", "user", "safety_identifier", "cache_salt"):
-        v = body.get(key)
-        if v is not None and (not isinstance(v, str) or len(v) > MAX_ID_CHARS):
-            raise _bad(f"'{key}' must be a string of at most {MAX_ID_CHARS} characters", key)
-    if body.get("cache_salt") == "":
-        raise _bad("'cache_salt' must be a non-empty string when given", "cache_salt")
+        raise bad(f"'store' must be false or null: {_NO_STORE}", "store")
+    identities(body, ("model", "prompt_cache_key", "user", "safety_identifier", "cache_salt"))
     for key in ("metadata", "client_metadata", "stream_options"):
-        if body.get(key) is not None and not isinstance(body[key], dict):
-            raise _bad(f"'{key}' must be an object", key)
+        mapping(body, key)
     include = body.get("include")
     if include is not None:
         if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
-            raise _bad("'include' must be a list of strings", "include")
+            raise bad("'include' must be a list of strings", "include")
         for v in include:
             if v not in INCLUDE_NOTHING:
-                raise _bad(f"'include' value {json.dumps(v)[:60]} is not supported (log-probabilities are returned "
-                           f"by /v1/chat/completions); accepted: {', '.join(INCLUDE_NOTHING)}", "include")
-    if _num(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0, integer=True):
-        raise _bad("'top_logprobs' must be 0 or null on /v1/responses (log-probabilities are returned by "
-                   "/v1/chat/completions)", "top_logprobs")
+                raise bad(f"'include' value {json.dumps(v)[:60]} is not supported (log-probabilities are returned "
+                          f"by /v1/chat/completions); accepted: {', '.join(INCLUDE_NOTHING)}", "include")
+    if number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0, integer=True):
+        raise bad("'top_logprobs' must be 0 or null on /v1/responses (log-probabilities are returned by "
+                  "/v1/chat/completions)", "top_logprobs")
     if body.get("truncation") not in (None, "auto", "disabled"):
-        raise _bad("'truncation' must be \"auto\" or \"disabled\"", "truncation")
-    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
-        raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+        raise bad("'truncation' must be \"auto\" or \"disabled\"", "truncation")
+    boolean(body, "parallel_tool_calls")
 
 
-def parse_responses(body: Any, cfg: Config | None = None) -> ResponsesRequest:
+def parse_responses(body: Any, cfg: Config | None = None) -> ResponsesCall:
     """Validate a /v1/responses body against the limits of `cfg`. Raises InvalidRequest naming the field."""
     cfg = cfg or Config(cache_ram_mib=0)
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object", None)
-    _check_fields(body)
+    _check_fields(json_object(body))
     check_prompt_size(body_fields(body, ("instructions", "input", "tools")), cfg)
-    options = _options({k: body.get(k) for k in ("max_output_tokens", "temperature", "top_p", "stream",
-                                                  "cache_prompt", "cache_salt")}, cfg, budget=("max_output_tokens",))
+    opts = options({k: body.get(k) for k in ("max_output_tokens", "temperature", "top_p", "stream",
+                                              "cache_prompt", "cache_salt")}, cfg, budget=("max_output_tokens",))
     tools, names = _tools(body.get("tools"))
     choice, forced = _tool_choice(body.get("tool_choice"), names)
     if choice == "none":
@@ -493,7 +480,7 @@ def parse_responses(body: Any, cfg: Config | None = None) -> ResponsesRequest:
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "tools", "tool_choice", "reasoning",
                                       "text", "temperature", "top_p", "truncation", "metadata", "user",
                                       "prompt_cache_key", "parallel_tool_calls")}
-    return ResponsesRequest(messages=messages, tools=tools, names=names, template_kwargs=kwargs, options=options,
+    return ResponsesCall(messages=messages, tools=tools, names=names, template_kwargs=kwargs, options=opts,
                             structure=structure, prompt_cache_key=body.get("prompt_cache_key") or "",
                             cache_breakpoints=breakpoints,
                             late_system=None if late is None else turns.origin[late], echo=echo)
@@ -538,25 +525,15 @@ def call_item(call: dict, names: dict[str, ToolName], item_id: str) -> dict:
     return item
 
 
-def output_items(out: ParsedOutput, names: dict[str, ToolName]) -> list[dict]:
-    """A parsed completion as output items: reasoning, message, then one call item per tool call."""
-    items = []
-    if out.reasoning:
-        items.append(reasoning_item(out.reasoning, new_id("rs")))
-    if out.content:
-        items.append(message_item(out.content, new_id("msg")))
-    return items + [call_item(c, names, new_id("fc")) for c in out.tool_calls]
-
-
 def usage(r: Result, reasoning_tokens: int) -> dict:
-    """Responses usage; reasoning_tokens: the tokens of the reasoning text (re-tokenized)."""
+    """Responses usage; reasoning_tokens: the completion tokens generated while reasoning."""
     out = len(r.completion_tokens)
     return {"input_tokens": r.prompt_tokens, "input_tokens_details": {"cached_tokens": r.cached_tokens},
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, out)},
             "total_tokens": r.prompt_tokens + out}
 
 
-def response_object(rid: str, created: int, model: str, req: ResponsesRequest, output: list[dict],
+def response_object(rid: str, created: int, model: str, req: ResponsesCall, output: list[dict],
                     status: str, usage_: dict | None) -> dict:
     """The Response object (openai.types.responses.Response): `status` in_progress, completed or incomplete."""
     e = req.echo
@@ -571,5 +548,118 @@ def response_object(rid: str, created: int, model: str, req: ResponsesRequest, o
             "metadata": e["metadata"] or {}, "prompt_cache_key": e["prompt_cache_key"]}
 
 
-def status(r: Result, out: ParsedOutput) -> str:
-    return "incomplete" if r.finish_reason == "length" and not out.tool_calls else "completed"
+class ResponsesEncoder(Encoder):
+    """The Responses API's events, each `event: <type>` with its JSON (`type`, `sequence_number`):
+    response.created and response.in_progress; per output item response.output_item.added, its part
+    (response.content_part.added, the deltas: response.reasoning_text.delta or response.output_text.delta, their
+    .done, response.content_part.done) and response.output_item.done (reasoning, then message; function calls at
+    the end, each with one response.function_call_arguments.delta and .done, or response.custom_tool_call_input
+    .delta and .done); then response.completed (or response.incomplete when generation hit max_output_tokens)
+    carrying the whole response and its usage; response.failed if the job fails. `final`: that whole response."""
+
+    route, kind = "/v1/responses", "responses"
+
+    def __init__(self, call: ResponsesCall, reply: Reply, model: str) -> None:
+        self.rid, self.created, self.call, self.model = new_id("resp"), int(time.time()), call, model
+        self.reading = Reading(reply)
+        self.seq = 0
+        self.output: list[dict] = []  # finished items
+        self.item: dict | None = None  # the open reasoning or message item
+        self.item_text = ""
+        self.response: dict = {}  # the whole response, once done
+
+    def _event(self, kind: str, **data) -> Sse:
+        body = dict(type=kind, sequence_number=self.seq, **data)
+        self.seq += 1
+        return kind, body
+
+    def _response(self, output: list[dict], state: str, usage_: dict | None) -> dict:
+        return response_object(self.rid, self.created, self.model, self.call, output, state, usage_)
+
+    @staticmethod
+    def _part(kind: str, text: str) -> dict:
+        return output_text(text) if kind == "message" else {"type": "reasoning_text", "text": text}
+
+    def _close(self) -> list[Sse]:
+        item = self.item
+        if item is None:
+            return []
+        self.item = None
+        i, kind, text = len(self.output), item["type"], self.item_text
+        ref = {"item_id": item["id"], "output_index": i, "content_index": 0}
+        done = message_item(text, item["id"]) if kind == "message" else reasoning_item(text, item["id"])
+        self.output.append(done)
+        if kind == "message":
+            lines = [self._event("response.output_text.done", **ref, text=text, logprobs=[])]
+        else:
+            lines = [self._event("response.reasoning_text.done", **ref, text=text)]
+        return lines + [self._event("response.content_part.done", **ref, part=self._part(kind, text)),
+                        self._event("response.output_item.done", output_index=i, item=done)]
+
+    def _open(self, kind: str) -> list[Sse]:
+        lines = self._close()
+        item_id = new_id("msg" if kind == "message" else "rs")
+        item = message_item(None, item_id, "in_progress") if kind == "message" \
+            else dict(reasoning_item("", item_id, "in_progress"), content=[])
+        self.item, self.item_text = item, ""
+        i = len(self.output)
+        return lines + [self._event("response.output_item.added", output_index=i, item=item),
+                        self._event("response.content_part.added", item_id=item_id, output_index=i, content_index=0,
+                                    part=self._part(kind, ""))]
+
+    def _pieces(self, pieces: list[tuple[str, str]]) -> list[Sse]:
+        lines = []
+        for kind, text in pieces:
+            want = "reasoning" if kind == "reasoning" else "message"
+            if self.item is None or self.item["type"] != want:
+                lines += self._open(want)
+            self.item_text += text
+            ref = {"item_id": self.item["id"], "output_index": len(self.output), "content_index": 0}
+            if want == "message":
+                lines.append(self._event("response.output_text.delta", **ref, delta=text, logprobs=[]))
+            else:
+                lines.append(self._event("response.reasoning_text.delta", **ref, delta=text))
+        return lines
+
+    def start(self) -> list[Sse]:
+        opening = self._response([], "in_progress", None)
+        return [self._event("response.created", response=opening),
+                self._event("response.in_progress", response=opening)]
+
+    def text(self, ev: Event) -> list[Sse]:
+        return self._pieces(self.reading.push(ev.text))
+
+    def done(self, r: Result) -> list[Sse]:
+        rest, calls = self.reading.finish(r.cut)
+        lines = self._pieces(rest) + self._close()
+        for call in calls:
+            item = call_item(call, self.call.names, new_id("fc"))
+            i = len(self.output)
+            ref = {"item_id": item["id"], "output_index": i}
+            if item["type"] == "custom_tool_call":
+                lines += [self._event("response.output_item.added", output_index=i,
+                                      item=dict(item, input="", status="in_progress")),
+                          self._event("response.custom_tool_call_input.delta", **ref, delta=item["input"]),
+                          self._event("response.custom_tool_call_input.done", **ref, input=item["input"])]
+            else:
+                lines += [self._event("response.output_item.added", output_index=i,
+                                      item=dict(item, arguments="", status="in_progress")),
+                          self._event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
+                          self._event("response.function_call_arguments.done", **ref, name=item["name"],
+                                      arguments=item["arguments"])]
+            self.output.append(item)
+            lines.append(self._event("response.output_item.done", output_index=i, item=item))
+        state = "incomplete" if r.finish_reason == "length" and not calls else "completed"
+        self.response = dict(self._response(self.output, state, usage(r, self.reading.reasoning_tokens(r))),
+                             timings=timings(r))
+        name = "response.completed" if state == "completed" else "response.incomplete"
+        return lines + [self._event(name, response=self.response)]
+
+    def error(self, e: Exception) -> list[Sse]:
+        err = error_payload(e)[0]["error"]
+        failed = self._response(self.output, "failed", None)
+        failed["error"] = {"code": err.get("code") or err.get("type"), "message": err["message"]}
+        return self._close() + [self._event("response.failed", response=failed)]
+
+    def final(self) -> dict:
+        return self.response

@@ -1,5 +1,5 @@
 """Anthropic's tool-result clearing (`context_management` edit `clear_tool_uses_20250919`), applied to a
-conversation as server/schemas.py `conversation` returns it (OpenAI-style: assistant `tool_calls`, `tool`
+conversation as server/conversation.py returns it (OpenAI-style: assistant `tool_calls`, `tool`
 messages with a string `content`).
 
 As Anthropic documents it (platform.claude.com/docs/en/build-with-claude/context-editing): once the prompt
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .schemas import _bad
+from ..validate import bad
 
 EDIT = "clear_tool_uses_20250919"
 PLACEHOLDER = "[This tool result was cleared to save context.]"
@@ -33,13 +33,13 @@ def _count(raw: Any, q: str, kinds: tuple[str, ...], default: tuple[str, int]) -
     if (not isinstance(raw, dict) or raw.get("type") not in kinds or isinstance(value, bool)
             or not isinstance(value, int) or value < 0):
         shapes = " or ".join(f'{{"type": "{k}", "value": N}}' for k in kinds)
-        raise _bad(f"'{q}' must be {shapes} with N a non-negative integer", q)
+        raise bad(f"'{q}' must be {shapes} with N a non-negative integer", q)
     return raw["type"], value
 
 
 def _names(raw: Any, q: str) -> frozenset[str]:
     if not isinstance(raw, list) or not all(isinstance(n, str) for n in raw):
-        raise _bad(f"'{q}' must be a list of tool names", q)
+        raise bad(f"'{q}' must be a list of tool names", q)
     return frozenset(raw)
 
 
@@ -61,7 +61,7 @@ class ClearToolUses:
         known = {"type", "trigger", "keep", "clear_at_least", "exclude_tools", "clear_tool_inputs"}
         extra = sorted(set(edit) - known)
         if extra:
-            raise _bad(f"'{q}.{str(extra[0])[:40]}' is not a field of {EDIT}", f"{q}.{extra[0]}")
+            raise bad(f"'{q}.{str(extra[0])[:40]}' is not a field of {EDIT}", f"{q}.{extra[0]}")
         trigger = _count(edit.get("trigger"), f"{q}.trigger", ("input_tokens", "tool_uses"),
                          ("input_tokens", DEFAULT_TRIGGER_TOKENS))
         keep = _count(edit.get("keep"), f"{q}.keep", ("tool_uses",), ("tool_uses", DEFAULT_KEEP))
