@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("orchestrator", "server")
@@ -135,8 +134,6 @@ def test_orchestrator_has_no_import_circle():
     assert cycles(within(GRAPH, "orchestrator")) == []
 
 
-@pytest.mark.xfail(strict=True, reason="server/ still imports in a circle (anthropic, context_edits, fields, "
-                                       "responses, schemas); being removed on the server/ restructuring branch")
 def test_server_has_no_import_circle():
     assert cycles(within(GRAPH, "server")) == []
 

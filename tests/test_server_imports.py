@@ -20,7 +20,7 @@ LAYERS = {
     "server.protocols": set(),
     "server.protocols.base": {"server.validate"},
     "server.protocols.context_edits": {"server.validate"},
-    "server.protocols.openai": {"server.fields", "server.validate", "server.protocols.base"},
+    "server.protocols.openai": {"server.fields", "server.errors", "server.validate", "server.protocols.base"},
 }
 LOW = {"server.fields", "server.errors", "server.logprobs", "server.validate", "server.conversation",
        "server.protocols.base", "server.protocols.context_edits", "server.protocols.openai"}

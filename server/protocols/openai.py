@@ -14,8 +14,10 @@ from orchestrator.config import Config
 from orchestrator.request import Result
 
 from .. import fields
+from ..errors import error_payload
 from ..fields import DEFAULT_ONLY as _DEFAULT_ONLY_KIND, HINT, HONOURED, Rule
 from ..validate import TEMPERATURE, GenerationOptions, bad, boolean, identities, mapping, options
+from .base import Encoder, Sse, timings
 
 CHAT, COMPLETION = "chat", "completion"
 PATHS = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
@@ -105,3 +107,21 @@ def usage(results: Sequence[Result]) -> dict:
     return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+class OpenAIEncoder(Encoder):
+    """What both OpenAI routes' encoders end a stream with: with stream_options.include_usage, one last chunk (the
+    route's `_chunk(None)`: no choices) carrying the usage and timings; an error as OpenAI's error object."""
+
+    with_usage: bool
+    results: list[Result]
+
+    def end(self, results: list[Result]) -> list[Sse]:
+        self.results = results
+        if not self.with_usage:
+            return []
+        _, last = self._chunk(None)
+        return [(None, dict(last, usage=usage(results), timings=timings(results[0])))]
+
+    def error(self, e: Exception) -> list[Sse]:
+        return [(None, error_payload(e)[0])]

@@ -18,11 +18,10 @@ from orchestrator.request import Event, Result
 
 from .. import logprobs
 from ..conversation import conversation
-from ..errors import error_payload
 from ..validate import (MAX_TOP_LOGPROBS, bad, body_fields, boolean, check_prompt_size, json_object, number,
                         schema_spec, thinking_from_effort)
-from .base import ChatCall, Encoder, Reading, Sse, timings
-from .openai import CHAT, check_fields, generation, usage
+from .base import ChatCall, Reading, Sse, timings
+from .openai import CHAT, OpenAIEncoder, check_fields, generation, usage
 
 RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
@@ -131,7 +130,7 @@ def parse_chat(body: Any, cfg: Config | None = None) -> ChatCall:
                        cache_breakpoints=breakpoints, late_system=late_system, structure=structure)
 
 
-class ChatEncoder(Encoder):
+class ChatEncoder(OpenAIEncoder):
     """OpenAI's chunks, each of one choice (its `index`; with n > 1 choices their chunks interleave as they are
     generated, each choice opening with its role chunk and ending with its finish_reason chunk); with
     stream_options.include_usage every chunk carries "usage": null and one last chunk with no choices carries the
@@ -188,16 +187,6 @@ class ChatEncoder(Encoder):
             out.append(self._chunk({"tool_calls": [dict(c, index=j) for j, c in enumerate(calls)]}, i=i))
         out.append(self._chunk({}, "tool_calls" if calls else r.finish_reason, i))
         return self._attach(out, i)
-
-    def end(self, results: list[Result]) -> list[Sse]:
-        self.results = results
-        if not self.with_usage:
-            return []
-        _, last = self._chunk(None)
-        return [(None, dict(last, usage=usage(results), timings=timings(results[0])))]
-
-    def error(self, e: Exception) -> list[Sse]:
-        return [(None, error_payload(e)[0])]
 
     def final(self) -> dict:
         choices = []

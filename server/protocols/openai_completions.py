@@ -16,11 +16,10 @@ from orchestrator.config import Config
 from orchestrator.request import Event, Result
 
 from .. import logprobs
-from ..errors import error_payload
 from ..validate import (MAX_TOP_LOGPROBS, GenerationOptions, bad, body_fields, boolean, check_prompt_size,
                         json_object, number)
-from .base import Encoder, Sse, timings
-from .openai import COMPLETION, check_fields, generation, usage
+from .base import Sse, timings
+from .openai import COMPLETION, OpenAIEncoder, check_fields, generation, usage
 
 
 @dataclass
@@ -50,7 +49,7 @@ def parse_completion(body: Any, cfg: Config | None = None) -> CompletionCall:
     return CompletionCall(prompt=prompt, options=generation(body, cfg, lps), echo=echo)
 
 
-class CompletionEncoder(Encoder):
+class CompletionEncoder(OpenAIEncoder):
     """text_completion chunks, each of one choice (echo: each choice opens with the prompt), each text event's
     logprobs on its chunk, a choice's finish_reason on its last; with stream_options.include_usage a last chunk
     with no choices carries the usage and timings. `final`: the text_completion, each choice's text and logprobs
@@ -94,16 +93,6 @@ class CompletionEncoder(Encoder):
     def done(self, r: Result) -> list[Sse]:
         return [self._chunk("", r.finish_reason, None if r.logprobs is None else r.logprobs[self.seen[r.index]:],
                             r.index)]
-
-    def end(self, results: list[Result]) -> list[Sse]:
-        self.results = results
-        if not self.with_usage:
-            return []
-        _, last = self._chunk(None)
-        return [(None, dict(last, usage=usage(results), timings=timings(results[0])))]
-
-    def error(self, e: Exception) -> list[Sse]:
-        return [(None, error_payload(e)[0])]
 
     def final(self) -> dict:
         echo = self.call.prompt if self.call.echo else ""
