@@ -518,6 +518,29 @@ class Engine:
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
 
+    def verify(self, seq: int, tokens: Sequence[int], pos: int) -> None:
+        """Decode `tokens` (2..n_batch) of sequence `seq` at positions pos.. in ONE ubatch with logits for every
+        token (token i's at batch index i: `logits(i)`, `Sampler.sample(i)`): a speculative verification. Whether
+        the logits and the state equal those of one-token steps depends on the width, the model and the CPU
+        (calibration.measure_verify_widths). Afterwards `truncate(seq, pos + j + 1)` keeps the first j + 1 tokens:
+        on a recurrent memory only while len(tokens) - j - 1 <= n_rs_seq (llama.cpp keeps the recurrent state
+        after each of the call's last n_rs_seq + 1 tokens: llama_memory_recurrent::seq_rm). Raises EngineError
+        when llama_decode fails (the sequence's state is then unspecified)."""
+        if not 2 <= len(tokens) <= self.n_batch:
+            raise ValueError(f"a verification takes 2..{self.n_batch} tokens, got {len(tokens)}")
+        b = self._batch
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1
+        b.n_tokens = len(tokens)
+        self._last_call.pop(seq, None)  # not a prefill call: checkpoint_back does not apply
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc} verifying {len(tokens)} tokens at {pos}")
+
     def sampler(self, params: SamplingParams, deadline: float | None = None) -> Sampler:
         """A sampler chain over this context's logits (close it when done). With `params.grammar`, the grammar is
         built in a grammar process (`grammars`), its waits bounded by the per-token budget and `deadline`

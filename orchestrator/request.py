@@ -134,6 +134,8 @@ class Result:
     phases: dict[str, float] = field(default_factory=dict)  # the breakdown of total_s (and of the prompt's
     #   preparation before it), seconds by phase: `Task.result` lists them in order
     index: int = 0  # the choice (0..n-1); choices i > 0 report choice 0's restore and prefill as theirs
+    drafted_tokens: int = 0  # speculative decoding: drafts verified, and those accepted (speculative/verify.py)
+    accepted_tokens: int = 0
 
     @property
     def cut(self) -> bool:
@@ -223,6 +225,7 @@ class Task:
         # the logits of the step whose token is due, copied while the grammar has not answered (float32,
         # (n_vocab,); Sampler.ready): the task sits out the decode steps until it samples them (scheduler._resume)
         self.held: np.ndarray | None = None
+        self.spec = None  # speculative decoding state (speculative.verify.RequestSpec), made at its first step
         self.logprobs: list[TokenLogprob] | None = [] if job.logprobs is not None else None
         self._reported = 0  # logprobs already sent with TEXT events
         self.delivered = False  # DONE or ERROR was sent
@@ -325,7 +328,9 @@ class Task:
             prefill_s=c.prefilled - c.restored,
             ttft_s=c.first_token - c.submitted if c.first_token is not None else total, total_s=total,
             snapshots_saved=r.saved, snapshot_s=r.snapshot_s, first_logits=self.first_logits,
-            slot=self.slot.seq, logprobs=self.logprobs, phases=phases, index=self.index)
+            slot=self.slot.seq, logprobs=self.logprobs, phases=phases, index=self.index,
+            drafted_tokens=self.spec.stats.drafted if self.spec else 0,
+            accepted_tokens=self.spec.stats.accepted if self.spec else 0)
 
 
 class RetryAfter:

@@ -133,14 +133,41 @@ class Runtime:
         (log.info if fit.fits else log.warning)("%s", fit.describe())
         return fit.ctx_size
 
+    @staticmethod
+    def _verify_widths(cfg: Config, path: Path, file_digest: bytes) -> tuple[int, ...]:
+        """The speculative verification widths to serve with (calibration.speculation_widths), measured on a
+        probe context of one sequence (the same model, threads and kernels; n_rs_seq = draft_max for the
+        recurrent rollback), so that the served context gets n_rs_seq snapshots only where speculation is on;
+        kept in the calibration file beside min_segment (widths up to draft_max + 1 are measured)."""
+        if cfg.speculative == "off":
+            return ()
+        started = time.perf_counter()
+        probe = Engine(path, n_ctx=1024, n_batch=cfg.batch_size, n_threads=cfg.threads,
+                       use_extra_bufts=cfg.use_extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
+                       devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, n_rs_seq=cfg.draft_max)
+        try:
+            file = calibration.CalibrationFile(cfg.calibration_file, file_digest + b"%d" % cfg.draft_max,
+                                               cfg.batch_size, cfg.use_extra_bufts, probe.offload)
+            measured = file.get_widths()
+            if measured is None:
+                measured = calibration.measure_verify_widths(probe, cfg.draft_max + 1)
+                file.put_widths(measured)
+                log.info("measured the exact speculative verification widths in %.1f s: %s",
+                         time.perf_counter() - started, ", ".join(map(str, measured)) or "none")
+        finally:
+            probe.close()
+        return calibration.speculation_widths(measured, cfg.speculative, cfg.draft_max)
+
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
         if cfg.ctx_size is None:
             cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path))
+        widths = cls._verify_widths(cfg, path, file_digest)
+        n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, widths[-1] - 1 if widths else 0)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
                         devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,
-                        n_rs_seq=cfg.rs_snapshots if cfg.cache_enabled else 0)
+                        n_rs_seq=n_rs_seq)
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         engine.grammar_limits = GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib)
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
@@ -198,7 +225,7 @@ class Runtime:
                                        prefill_chunk=cfg.prefill_chunk,
                                        prefill_chunk_alone=cfg.prefill_chunk_alone, batch_decode=batch_decode,
                                        prefill_tps=prefill_tps, driver=driver,
-                                       snapshot_min_gap=cfg.snapshot_min_gap),
+                                       snapshot_min_gap=cfg.snapshot_min_gap, verify_widths=widths),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks
