@@ -32,6 +32,7 @@ COMMANDS = {
     "w5": "w5",
     "engine-gap": "engine_gap",
     "cold": "cold",
+    "speculative": "speculative",
 }
 
 
