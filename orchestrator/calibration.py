@@ -173,12 +173,13 @@ def check_rollback(engine: Engine, seq: int | None = None) -> bool:
         engine.clear(0)
 
 
-def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence[int] = (40, 150, 300),
+def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence[int] = (40, 300),
                           follow: int = 2) -> tuple[int, ...]:
     """The verification widths w (2..max_width) at which one ubatch of w tokens of one sequence
     (`Engine.verify`) gives bit-identical logits to w one-token decode steps, at every position, AND the state
-    after keeping any j + 1 of them (`Engine.truncate`: KV removal, n_rs_seq rollback on a recurrent memory)
-    goes on exactly: the logits of the next `follow` one-token steps equal those of the one-token path. Tested
+    after keeping 1, w // 2 and w - 1 of them (`Engine.truncate`: KV removal, n_rs_seq rollback on a recurrent
+    memory: the farthest and the nearest rollback) goes on exactly: the logits of the next `follow` one-token
+    steps equal those of the one-token path (`Engine.decode` of one token: decode_rows apply). Tested
     after prefills of each length in `contexts` (pseudo-random tokens); a width counts only if every context
     passes, and the result is contiguous from 2 (the first width that fails ends it). Empty: speculation
     cannot be exact here. Uses and clears sequence 0.
@@ -188,7 +189,9 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     tinyBLAS (one accumulator per element; llamafile_sgemm refuses n < 2) for two or more, so the sums round
     differently; on K-quant models the Q8_K rounding of the activations absorbs most of it, position by
     position, data-dependently (bench/results/2026-12-03/verification-widths/README.md). Widths of 8 and more
-    also change the weight-matmul kernels (as `measure_min_segment` sees)."""
+    also change the weight-matmul kernels (as `measure_min_segment` sees). With decode_rows 2 the one-token
+    step takes the verification's attention kernels: widths 2..7 exact on K-quant models; F16 still none (the
+    output projection then runs for one row in a step and for w rows in a verification)."""
     recurrent = CHECKPOINT in engine.state.entry_kinds
     top = min(max_width, engine.n_rs_seq + 1 if recurrent else max_width, engine.n_batch)
     if top < 2:
@@ -216,7 +219,7 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
                 if not all(np.array_equal(engine.logits(i), ref[i]) for i in range(w)):
                     exact[w] = False
                     break
-                for keep in range(1, w):  # keep == w: nothing to roll back, the state is that of the logits above
+                for keep in sorted({1, w // 2, w - 1}):  # keep == w: no rollback, the state of the logits above
                     engine.load_state(0, start)
                     engine.verify(0, nxt[:w], n)
                     engine.truncate(0, n + keep)

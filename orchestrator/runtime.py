@@ -144,9 +144,11 @@ class Runtime:
         started = time.perf_counter()
         probe = Engine(path, n_ctx=1024, n_batch=cfg.batch_size, n_threads=cfg.threads,
                        use_extra_bufts=cfg.use_extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
-                       devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, n_rs_seq=cfg.draft_max)
+                       devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, n_rs_seq=cfg.draft_max,
+                       decode_rows=cfg.decode_rows)
         try:
-            file = calibration.CalibrationFile(cfg.calibration_file, file_digest + b"%d" % cfg.draft_max,
+            file = calibration.CalibrationFile(cfg.calibration_file,
+                                               file_digest + b"%d/%d" % (cfg.draft_max, cfg.decode_rows),
                                                cfg.batch_size, cfg.use_extra_bufts, probe.offload)
             measured = file.get_widths()
             if measured is None:
@@ -163,11 +165,12 @@ class Runtime:
         if cfg.ctx_size is None:
             cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path))
         widths = cls._verify_widths(cfg, path, file_digest)
-        n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, widths[-1] - 1 if widths else 0)
+        n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, widths[-1] - 1 if widths else 0,
+                       cfg.decode_rows - 1)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
                         devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,
-                        n_rs_seq=n_rs_seq)
+                        n_rs_seq=n_rs_seq, decode_rows=cfg.decode_rows)
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         engine.grammar_limits = GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib)
         facts = calibration.calibrate(engine, calibration.CalibrationFile(

@@ -69,21 +69,79 @@ def gemma():
     return assemble()
 
 
-def test_gemma_ngram_drafts_are_accepted_on_real_text(start, gemma):
-    """The speculative path on a trained model (--speculative ngram: no width is exact here, so it verifies
-    anyway): a reply that repeats the prompt's text drafts and accepts tokens, and its greedy tokens equal
-    those without speculation (the logits differ in their last bits at some positions; the acceptance rule —
-    sample each position with the request's sampler, stop at the first token that is not the draft — is what
-    this checks)."""
+def test_gemma_drafts_are_accepted_on_real_text_and_change_nothing(start, gemma, tmp_path):
+    """The speculative path on a trained model with two-row decode steps (widths measured exact, auto on): a
+    reply that repeats the prompt's code drafts and accepts tokens, and tokens, logprobs and first-step logits
+    equal those without speculation."""
     text = "\n".join(f"def step_{i}(x):\n    return x * {i} + {i % 3}\n" for i in range(12))
-    kw = dict(ctx_size=4096, batch_size=128)
-    on = start(gemma, speculative="ngram", **kw)
-    assert on.scheduler.speculation.widths  # forced
+    kw = dict(ctx_size=4096, batch_size=128, decode_rows=2, calibration_file=tmp_path / "cal.json")
+    on = start(gemma, speculative="auto", **kw)
+    assert on.scheduler.speculation.widths
     prompt = on.engine.tokenize(f"<start_of_turn>user\nRepeat this code exactly:\n{text}<end_of_turn>\n"
                                 f"<start_of_turn>model\n", add_special=True)
-    a = on.scheduler.run(greedy(prompt, 120))
+    job = Job(prompt, max_tokens=120, sampling=SamplingParams(temperature=0.0), want_logits=True, logprobs=1)
+    a = on.scheduler.run(job)
     assert a.drafted_tokens > 0 and a.accepted_tokens > 0
-    off = start(gemma, speculative="off", **kw)
-    b = off.scheduler.run(greedy(prompt, 120))
-    assert a.completion_tokens == b.completion_tokens
-    assert np.array_equal(a.first_logits, b.first_logits)  # the prompt's logits: no verification involved
+    b = start(gemma, speculative="off", **kw).scheduler.run(job)
+    assert a.completion_tokens == b.completion_tokens and a.logprobs == b.logprobs
+    assert np.array_equal(a.first_logits, b.first_logits)
+
+
+# ---------------------------------------------------------------- decode_rows 2: exact by construction
+
+
+@pytest.fixture(scope="module")
+def q4_pair(tmp_path_factory):
+    """(on, off): tiny-q4 runtimes with two-row decode steps, speculation auto and off, 3 slots; one
+    calibration file, so that the second start reads what the first measured."""
+    from orchestrator.runtime import Runtime
+
+    cal = tmp_path_factory.mktemp("cal") / "calibration.json"
+    kw = dict(ctx_size=2048, parallel=3, decode_rows=2, calibration_file=cal, decode_batching="off")
+    on = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw))
+    off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
+    yield on, off
+    on.close()
+    off.close()
+
+
+LOOP = "<|im_start|>user\n" + "alpha beta gamma delta " * 30 + "<|im_end|>\n<|im_start|>assistant\n"
+
+Q4_CASES = {
+    "greedy": dict(sampling=SamplingParams(temperature=0.0)),
+    "seeded": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=7)),
+    "logprobs": dict(sampling=SamplingParams(temperature=0.0), logprobs=2),
+    "stop": dict(sampling=SamplingParams(temperature=0.0), stop=("a",)),
+    "cold": dict(sampling=SamplingParams(temperature=0.0), use_cache=False),
+    "n2": dict(sampling=SamplingParams(temperature=0.15, seed=3), n=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(Q4_CASES))
+def test_two_row_decoding_makes_speculation_exact_on_tiny_q4(q4_pair, case):
+    """With two-row decode steps every width 2..7 is measured exact, auto turns speculation on, and it
+    changes nothing: tokens, text, finish, logprobs, first-step logits, for every sampling case."""
+    on, off = q4_pair
+    assert on.scheduler.speculation.widths == (2, 3, 4, 5, 6, 7)
+    assert off.scheduler.speculation.widths == ()
+    prompt = on.engine.tokenize(LOOP)
+    job = Job(prompt, max_tokens=48, want_logits=True, **Q4_CASES[case])
+    a = on.scheduler.run_choices(job)
+    b = off.scheduler.run_choices(job)
+    for x, y in zip(a, b):
+        assert (x.completion_tokens, x.text, x.finish_reason, x.logprobs) == \
+            (y.completion_tokens, y.text, y.finish_reason, y.logprobs)
+        assert np.array_equal(x.first_logits, y.first_logits)
+    # the random model loops (at low temperatures too): its own answer gets drafted and accepted
+    assert sum(r.drafted_tokens for r in a) > 0 and sum(r.accepted_tokens for r in a) > 0
+    on.scheduler.drain()
+    off.scheduler.drain()
+
+
+def test_a_grammar_request_never_verifies_and_answers_the_same(q4_pair):
+    on, off = q4_pair
+    job = Job(on.engine.tokenize(LOOP), max_tokens=24,
+              sampling=SamplingParams(temperature=0.0, grammar='root ::= "alpha" (" beta" | " gamma")*'))
+    a, b = on.scheduler.run(job), off.scheduler.run(job)
+    assert a.completion_tokens == b.completion_tokens and a.text == b.text
+    assert a.drafted_tokens == 0
