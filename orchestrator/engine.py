@@ -358,6 +358,8 @@ class Engine:
         if decode_rows not in (1, 2) or (decode_rows == 2 and self.n_rs_seq < 1
                                          and llama_cpp.llama_model_is_recurrent(self.model)
                                          | llama_cpp.llama_model_is_hybrid(self.model)):
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
             raise ModelLoadError(f"decode_rows {decode_rows}: 1, or 2 (with n_rs_seq >= 1 on a recurrent model)")
         self.decode_rows = decode_rows
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
@@ -509,8 +511,9 @@ class Engine:
 
     def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
         """One decode step for several sequences in one llama_decode call: `items` are (seq, token, pos), at most
-        one per sequence, at most n_batch. Logits are kept for every item; item i's are at batch index i
-        (`logits(i)`, `Sampler.sample(i)`).
+        one per sequence, at most n_batch / decode_rows. Logits are kept for every item; item i's are at batch
+        index i (`logits(i)`, `Sampler.sample(i)`). With decode_rows 2 each item is two rows of its sequence, the
+        copy at pos + 1 removed after the call (see the constructor).
 
         Pass items in increasing seq order: with a per-sequence KV cache llama.cpp packs consecutive sequence ids
         into one ubatch (llama_batch_allocr::split_equal, sequential mode). Whether the result equals decoding
@@ -531,7 +534,7 @@ class Engine:
                 b.seq_id[j][0] = seq
                 b.logits[j] = r == 0
         b.n_tokens = n * rows
-        for seq, _, _ in items:  # a one-token ubatch writes only the newest snapshot (delta-net-base.cpp)
+        for seq, _, _ in items:  # not a prefill call: checkpoint_back does not apply (delta-net-base.cpp)
             self._last_call.pop(seq, None)
         rc = llama_cpp.llama_decode(self.ctx, b)
         if rc != 0:

@@ -145,3 +145,10 @@ def test_a_grammar_request_never_verifies_and_answers_the_same(q4_pair):
     a, b = on.scheduler.run(job), off.scheduler.run(job)
     assert a.completion_tokens == b.completion_tokens and a.text == b.text
     assert a.drafted_tokens == 0
+
+
+def test_two_row_decoding_needs_rollback_on_a_hybrid(tiny_model):
+    from orchestrator.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="n_rs_seq"):
+        Engine(tiny_model, n_ctx=256, n_batch=64, decode_rows=2)
