@@ -152,3 +152,35 @@ def test_two_row_decoding_needs_rollback_on_a_hybrid(tiny_model):
 
     with pytest.raises(ModelLoadError, match="n_rs_seq"):
         Engine(tiny_model, n_ctx=256, n_batch=64, decode_rows=2)
+
+
+def test_streamed_chat_with_speculation_equals_without(q4_pair):
+    """Over HTTP, streamed: the same deltas (answer and reasoning text) with speculation as without, and the
+    drafted tokens on /metrics."""
+    import json
+
+    import httpx
+
+    from .conftest import LiveServer
+
+    on, off = q4_pair
+    body = {"model": "m", "messages": [{"role": "user", "content": "alpha beta gamma delta " * 30}],
+            "max_tokens": 40, "temperature": 0, "stream": True}
+    streams = []
+    for rt in (on, off):
+        srv = LiveServer(rt)
+        try:
+            with httpx.Client(base_url=srv.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions",
+                                                                           json=body) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            metrics = httpx.get(srv.url + "/metrics").text
+        finally:
+            srv.stop()
+            rt.scheduler.drain()
+        streams.append([(d.get("content"), d.get("reasoning_content"))
+                        for ch in chunks for d in [ch["choices"][0]["delta"]] if ch["choices"]])
+        if rt is on:
+            drafted = [ln for ln in metrics.splitlines() if ln.startswith("orchestrator_drafted_tokens_total")]
+            assert drafted and float(drafted[0].split()[-1]) > 0
+    text = "".join((c or "") + (r or "") for c, r in streams[0])
+    assert text and streams[0] == streams[1]
