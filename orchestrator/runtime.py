@@ -115,7 +115,7 @@ class Runtime:
             raise
 
     @staticmethod
-    def _fit_context(cfg: Config, path: Path) -> int:
+    def _fit_context(cfg: Config, path: Path, n_rs: int) -> int:
         """The context per slot when --ctx-size is not given (orchestrator/sizing.py), from a probe of the model
         in a small context: its training context, KV bytes per token and recurrent state. Logs the arithmetic."""
         probe = Engine(path, n_ctx=256, n_batch=min(cfg.batch_size, 256), n_threads=cfg.threads,
@@ -126,7 +126,6 @@ class Runtime:
             n_ctx_train, model_bytes = probe.info.n_ctx_train, probe.info.size_bytes
         finally:
             probe.close()
-        n_rs = cfg.rs_snapshots if cfg.cache_enabled else 0
         fit = sizing.fit_context(n_ctx_train, kv_token, recurrent * (1 + n_rs), cfg.parallel,
                                  psutil.virtual_memory().available, model_bytes,
                                  cfg.cache_ram_bytes if cfg.cache_enabled else 0)
@@ -162,11 +161,12 @@ class Runtime:
 
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
-        if cfg.ctx_size is None:
-            cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path))
         widths = cls._verify_widths(cfg, path, file_digest)
+        # recurrent snapshots per slot: the cache's (--rs-snapshots), a verification's rollback, a decode row's
         n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, widths[-1] - 1 if widths else 0,
                        cfg.decode_rows - 1)
+        if cfg.ctx_size is None:
+            cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path, n_rs_seq))
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
                         devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,
