@@ -24,6 +24,7 @@ COMMANDS = {
     "prefix": "prefix",
     "cluster": "cluster",
     "soak": "soak",
+    "speculative": "speculative",
 }
 
 

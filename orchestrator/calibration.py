@@ -173,6 +173,77 @@ def check_rollback(engine: Engine, seq: int | None = None) -> bool:
         engine.clear(0)
 
 
+def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence[int] = (40, 300),
+                          follow: int = 2) -> tuple[int, ...]:
+    """The verification widths w (2..max_width) at which one ubatch of w tokens of one sequence
+    (`Engine.verify`) gives bit-identical logits to w one-token decode steps, at every position, AND the state
+    after keeping 1, w // 2 and w - 1 of them (`Engine.truncate`: KV removal, n_rs_seq rollback on a recurrent
+    memory: the farthest and the nearest rollback) goes on exactly: the logits of the next `follow` one-token
+    steps equal those of the one-token path (`Engine.decode` of one token: decode_rows apply). Tested
+    after prefills of each length in `contexts` (pseudo-random tokens); a width counts only if every context
+    passes, and the result is contiguous from 2 (the first width that fails ends it). Empty: speculation
+    cannot be exact here. Uses and clears sequence 0.
+
+    Why it must be measured, and why passing is evidence, not proof: on ggml-cpu the attention matmuls over the
+    F16 KV cache (KQ, KQV) run ggml_vec_dot_f16 (several accumulators) for one query row and llamafile's
+    tinyBLAS (one accumulator per element; llamafile_sgemm refuses n < 2) for two or more, so the sums round
+    differently; on K-quant models the Q8_K rounding of the activations absorbs most of it, position by
+    position, data-dependently (bench/results/2026-12-03/verification-widths/README.md). Widths of 8 and more
+    also change the weight-matmul kernels (as `measure_min_segment` sees). With decode_rows 2 the one-token
+    step takes the verification's attention kernels: widths 2..7 exact on K-quant models; F16 still none (the
+    output projection then runs for one row in a step and for w rows in a verification)."""
+    recurrent = CHECKPOINT in engine.state.entry_kinds
+    top = min(max_width, engine.n_rs_seq + 1 if recurrent else max_width, engine.n_batch)
+    if top < 2:
+        return ()
+    exact = {w: True for w in range(2, top + 1)}
+    try:
+        for n in contexts:
+            if not exact[2]:
+                break  # the result is contiguous from 2: nothing left to find
+            n = min(n, engine.n_ctx - top - follow - 1)
+            prompt = [1000 + (41 * i + 7 * n) % 5000 for i in range(n)]
+            nxt = [1500 + (59 * i + n) % 5000 for i in range(top + follow)]
+            engine.clear(0)
+            engine.decode(0, prompt, 0)
+            start = engine.save_state(0)
+            ref = []
+            for i, tok in enumerate(nxt):  # the one-token path
+                engine.decode(0, [tok], n + i)
+                ref.append(engine.logits())
+            for w in range(2, top + 1):
+                if not exact[w]:
+                    break
+                engine.load_state(0, start)
+                engine.verify(0, nxt[:w], n)
+                if not all(np.array_equal(engine.logits(i), ref[i]) for i in range(w)):
+                    exact[w] = False
+                    break
+                for keep in sorted({1, w // 2, w - 1}):  # keep == w: no rollback, the state of the logits above
+                    engine.load_state(0, start)
+                    engine.verify(0, nxt[:w], n)
+                    engine.truncate(0, n + keep)
+                    for i in range(keep, keep + follow):
+                        engine.decode(0, [nxt[i]], n + i)
+                        if not np.array_equal(engine.logits(), ref[i]):
+                            exact[w] = False
+                            break
+                    if not exact[w]:
+                        break
+                if not exact[w]:
+                    break
+    except EngineError:
+        return ()
+    finally:
+        engine.clear(0)
+    widths = []
+    for w in range(2, top + 1):
+        if not exact[w]:
+            break
+        widths.append(w)
+    return tuple(widths)
+
+
 def state_sizes(engine: Engine) -> tuple[int, int]:
     """(recurrent state bytes per sequence, KV bytes per token) as llama.cpp serialises them (at 2 and 4 tokens).
     Memory per slot is about recurrent + n_ctx * kv_per_token. Uses and clears sequence 0."""
@@ -237,11 +308,21 @@ class CalibrationFile:
         value = self._read().get(self.key)
         return value if isinstance(value, int) and value >= 2 else None
 
-    def put(self, min_segment: int) -> None:
+    def get_widths(self) -> tuple[int, ...] | None:
+        """The stored exact verification widths (`measure_verify_widths`; () when none), or None: not measured."""
+        value = self._read().get(self.key + ":verify_widths")
+        if isinstance(value, list) and all(isinstance(w, int) and w >= 2 for w in value):
+            return tuple(value)
+        return None
+
+    def put_widths(self, widths: tuple[int, ...]) -> None:
+        self.put(list(widths), ":verify_widths")
+
+    def put(self, min_segment, suffix: str = "") -> None:
         if self.file is None:
             return
         data = self._read()
-        data[self.key] = min_segment
+        data[self.key + suffix] = min_segment
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.file.with_suffix(".tmp")
@@ -300,6 +381,30 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
                         "to a stopped prefill on this model and CPU: turned off, every snapshot is a stop")
     engine.calibrate(min_segment, invariant, rollback)
     return Calibration(min_segment, invariant, rollback)
+
+
+def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int) -> tuple[int, ...]:
+    """The verification widths the scheduler uses (empty: speculative decoding off), from the widths measured
+    exact (`measure_verify_widths`) and --speculative: "off" none; "auto" the measured ones up to draft_max + 1;
+    "ngram" those, or where none were measured exact 2..draft_max + 1 with a warning (outputs may then differ
+    from speculation off). Logs the decision and why."""
+    if mode == "off":
+        return ()
+    exact = tuple(w for w in measured if w <= draft_max + 1)
+    if exact:
+        log.info("speculative decoding on: n-gram drafts verified %d..%d tokens at a time (measured bit-identical "
+                 "to one-token decoding on this model and CPU)", exact[0], exact[-1])
+        return exact
+    if mode == "ngram":
+        log.warning("--speculative ngram: no verification width is bit-identical to one-token decoding on this "
+                    "model and CPU; verifying up to %d tokens anyway, so outputs may differ from --speculative off",
+                    draft_max + 1)
+        return tuple(range(2, draft_max + 2))
+    log.warning("speculative decoding off: no verification width is bit-identical to one-token decoding on this "
+                "model and CPU (ggml-cpu's attention matmuls take other kernels for one query row than for two "
+                "or more; bench/results/2026-12-03/verification-widths/README.md). --speculative ngram trades "
+                "exactness for speed")
+    return ()
 
 
 def decode_batching(calibration: Calibration, n_seq_max: int, mode: str) -> bool:

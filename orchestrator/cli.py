@@ -143,6 +143,17 @@ def _serve_parser(sub) -> None:
     p.add_argument("--decode-batching", choices=["auto", "on", "off"], default=d.decode_batching,
                    help="one llama_decode for all generating slots: auto = only when measured bit-identical to "
                         "decoding alone on this model (default auto)")
+    p.add_argument("--speculative", choices=["auto", "off", "ngram"], default=d.speculative,
+                   help="speculative decoding with n-gram (prompt lookup) drafts: auto = only in the verification "
+                        "widths measured bit-identical to one-token decoding at start (none: off, and the log says "
+                        "why); ngram = also where none were (outputs may differ from off); mtp and draft models are "
+                        "not implemented yet (default auto)")
+    p.add_argument("--decode-rows", type=int, choices=[1, 2], default=d.decode_rows,
+                   help="rows per one-token decode step: 2 = the token and a rolled-back copy, the kernels of a "
+                        "speculative verification, so that verification is exact by construction (answers differ "
+                        "from 1; each step computes a second row; default 1)")
+    p.add_argument("--draft-max", type=_positive, default=d.draft_max, metavar="N",
+                   help=f"most drafted tokens per verification (default {d.draft_max})")
     p.add_argument("-b", "--batch-size", type=_positive, default=d.batch_size,
                    help=f"n_batch: most tokens per llama_decode; prefill is chunked to it (default {d.batch_size})")
     p.add_argument("-t", "--threads", type=_positive, default=d.threads, help=f"CPU threads (default {d.threads})")
@@ -236,7 +247,8 @@ def _config(a: argparse.Namespace) -> Config:
                  checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, prefill_chunk_alone=a.prefill_chunk_alone,
                  snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints, rs_snapshots=a.rs_snapshots,
-                 decode_batching=a.decode_batching,
+                 decode_batching=a.decode_batching, speculative=a.speculative, draft_max=a.draft_max,
+                 decode_rows=a.decode_rows,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
                  api_key=a.api_key, admin_key=a.admin_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
                  max_tokens_limit=a.max_tokens_limit, max_prompt_kib=a.max_prompt_size,

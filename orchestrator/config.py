@@ -71,6 +71,17 @@ class Config:
     prefill_chunk: int = 128  # most prompt tokens per prefill step (between two decode steps of other slots)
     prefill_chunk_alone: int = 0  # most prompt tokens per step when no other request waits or decodes (0: n_batch)
     decode_batching: str = "auto"  # "auto": batch slots' decode steps when bit-identical to alone; "on"; "off"
+    # Speculative decoding (orchestrator/speculative/): "auto" = n-gram drafts verified only in widths that
+    # calibration measured bit-identical to one-token decoding on this model and CPU (none found: off, logged);
+    # "ngram" = also where none were measured exact, at widths up to draft_max + 1 (outputs may then differ
+    # from "off", as --decode-batching on); "off". MTP and draft-model drafts are not implemented yet.
+    speculative: str = "auto"
+    draft_max: int = 6  # most drafted tokens per verification (the ubatch is draft_max + 1 wide)
+    # Rows per one-token decode step (Engine decode_rows): 1, or 2 (the token and a copy that is rolled back), which
+    # takes the same attention kernels as a verification ubatch, so that verification widths 2..7 (K-quant) are
+    # exact by construction and --speculative auto turns on (bench/results/2026-12-03/verification-widths).
+    # Answers differ from 1 (both equal their cold runs); each step computes a second row.
+    decode_rows: int = 1
     calibration_file: Path | None = None  # where measured kernel facts are kept across restarts; None: re-measure
     api_key: str | None = None  # Bearer key required on every endpoint but /health; None = no authentication
     # The operator's key (administration: flush, /metrics, /v1/cache/stats, /health's full view); None: api_key

@@ -99,6 +99,13 @@ class Engine:
         n_rs_seq: recurrent-state snapshots kept per sequence for rollback (llama_context_params.n_rs_seq,
             experimental in llama.cpp; 0 = none): after a prefill call, `rollback_checkpoint` can save the
             checkpoint of any of the call's last n_rs_seq positions. Costs n_rs_seq more recurrent states per slot.
+        decode_rows: 1, or 2: every one-token decode (`decode` of one token, `decode_step`) computes its token in a
+            ubatch of two rows of its sequence, the second a copy at the next position that is removed again
+            (llama_memory_seq_rm; on a recurrent memory n_rs_seq >= 1 rolls the state back), so that decoding takes
+            the attention kernels of two or more query rows, as a verification ubatch does: speculative
+            verification is then exact by construction below the weight kernels' switch
+            (bench/results/2026-12-03/verification-widths). Answers differ from decode_rows 1 (once: both are
+            exact with respect to the cache). Raises ModelLoadError for 2 on a recurrent model without n_rs_seq.
     Raises ModelLoadError when the file is missing, a device is unknown, or llama.cpp cannot load it.
 
     `offload` is the resulting layout (devices.Offload); `model_params` and `context_params` the llama.cpp
@@ -114,7 +121,8 @@ class Engine:
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
                  use_extra_bufts: bool = False, n_seq_max: int = 1, flash_attn: bool = False,
                  n_gpu_layers: int = -1, devices: Sequence[str] | None = None, main_gpu: int | None = None,
-                 kv_offload: bool = True, n_rs_seq: int = 0, grammars: GrammarPool | None = None) -> None:
+                 kv_offload: bool = True, n_rs_seq: int = 0, decode_rows: int = 1,
+                 grammars: GrammarPool | None = None) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -175,6 +183,13 @@ class Engine:
                         "--device none" if devices else "a CPU-only llama.cpp build")
         self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(self.ctx))  # 0 where the architecture has no rollback
         self._last_call: dict[int, tuple[int, int]] = {}  # seq -> positions [lo, hi) of its last prefill call
+        if decode_rows not in (1, 2) or (decode_rows == 2 and self.n_rs_seq < 1
+                                         and llama_cpp.llama_model_is_recurrent(self.model)
+                                         | llama_cpp.llama_model_is_hybrid(self.model)):
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
+            raise ModelLoadError(f"decode_rows {decode_rows}: 1, or 2 (with n_rs_seq >= 1 on a recurrent model)")
+        self.decode_rows = decode_rows
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._pieces: dict[int, bytes] = {}  # piece() by token id: at most the vocabulary
         self._scratch = bytearray()  # the kept buffer of load_state (states given in parts) and save_state_view
@@ -299,6 +314,9 @@ class Engine:
         Logits are kept for the last token only (when want_logits). Raises EngineError when llama_decode fails
         (e.g. no KV slot); the sequence's state is then unspecified and the caller must clear it.
         """
+        if len(tokens) == 1 and self.decode_rows == 2:
+            self.decode_step([(seq, tokens[0], pos)])
+            return
         b = self._batch
         for start, n in chunk_sizes(len(tokens), self.n_batch, self.min_segment):
             chunk = tokens[start:start + n]
@@ -320,29 +338,60 @@ class Engine:
 
     def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
         """One decode step for several sequences in one llama_decode call: `items` are (seq, token, pos), at most
-        one per sequence, at most n_batch. Logits are kept for every item; item i's are at batch index i
-        (`logits(i)`, `Sampler.sample(i)`).
+        one per sequence, at most n_batch / decode_rows. Logits are kept for every item; item i's are at batch
+        index i (`logits(i)`, `Sampler.sample(i)`). With decode_rows 2 each item is two rows of its sequence, the
+        copy at pos + 1 removed after the call (see the constructor).
 
         Pass items in increasing seq order: with a per-sequence KV cache llama.cpp packs consecutive sequence ids
         into one ubatch (llama_batch_allocr::split_equal, sequential mode). Whether the result equals decoding
         each sequence alone depends on the model's weight types: see calibration.check_batch_invariance. Raises
         EngineError when llama_decode fails (the sequences' states are then unspecified).
         """
-        if not 0 < len(items) <= self.n_batch:
-            raise ValueError(f"a decode step takes 1..{self.n_batch} items, got {len(items)}")
+        rows = self.decode_rows
+        if not 0 < len(items) * rows <= self.n_batch:
+            raise ValueError(f"a decode step takes 1..{self.n_batch // rows} items, got {len(items)}")
         b = self._batch
+        n = len(items)
         for i, (seq, tok, pos) in enumerate(items):
-            b.token[i] = tok
-            b.pos[i] = pos
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = 1
-        b.n_tokens = len(items)
-        for seq, _, _ in items:  # a one-token ubatch writes only the newest snapshot (delta-net-base.cpp)
+            for r in range(rows):  # decode_rows 2: the copies after all the items, so item i's logits stay at i
+                j = i + r * n
+                b.token[j] = tok
+                b.pos[j] = pos + r
+                b.n_seq_id[j] = 1
+                b.seq_id[j][0] = seq
+                b.logits[j] = r == 0
+        b.n_tokens = n * rows
+        for seq, _, _ in items:  # not a prefill call: checkpoint_back does not apply (delta-net-base.cpp)
             self._last_call.pop(seq, None)
         rc = llama_cpp.llama_decode(self.ctx, b)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
+        for seq, _, pos in items if rows == 2 else ():  # drop the copies (their recurrent step rolled back)
+            if not llama_cpp.llama_memory_seq_rm(self.mem, seq, pos + 1, -1):
+                raise EngineError(f"llama.cpp refused to drop the decode row copy of sequence {seq} at {pos + 1}")
+
+    def verify(self, seq: int, tokens: Sequence[int], pos: int) -> None:
+        """Decode `tokens` (2..n_batch) of sequence `seq` at positions pos.. in ONE ubatch with logits for every
+        token (token i's at batch index i: `logits(i)`, `Sampler.sample(i)`): a speculative verification. Whether
+        the logits and the state equal those of one-token steps depends on the width, the model and the CPU
+        (calibration.measure_verify_widths). Afterwards `truncate(seq, pos + j + 1)` keeps the first j + 1 tokens:
+        on a recurrent memory only while len(tokens) - j - 1 <= n_rs_seq (llama.cpp keeps the recurrent state
+        after each of the call's last n_rs_seq + 1 tokens: llama_memory_recurrent::seq_rm). Raises EngineError
+        when llama_decode fails (the sequence's state is then unspecified)."""
+        if not 2 <= len(tokens) <= self.n_batch:
+            raise ValueError(f"a verification takes 2..{self.n_batch} tokens, got {len(tokens)}")
+        b = self._batch
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1
+        b.n_tokens = len(tokens)
+        self._last_call.pop(seq, None)  # not a prefill call: checkpoint_back does not apply
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc} verifying {len(tokens)} tokens at {pos}")
 
     def sampler(self, params: SamplingParams, deadline: float | None = None) -> Sampler:
         """A sampler chain over this context's logits (close it when done). With `params.grammar`, the grammar is

@@ -170,6 +170,8 @@ class Result:
     stop_sequence: str | None = None  # the stop string that ended `text` (finish_reason "stop"), if one did
     token_ends: list[int] = field(default_factory=list)  # per completion token, the characters of `text` through
     #   it (TextStream.ends): how many tokens a span of the text took, without tokenizing it again
+    drafted_tokens: int = 0  # speculative decoding: drafts verified, and those accepted (speculative/verify.py)
+    accepted_tokens: int = 0
 
     @property
     def cut(self) -> bool:
@@ -259,6 +261,7 @@ class Task:
         # the logits of the step whose token is due, copied while the grammar has not answered (float32,
         # (n_vocab,); Sampler.ready): the task sits out the decode steps until it samples them (scheduler._resume)
         self.held: np.ndarray | None = None
+        self.spec = None  # speculative decoding state (speculative.verify.RequestSpec), made at its first step
         self.logprobs: list[TokenLogprob] | None = [] if job.logprobs is not None else None
         self._reported = 0  # logprobs already sent with TEXT events
         self.delivered = False  # DONE or ERROR was sent
@@ -362,7 +365,9 @@ class Task:
             ttft_s=c.first_token - c.submitted if c.first_token is not None else total, total_s=total,
             snapshots_saved=r.saved, snapshot_s=r.snapshot_s, first_logits=self.first_logits,
             slot=self.slot.seq, logprobs=self.logprobs, phases=phases, index=self.index,
-            stop_sequence=self.stream.matched, token_ends=self.stream.ends)
+            stop_sequence=self.stream.matched, token_ends=self.stream.ends,
+            drafted_tokens=self.spec.stats.drafted if self.spec else 0,
+            accepted_tokens=self.spec.stats.accepted if self.spec else 0)
 
 
 class RetryAfter:

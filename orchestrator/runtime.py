@@ -117,7 +117,7 @@ class Runtime:
             raise
 
     @staticmethod
-    def _fit_context(cfg: Config, path: Path) -> int:
+    def _fit_context(cfg: Config, path: Path, n_rs: int) -> int:
         """The context per slot when --ctx-size is not given (orchestrator/sizing.py), from a probe of the model
         in a small context: its training context, KV bytes per token and recurrent state. Logs the arithmetic."""
         probe = Engine(path, n_ctx=256, n_batch=min(cfg.batch_size, 256), n_threads=cfg.threads,
@@ -128,22 +128,52 @@ class Runtime:
             n_ctx_train, model_bytes = probe.info.n_ctx_train, probe.info.size_bytes
         finally:
             probe.close()
-        n_rs = cfg.rs_snapshots if cfg.cache_enabled else 0
         fit = sizing.fit_context(n_ctx_train, kv_token, recurrent * (1 + n_rs), cfg.parallel,
                                  psutil.virtual_memory().available, model_bytes,
                                  cfg.cache_ram_bytes if cfg.cache_enabled else 0)
         (log.info if fit.fits else log.warning)("%s", fit.describe())
         return fit.ctx_size
 
+    @staticmethod
+    def _verify_widths(cfg: Config, path: Path, file_digest: bytes) -> tuple[int, ...]:
+        """The speculative verification widths to serve with (calibration.speculation_widths), measured on a
+        probe context of one sequence (the same model, threads and kernels; n_rs_seq = draft_max for the
+        recurrent rollback), so that the served context gets n_rs_seq snapshots only where speculation is on;
+        kept in the calibration file beside min_segment (widths up to draft_max + 1 are measured)."""
+        if cfg.speculative == "off":
+            return ()
+        started = time.perf_counter()
+        probe = Engine(path, n_ctx=1024, n_batch=cfg.batch_size, n_threads=cfg.threads,
+                       use_extra_bufts=cfg.use_extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
+                       devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, n_rs_seq=cfg.draft_max,
+                       decode_rows=cfg.decode_rows)
+        try:
+            file = calibration.CalibrationFile(cfg.calibration_file,
+                                               file_digest + b"%d/%d" % (cfg.draft_max, cfg.decode_rows),
+                                               cfg.batch_size, cfg.use_extra_bufts, probe.offload)
+            measured = file.get_widths()
+            if measured is None:
+                measured = calibration.measure_verify_widths(probe, cfg.draft_max + 1)
+                file.put_widths(measured)
+                log.info("measured the exact speculative verification widths in %.1f s: %s",
+                         time.perf_counter() - started, ", ".join(map(str, measured)) or "none")
+        finally:
+            probe.close()
+        return calibration.speculation_widths(measured, cfg.speculative, cfg.draft_max)
+
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
+        widths = cls._verify_widths(cfg, path, file_digest)
+        # recurrent snapshots per slot: the cache's (--rs-snapshots), a verification's rollback, a decode row's
+        n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, widths[-1] - 1 if widths else 0,
+                       cfg.decode_rows - 1)
         if cfg.ctx_size is None:
-            cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path))
+            cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path, n_rs_seq))
         grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
                         devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,
-                        n_rs_seq=cfg.rs_snapshots if cfg.cache_enabled else 0, grammars=grammars)
+                        n_rs_seq=n_rs_seq, decode_rows=cfg.decode_rows, grammars=grammars)
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
             cfg.calibration_file, file_digest, cfg.batch_size, cfg.use_extra_bufts, engine.offload),
@@ -200,7 +230,7 @@ class Runtime:
                                        prefill_chunk=cfg.prefill_chunk,
                                        prefill_chunk_alone=cfg.prefill_chunk_alone, batch_decode=batch_decode,
                                        prefill_tps=prefill_tps, driver=driver,
-                                       snapshot_min_gap=cfg.snapshot_min_gap),
+                                       snapshot_min_gap=cfg.snapshot_min_gap, verify_widths=widths),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks

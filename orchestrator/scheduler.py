@@ -41,6 +41,7 @@ from .memory import IdleWork
 from .request import Collector, Event, EventKind, Job, Phase, Result, RetryAfter, Sink, Slot, Task
 from .reuse import PrefillRate, Reuse
 from .sampling import token_logprob
+from .speculative.verify import Speculation
 
 log = logging.getLogger("orchestrator.scheduler")
 
@@ -101,6 +102,9 @@ class Scheduler:
         driver: the thread to run the worker loop on, shut down on close: the one that made the engine's earlier
             llama_decode calls, since calls from a second thread are slower (engine_thread.EngineThread); None: a
             new one.
+        verify_widths: speculative decoding's verification widths (calibration.measure_verify_widths and
+            `speculation`); empty: off. A request verifies drafts only in a step where it decodes alone in its
+            llama_decode call (batched decode steps of several slots stay one row per slot: `_decode`).
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A failing job gets an ERROR event (`_fail`); the
@@ -110,7 +114,8 @@ class Scheduler:
     def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
                  batch_decode: bool = False, prefill_tps: float | None = None,
-                 driver: EngineThread | None = None, snapshot_min_gap: int = 0) -> None:
+                 driver: EngineThread | None = None, snapshot_min_gap: int = 0,
+                 verify_widths: tuple[int, ...] = ()) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
@@ -125,6 +130,7 @@ class Scheduler:
         self.prefill_chunk = self.reuse.chunk_size(prefill_chunk)
         self.prefill_chunk_alone = max(self.reuse.chunk_size(prefill_chunk_alone or engine.n_batch), self.prefill_chunk)
         self.batch_decode = batch_decode
+        self.speculation = Speculation(engine, verify_widths)
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = _Condition()
         self._order = itertools.count()
@@ -419,6 +425,8 @@ class Scheduler:
             self._guard(t, self._decode_one, t)
 
     def _decode_one(self, t: Task) -> None:
+        if self.speculation.step(t, self._sample):  # drafts verified in one ubatch, or False: nothing done
+            return
         self.engine.decode(t.slot.seq, [t.pending], t.n + len(t.out) - 1)
         self._sample(t, -1)
 

@@ -286,10 +286,12 @@ class Driver:
         """Observe and log a served request: choice 0's figures (the prompt is served once), the completion tokens
         of all its choices."""
         r = results[0]
-        self.metrics.observe(r)
-        log.info("%s prompt=%d cached=%d tier=%s completion=%d%s total_ms=%.1f ttft_ms=%.1f %s", kind,
+        drafted, accepted = sum(x.drafted_tokens for x in results), sum(x.accepted_tokens for x in results)
+        self.metrics.observe(r, drafted, accepted)
+        log.info("%s prompt=%d cached=%d tier=%s completion=%d%s%s total_ms=%.1f ttft_ms=%.1f %s", kind,
                  r.prompt_tokens, r.cached_tokens, r.restore_source, sum(len(x.completion_tokens) for x in results),
-                 f" choices={len(results)}" if len(results) > 1 else "", r.total_s * 1e3, r.ttft_s * 1e3,
+                 f" choices={len(results)}" if len(results) > 1 else "",
+                 f" drafted={drafted} accepted={accepted}" if drafted else "", r.total_s * 1e3, r.ttft_s * 1e3,
                  " ".join(f"{name}_ms={s * 1e3:.1f}" for name, s in r.phases.items()))
 
     def record_failure(self, route: str, exc: Exception) -> None:

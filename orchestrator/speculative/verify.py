@@ -1,0 +1,93 @@
+"""The scheduler's speculative step for one generating request: draft, verify in one ubatch, accept by sampling.
+
+    positions   p          p+1        ...  p+w-1
+    ubatch      pending    draft[0]   ...  draft[w-2]         (Engine.verify: logits at every index)
+    sample i    from logits i with the request's own sampler; accepted while it equals draft[i]
+
+Token i is sampled from the logits after ubatch[0..i], which are those of one-token decoding where the width w
+is exact (calibration.measure_verify_widths). Sampling stops at the first token that differs from the draft
+(that token is the step's last output, as a plain decode step's would be), at the end of generation, or after
+the last index; so the sampler runs exactly once per output token, in order, with its own RNG, and every
+other effect of a token (logprobs, stop strings, streaming, the end) happens through the scheduler's own
+`_sample`. Afterwards the sequence keeps ubatch[0..i] (`Engine.truncate`: KV removal and llama.cpp's n_rs_seq
+recurrent rollback), the state i + 1 one-token steps give, unless generation ended (then the after-generation
+rules take over the sequence, as after any decode step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .ngram import NgramDrafter
+from .policy import DraftLength
+
+
+@dataclass
+class SpecStats:
+    """Counts of one request (or of a server): tokens drafted into verifications, and accepted among them."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0
+
+
+@dataclass
+class RequestSpec:
+    """Per-request speculation state: the drafter over prompt + answer and the draft length policy."""
+
+    drafter: NgramDrafter
+    length: DraftLength
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class Speculation:
+    """Verification steps for the scheduler. `widths`: the exact verification widths (2..); empty = never.
+
+    `step(task, sample)` runs one step for a task that decodes alone in its llama_decode call and returns True,
+    or returns False without touching anything (no usable draft, a grammar, backing off): the caller then runs
+    its plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`."""
+
+    def __init__(self, engine, widths: Sequence[int], min_n: int = 2, max_n: int = 4) -> None:
+        self.engine = engine
+        self.widths = tuple(sorted(widths))
+        self.min_n, self.max_n = min_n, max_n
+        self.stats = SpecStats()
+
+    def state(self, task) -> RequestSpec | None:
+        """The task's speculation state, made at its first step; None where it never speculates: no widths, or
+        a grammar (its mask is computed in a grammar process token by token: `Sampler.ready`)."""
+        if task.spec is None and self.widths and not task.job.sampling.grammar:
+            task.spec = RequestSpec(NgramDrafter(task.tokens, self.min_n, self.max_n), DraftLength(self.widths))
+        return task.spec
+
+    def step(self, task, sample: Callable[[object, int], None]) -> bool:
+        spec = self.state(task)
+        if spec is None or task.pending is None or task.held is not None:
+            return False
+        drafter = spec.drafter
+        drafter.extend(task.out[len(drafter.tokens) - len(task.tokens):])  # the last one is `pending`
+        pos = task.n + len(task.out) - 1  # where `pending` goes
+        room = min(self.engine.n_ctx - pos, task.job.max_tokens - len(task.out) + 1)
+        draft = drafter.draft(min(self.widths[-1], room) - 1)
+        width = spec.length.width(len(draft))
+        if width < 2:
+            return False
+        tokens = [task.pending] + draft[:width - 1]
+        seq = task.slot.seq
+        self.engine.verify(seq, tokens, pos)
+        i = 0
+        while True:
+            sample(task, i)
+            if task.pending is None or i == width - 1 or task.pending != tokens[i + 1]:
+                break
+            i += 1
+        accepted = i  # drafts whose sampled token matched and whose computed state is kept
+        spec.length.observe(width - 1, accepted)
+        for s in (spec.stats, self.stats):
+            s.drafted += width - 1
+            s.accepted += accepted
+            s.verifications += 1
+        if task.pending is not None and i + 1 < width:  # still generating: keep ubatch[0..i]
+            self.engine.truncate(seq, pos + i + 1)
+        return True

@@ -1,0 +1,159 @@
+"""Speculative decoding (orchestrator/speculative/): drafts, draft length, and the scheduler's verification step,
+on the fake engine (tests/fake_engine.py), where a verification marks its tokens like one-token steps only at the
+widths its "hardware" makes exact, so any output that speculation changed differs from the run without it."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from orchestrator.cache.snapshots import SnapshotCache
+from orchestrator.cache.tiers import RamTier
+from orchestrator.calibration import speculation_widths
+from orchestrator.engine import SamplingParams
+from orchestrator.request import Event, EventKind, Job
+from orchestrator.scheduler import Scheduler
+
+from .fake_engine import FakeEngine
+
+MS = 4
+WIDTHS = (2, 3, 4, 5, 6, 7)
+
+
+def test_speculation_widths_decision():
+    assert speculation_widths((2, 3, 4), "off", 6) == ()
+    assert speculation_widths((2, 3, 4), "auto", 6) == (2, 3, 4)
+    assert speculation_widths((2, 3, 4, 5, 6, 7), "auto", 3) == (2, 3, 4)
+    assert speculation_widths((), "auto", 6) == ()
+    assert speculation_widths((), "ngram", 2) == (2, 3)
+
+
+# ---------------------------------------------------------------- the scheduler's verification step
+
+
+@pytest.fixture()
+def make():
+    made = []
+
+    def _make(widths=WIDTHS, hw=WIDTHS, hybrid=True, n_slots=3, batch_decode=False):
+        eng = FakeEngine(n_seq_max=n_slots, hybrid=hybrid, exact_from=MS, n_ctx=4096, exact_widths=hw,
+                         n_rs_seq=6, markov=True, n_vocab=48)
+        eng.calibrate(MS, True)
+        s = Scheduler(eng, SnapshotCache([RamTier(64 << 20)], state=eng.state), n_slots=n_slots,
+                      batch_decode=batch_decode, prefill_chunk=16, prefill_chunk_alone=16, verify_widths=widths)
+        made.append(s)
+        return eng, s
+
+    yield _make
+    for s in made:
+        s.close()
+
+
+PROMPT = [(5 * i) % 40 + 1 for i in range(60)]
+
+
+def run(s: Scheduler, job: Job):
+    """(results by choice, TEXT events as (choice, text, logprobs) in arrival order)."""
+    events, done, results = [], threading.Event(), {}
+
+    def sink(ev: Event) -> None:
+        if ev.kind == EventKind.TEXT:
+            events.append((ev.index, ev.text, ev.logprobs))
+        else:
+            results[ev.index] = ev.result if ev.kind == EventKind.DONE else ev.error
+            if len(results) == job.n:
+                done.set()
+
+    s.submit(job, sink)
+    assert done.wait(30)
+    s.drain()
+    return [results[i] for i in range(job.n)], events
+
+
+def outputs(results):
+    return [(r.completion_tokens, r.text, r.finish_reason, r.logprobs) for r in results]
+
+
+CASES = {
+    "greedy": dict(sampling=SamplingParams(temperature=0.0)),
+    "seeded": dict(sampling=SamplingParams(temperature=0.3, seed=11)),
+    "logprobs": dict(sampling=SamplingParams(temperature=0.0), logprobs=3),
+    "stop": dict(sampling=SamplingParams(temperature=0.0), stop=("w7 w",)),
+    "n3": dict(sampling=SamplingParams(temperature=0.3, seed=3), n=3),
+    "cold": dict(sampling=SamplingParams(temperature=0.0), use_cache=False),
+}
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "kv"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_speculation_changes_nothing(make, case, hybrid):
+    _, off = make(widths=(), hybrid=hybrid)
+    eng, on = make(hybrid=hybrid)
+    job = Job(PROMPT, max_tokens=60, want_logits=True, **CASES[case])
+    a, a_events = run(off, job)
+    b, b_events = run(on, job)
+    assert outputs(a) == outputs(b)
+    for i in range(job.n):  # streaming: each choice's deltas and logprobs, in the same order (choices interleave
+        #                     otherwise: a verification step streams several tokens of one choice)
+        assert [e for e in a_events if e[0] == i] == [e for e in b_events if e[0] == i]
+    assert all(np.array_equal(x.first_logits, y.first_logits) for x, y in zip(a, b))
+    assert sum(r.drafted_tokens for r in b) > 0 and sum(r.accepted_tokens for r in b) > 0
+    assert all(r.drafted_tokens == 0 for r in a)
+    # the after-generation store continues identically: a follow-up turn restores the same and says the same
+    follow = Job(PROMPT + a[0].completion_tokens + [3, 4], max_tokens=20, want_logits=True, **CASES["greedy"])
+    fa, _ = run(off, follow)
+    fb, _ = run(on, follow)
+    assert outputs(fa) == outputs(fb) and fa[0].cached_tokens == fb[0].cached_tokens
+
+
+def test_the_check_sees_an_inexact_verification(make):
+    """The same comparison with widths the hardware does not make exact: the answers differ (so the test above
+    would catch a verification that is not exact, or a rollback to the wrong state)."""
+    _, off = make(widths=())
+    _, on = make(hw=(2,))
+    job = Job(PROMPT, max_tokens=60, sampling=SamplingParams(temperature=0.0))
+    assert outputs(run(off, job)[0]) != outputs(run(on, job)[0])
+
+
+def test_batched_decode_steps_do_not_verify(make):
+    """Several slots decoding in one llama_decode call stay one row each (verification only alone)."""
+    eng, s = make(batch_decode=True)
+    eng.pause()
+    out = []
+    for seed in (1, 2):
+        box = threading.Event()
+        s.submit(Job(PROMPT, max_tokens=30, sampling=SamplingParams(temperature=0.8, seed=seed)),
+                 lambda ev, box=box: (out.append(ev), box.set()) if ev.kind != EventKind.TEXT else None)
+    calls_before = len(eng.verify_calls)
+    eng.resume()
+    s.drain()
+    assert calls_before == 0
+    _, alone = make(widths=(), batch_decode=True)
+    for seed in (1, 2):
+        ref = alone.run(Job(PROMPT, max_tokens=30, sampling=SamplingParams(temperature=0.8, seed=seed)))
+        assert any(ev.result.completion_tokens == ref.completion_tokens for ev in out)
+
+
+def test_a_request_that_never_matches_rarely_verifies(make):
+    """Drafts that are never accepted: the request backs off to plain decode steps."""
+    eng, s = make()
+    s.speculation.min_n = 1  # drafts from any earlier token
+    eng.eog_id = -1  # never ends early
+    job = Job(list(range(1, 47)), max_tokens=400, sampling=SamplingParams(temperature=5.0, seed=5))
+    r = s.run(job)
+    assert len(eng.verify_calls) <= len(r.completion_tokens) / 8
+
+
+def test_counts_reach_metrics(make):
+    from server.metrics import Metrics
+
+    _, s = make()
+    r = s.run(Job(PROMPT, max_tokens=40, sampling=SamplingParams(temperature=0.0)))
+    assert r.drafted_tokens >= r.accepted_tokens > 0
+    m = Metrics(s.cache.stats)
+    m.observe(r, r.drafted_tokens, r.accepted_tokens)
+    text = m.render().decode()
+    assert f"orchestrator_drafted_tokens_total {float(r.drafted_tokens)}" in text
+    assert f"orchestrator_accepted_tokens_total {float(r.accepted_tokens)}" in text

