@@ -51,8 +51,7 @@ def prompts(lines: int) -> dict[str, str]:
 def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
              draft_max: int, decode_rows: int = 1) -> dict:
     from orchestrator.config import Config
-    from orchestrator.engine import SamplingParams
-    from orchestrator.request import Job
+    from orchestrator.request import Job, SamplingParams
     from orchestrator.runtime import Runtime
 
     rt = Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,

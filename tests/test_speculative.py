@@ -12,8 +12,7 @@ import pytest
 from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.cache.tiers import RamTier
 from orchestrator.calibration import speculation_widths
-from orchestrator.engine import SamplingParams
-from orchestrator.request import Event, EventKind, Job
+from orchestrator.request import Event, EventKind, Job, SamplingParams
 from orchestrator.scheduler import Scheduler
 
 from .fake_engine import FakeEngine
