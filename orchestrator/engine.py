@@ -63,6 +63,16 @@ PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 _LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
 
 
+@llama_cpp.llama_log_callback
+def _llama_log(level: int, text: bytes, _user) -> None:
+    """llama.cpp's log, into this module's logger. llama_log_set is process-wide, so the callback is one object for
+    the life of the process: one owned by an Engine was freed with it while llama.cpp still called it (a later
+    llama_free of another context logs, and jumped into freed memory)."""
+    msg = text.decode("utf-8", "replace").rstrip("\n")
+    if msg:
+        log.log(_LOG_LEVELS.get(level, logging.DEBUG), "llama.cpp: %s", msg)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Facts read from the GGUF (llama_model_meta_val_str) and the vocab."""
@@ -128,8 +138,7 @@ class Engine:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
         if not model_path.is_file():
             raise ModelLoadError(f"model file not found: {model_path}")
-        self._log_cb = llama_cpp.llama_log_callback(self._on_log)
-        llama_cpp.llama_log_set(self._log_cb, ctypes.c_void_p(0))
+        llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.use_extra_bufts = use_extra_bufts
@@ -218,11 +227,6 @@ class Engine:
         self.rollback = rollback and self.n_rs_seq > 0
 
     # ---------------------------------------------------------------- metadata and vocab
-
-    def _on_log(self, level: int, text: bytes, _user) -> None:
-        msg = text.decode("utf-8", "replace").rstrip("\n")
-        if msg:
-            log.log(_LOG_LEVELS.get(level, logging.DEBUG), "llama.cpp: %s", msg)
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string (llama_model_meta_val_str), or None."""
