@@ -10,11 +10,12 @@ Generations (greedy), each in its own runtime per mode (one slot, cache off, so 
   * tool: a tool call that repeats paths and identifiers from the prompt;
   * edit: a --lines-line Python file in the prompt, to be rewritten whole with two small changes;
   * free: an answer that the prompt does not contain.
-With --decode-rows 2 both "off" and "on" decode two-row steps (same numerics), and a third run reports one-row
-decoding without speculation (the cost of the second row). "on" is --mode: "auto" (speculation only where calibration measured exact widths; on the CPUs measured so
-far, none: then "on" equals "off") or "ngram" (verifies anyway; answers may differ, and the report says whether
-they did). Decode tokens/s = completion tokens / the decode phase (first token to last). Writes
-bench/results/<date>/speculative.json. Not a test: figures depend on the machine and its load.
+With --decode-rows 2 both "off" and "on" decode two-row steps (same numerics), and a third mode reports one-row
+decoding without speculation (the cost of the second row). --reps rounds interleave the modes; figures are
+Σ tokens / Σ decode seconds over the rounds, with the rounds' spread. "on" is --mode: "auto" (speculation only
+where calibration measured exact widths: with --decode-rows 1, none on the CPUs measured so far, and then "on"
+equals "off") or "ngram" (verifies anyway; answers may differ, and the report says whether they did). Decode
+tokens/s: completion tokens / the decode phase (first token to last). Writes bench/results/<date>/speculative.json.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-rows", type=int, choices=[1, 2], default=1)
     ap.add_argument("--only", default="", help="comma-separated generations (default: all)")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of every mode (default 3)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     model = a.model
@@ -100,20 +102,41 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts(a.lines)
     if a.only:
         texts = {k: v for k, v in texts.items() if k in a.only.split(",")}
-    off = run_mode(model, "off", texts, a.template, a.max_tokens, a.threads, a.draft_max, a.decode_rows)
-    on = run_mode(model, a.mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, a.decode_rows)
-    report = {"model": str(model), "mode": a.mode, "decode_rows": a.decode_rows, "widths": on["widths"],
-              "generations": {}}
+    # (name, --speculative, decode rows); with --decode-rows 2 also one-row decoding without speculation (today's
+    # default: what the second row costs). Rounds interleave the modes, so machine drift hits all alike.
+    modes = [("off", "off", a.decode_rows), ("on", a.mode, a.decode_rows)]
     if a.decode_rows == 2:
-        one = run_mode(model, "off", texts, a.template, a.max_tokens, a.threads, a.draft_max, 1)
-        report["one_row_off"] = {k: {n: v for n, v in x.items() if n != "tokens"} for k, x in one.items()
-                                 if k != "widths"}
-    for name in texts:
-        x, y = off[name], on[name]
-        same = x.pop("tokens") == y.pop("tokens")
-        speedup = y["decode_tps"] / x["decode_tps"] if x["decode_tps"] and y["decode_tps"] else None
-        report["generations"][name] = {"off": x, "on": y, "identical": same, "decode_speedup": speedup}
-        print(f"{name:5} speedup {speedup or 0:.2f}x, acceptance "
-              f"{y['accepted'] / y['drafted'] if y['drafted'] else 0:.2f}, identical: {same}")
+        modes.append(("one_row_off", "off", 1))
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in modes}
+    for _ in range(a.reps):
+        for name, mode, rows in modes:
+            runs[name].append(run_mode(model, mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rows))
+    report = {"model": str(model), "mode": a.mode, "decode_rows": a.decode_rows, "reps": a.reps,
+              "widths": runs["on"][0]["widths"], "generations": {}}
+    for gen in texts:
+        row: dict = {}
+        for name in runs:
+            done = [r[gen] for r in runs[name]]
+            tps = [d["decode_tps"] or 0.0 for d in done]
+            row[name] = {"decode_tps": tps, "completion_tokens": done[0]["completion_tokens"],
+                         "drafted": sum(d["drafted"] for d in done), "accepted": sum(d["accepted"] for d in done),
+                         # Σ tokens / Σ decode seconds over the rounds, and the spread of the rounds
+                         "decode_tps_sum": sum(d["completion_tokens"] - 1 for d in done)
+                         / sum(d["decode_s"] for d in done),
+                         "spread": (min(tps), max(tps))}
+        row["identical"] = all(r[gen]["tokens"] == runs["off"][0][gen]["tokens"] for r in runs["off"] + runs["on"])
+        for name in runs:
+            for d in (r[gen] for r in runs[name]):
+                d.pop("tokens", None)
+        base = row["off"]["decode_tps_sum"]
+        row["speedup_on_vs_off"] = row["on"]["decode_tps_sum"] / base
+        if "one_row_off" in row:
+            row["two_row_cost"] = base / row["one_row_off"]["decode_tps_sum"]
+            row["speedup_on_vs_one_row_off"] = row["on"]["decode_tps_sum"] / row["one_row_off"]["decode_tps_sum"]
+        report["generations"][gen] = row
+        print(f"{gen:5} on/off {row['speedup_on_vs_off']:.2f}x"
+              + (f", two-row/one-row {row['two_row_cost']:.2f}x, on/one-row {row['speedup_on_vs_one_row_off']:.2f}x"
+                 if "one_row_off" in row else "")
+              + f", accepted {row['on']['accepted']}/{row['on']['drafted']}, identical: {row['identical']}")
     write_json((a.out or results_dir()) / "speculative.json", report)
     return 0

@@ -141,7 +141,7 @@ def test_a_cpu_calibration_is_never_reused_for_a_gpu(tmp_path, tiny_model):
 
 def test_a_state_of_one_offload_layout_is_refused_by_another(tiny_model):
     def engine(offload):
-        return types.SimpleNamespace(n_ctx=1024, n_seq_max=1, flash_attn=False,
+        return types.SimpleNamespace(n_ctx=1024, n_seq_max=1, flash_attn=False, use_extra_bufts=False,
                                      state=HybridState(split_layout=True), offload=offload)
 
     digest = model_file_digest(tiny_model)
