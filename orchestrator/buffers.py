@@ -4,7 +4,7 @@ through once while the server is idle.
 A prefill stops at every snapshot position to save a checkpoint (the recurrent state, a fixed size: 19.3 MiB on
 the 0.8b) before it goes on, so a save's time is on the request's TTFT. llama.cpp copies the state in 2 ms; the
 rest of a 17 ms save is the kernel handing out new pages (a fault and a zeroed page every 4 KiB of a buffer no
-one wrote before; `python -m bench save` on a 2-core EPYC). Every checkpoint is new memory that the cache
+one wrote before; bench/results/2026-12-01/issue12/, a 2-core EPYC). Every checkpoint is new memory that the cache
 keeps, so it cannot be reused; but the pages can be faulted in before they are needed: `SpareBuffers` keeps up
 to `target` checkpoint-sized bytes objects that were written once while nothing waited (`fill_one`, about 13 ms
 each), and a save takes one (`take`) instead of new memory. A spare is referenced by the pool alone until it is

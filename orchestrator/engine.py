@@ -485,7 +485,7 @@ class Engine:
         one pass over the state. A bytearray copied into bytes by the RAM tier was two: 32 ms instead of 17 ms
         for a 19 MiB checkpoint of the 0.8b on a 2-core EPYC, at every stop of a prefill; most of the 17 is page
         faults of new memory, so a checkpoint goes into a spare written while idle when there is one (`spares`,
-        `keep_spares`): 2 ms (`python -m bench save`). Size: for Qwen3.5-0.8B about 19 MiB of recurrent
+        `keep_spares`): 2 ms (bench/results/2026-12-01/issue12/). Size: for Qwen3.5-0.8B about 19 MiB of recurrent
         state plus about 12 KiB of KV per token held. Raises EngineError when llama.cpp writes nothing.
         """
         if self._new_bytes is None:  # not CPython: through the kept buffer, then one copy into bytes
@@ -551,7 +551,7 @@ class Engine:
         engine keeps, growing to the largest state loaded so far (at most one slot's full state): llama.cpp reads
         one contiguous buffer, and one kept buffer spares the page faults of new memory (a 43 MiB state read
         back from the disk tier restored at 1.3 GiB/s joined into new memory, 2.6 GiB/s through the kept buffer;
-        `python -m bench restore`). Raises EngineError (sequence cleared) when llama.cpp refuses it. How the parts
+        bench/results/2026-12-01/restore/). Raises EngineError (sequence cleared) when llama.cpp refuses it. How the parts
         of a state are combined is the state kind's business (`self.state.restore`)."""
         if clear:
             self.clear(seq)

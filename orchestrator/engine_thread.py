@@ -13,7 +13,7 @@ class EngineThread:
     llama.cpp's CPU backend computes each graph on an OpenMP team (libgomp) of the thread that calls
     llama_decode. Calls from two threads slowed every call: on the 0.8b with 2 threads, one-token decode steps
     took 35 ms instead of 23 once calibration had decoded on the main thread and the scheduler decoded on its
-    own (`python -m bench decode-thread`). So the server loads and calibrates the model on this thread and
+    own (bench/results/2026-12-01/quiet/). So the server loads and calibrates the model on this thread and
     then runs the scheduler's worker loop on it (`Runtime.start`). A daemon, like the worker thread it replaces:
     a process that never closes its runtime still exits.
     """

@@ -16,7 +16,7 @@ the field); this module contains what they miss.
 
 Design. A `GrammarProcess` is `python -m orchestrator.grammar_child MODEL` holding the model's vocabulary only
 (`vocab_only`; its RSS, start time and per-token mask cost against the in-process apply:
-bench/results/2026-12-01/grammar_guard/tiny.json, `python -m bench grammar-guard`), its address space capped at what it
+bench/results/2026-12-01/grammar_guard/tiny.json), its address space capped at what it
 mapped to load plus `memory_mib` (RLIMIT_AS: a runaway allocation ends it, not the server). The parent speaks a
 framed protocol over its stdin/stdout (4-byte little-endian length, then one command byte):
     I + JSON {"gbnf", "triggers"}: build the grammar sampler (`sampling.grammar_sampler`), reply O or E + message

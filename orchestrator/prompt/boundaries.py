@@ -27,7 +27,7 @@ request's prompt text (its messages plus the generation prompt):
 
 Cost (the renders are each linear in the conversation): two to five renders for each append check (the whole
 conversation, the first message and the last `window` messages), three per distinct tools list (memoised):
-bounded, where checking every message was quadratic (`python -m bench boundaries`). Earlier messages get no
+bounded, where checking every message was quadratic (bench/results/2026-12-01/micro/). Earlier messages get no
 boundary: a request that extends an earlier one restores that request's snapshots, so only its new messages
 need boundaries. A template that raises for a probe (e.g. Gemma 2 requires alternating roles) just skips that probe;
 if no probe renders at all, there are no boundaries.
