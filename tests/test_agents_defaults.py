@@ -172,18 +172,23 @@ def test_claude_code_at_its_defaults(agent_bin, served, tmp_path, monkeypatch):
     print("claude code: restored", shares, answers.summary())
 
 
-def test_codex_at_its_defaults(agent_bin, served, tmp_path, monkeypatch):
-    """`codex exec` three times in one repository with README.md's config.toml: no output budget, no reasoning
-    effort (thinking on)."""
-    rt, srv, recorder = served
-    (config,) = readme_blocks("Codex CLI", "toml", srv.url)
+def codex_setup(agent_bin: Path, url: str, tmp_path: Path) -> tuple[str, Path, dict]:
+    """(the codex program, a scratch repository, its environment) with README.md's config.toml in a scratch
+    CODEX_HOME: no output budget, no reasoning effort."""
+    (config,) = readme_blocks("Codex CLI", "toml", url)
     assert "model_reasoning_effort" not in config and "max_output_tokens" not in config
     home = tmp_path / "home"
     (home / ".codex").mkdir(parents=True)
     (home / ".codex" / "config.toml").write_text(config)
-    repo = git_repo(tmp_path / "repo")
     env = {"HOME": str(home), "CODEX_HOME": str(home / ".codex"), "OPENAI_API_KEY": "unused"}
-    codex = str(agent_bin / "codex")
+    return str(agent_bin / "codex"), git_repo(tmp_path / "repo"), env
+
+
+def test_codex_at_its_defaults(agent_bin, served, tmp_path, monkeypatch):
+    """`codex exec` three times in one repository with README.md's config.toml: no output budget, no reasoning
+    effort (thinking on)."""
+    rt, srv, recorder = served
+    codex, repo, env = codex_setup(agent_bin, srv.url, tmp_path)
     start = len(recorder.bodies)
     with session(served, monkeypatch) as answers:
         turns(answers, rt, [[codex, "exec", p] for p in ("Say hi.", "Say hi again.", "Say bye.")], repo, env)
@@ -355,13 +360,7 @@ def test_codex_reports_the_servers_usage(agent_bin, served, tmp_path, monkeypatc
     """`codex exec --json` twice: the usage each turn reports (turn.completed) is the sum of the server's figures
     for that turn's requests: prompt tokens, cached tokens, completion tokens."""
     rt, srv, _ = served
-    (config,) = readme_blocks("Codex CLI", "toml", srv.url)
-    home = tmp_path / "home"
-    (home / ".codex").mkdir(parents=True)
-    (home / ".codex" / "config.toml").write_text(config)
-    repo = git_repo(tmp_path / "repo")
-    env = {"HOME": str(home), "CODEX_HOME": str(home / ".codex"), "OPENAI_API_KEY": "unused"}
-    codex = str(agent_bin / "codex")
+    codex, repo, env = codex_setup(agent_bin, srv.url, tmp_path)
     with session(served, monkeypatch) as answers:
         for turn, prompt in enumerate(("Say hi.", "Say bye."), 1):
             answers.turn = turn
