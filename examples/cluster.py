@@ -176,19 +176,28 @@ class Cluster:
     def start_router(self, policy: str = "cache_aware", threshold: float = 0.05) -> str:
         """Start SMG in front of every replica started (`policy`: cache_aware, round_robin, ...; `threshold`:
         its --cache-threshold). Returns its URL once it routes to the model."""
-        self.router_port = free_port()
         workers = [self.replica_url(i) for i in range(len(self.replica_ports))]
-        proc = self._spawn("router", [
-            smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.router_port), "--worker-urls",
-            *workers, "--policy", policy, "--cache-threshold", str(threshold), "--disable-tokenizer-autoload",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())])
 
         def routes() -> bool:
             models = httpx.get(self.router_url + "/v1/models", timeout=2).json()
             return any(m.get("id") == MODEL_ID for m in models.get("data", []))
 
-        wait_until(routes, "smg", 60, proc)
-        return self.router_url
+        for attempt in range(3):  # a port found free can be taken before smg binds it: then new ports
+            self.router_port, metrics_port = free_port(), free_port()
+            if metrics_port == self.router_port:
+                continue
+            proc = self._spawn("router", [
+                smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.router_port), "--worker-urls",
+                *workers, "--policy", policy, "--cache-threshold", str(threshold), "--disable-tokenizer-autoload",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)])
+            try:
+                wait_until(routes, "smg", 60, proc)
+                return self.router_url
+            except RuntimeError as e:
+                if proc.poll() is None or attempt == 2:
+                    tail = (self.workdir / "router.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{e}; its log ends:\n{tail}") from e
+        raise RuntimeError("no two distinct free ports for smg")
 
     def start(self, policy: str = "cache_aware", remote: bool = True) -> "Cluster":
         """Redis (when `remote`), the replicas, then the router."""
