@@ -42,35 +42,51 @@ UNEXACT_MIN_SEGMENT = 24  # the largest size measure_min_segment tests: what a d
 
 def measure_min_segment(engine: Engine, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24)) -> int:
     """The fewest tokens a prefill ubatch may have for its result to be bit-identical to the same tokens inside one
-    larger ubatch: the smallest tested size above every size that differed.
+    larger ubatch: the smallest tested size above every size that differed, confirmed at untested sizes above it.
 
     Prefills a 56-token prompt whole, then split into a short segment at its start or its end for each size, and
     compares the last logits. Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): 2 for the F16 tiny preset;
     8 for Q4_K_M models (tiny-q4, the 0.8b: max |Δlogit| 0.23 with 2..7 tokens; Gemma 3 270M: 1.2), where
     ggml-cpu takes other matmul kernels for fewer than 8 rows. The thresholds differ by CPU (llamafile sgemm:
-    n < 2, 4 or 8 depending on the ISA), hence a measurement at start. Uses and clears sequence 0; raises
-    EngineError if even the largest size differs.
+    n < 2, 4 or 8 depending on the ISA), hence a measurement at start.
+
+    The rule assumes that every size from the found one on is exact. Kernels that compute rows in groups break it
+    at any size that is not a multiple of the group: llama.cpp's repacked weights (repacking.py) take 4 rows at a
+    time and the rest one by one (ggml-cpu/repack.cpp, forward_mul_mat), so on AVX2 the 0.8b was exact at 8, 12,
+    16 and 24 tokens and not at 9, 10 or 13 (bench/results/2026-12-03/repacking). Hence the found size m is
+    confirmed at m + 1, m + 2, m + 3 and 2m + 1 where untested.
+
+    Uses and clears sequence 0; raises EngineError if even the largest size differs, or a confirming size does.
     """
     n = min(2 * max(sizes) + 8, engine.n_batch)  # the reference must be one ubatch
     sizes = [m for m in sizes if 2 * m + 8 <= n] or [2]
     tokens = [1000 + (37 * i) % 5000 for i in range(n)]
+
+    def differs(m: int, ref: np.ndarray) -> bool:
+        for cut in (m, n - m):
+            engine.clear(0)
+            engine.decode(0, tokens[:cut], 0, want_logits=False)
+            engine.decode(0, tokens[cut:], cut)
+            if not np.array_equal(engine.logits(), ref):
+                return True
+        return False
+
     try:
         engine.clear(0)
         engine.decode(0, tokens, 0)
         ref = engine.logits()
-        worst = 0
-        for m in sizes:
-            for cut in (m, n - m):
-                engine.clear(0)
-                engine.decode(0, tokens[:cut], 0, want_logits=False)
-                engine.decode(0, tokens[cut:], cut)
-                if not np.array_equal(engine.logits(), ref):
-                    worst = max(worst, m)
+        worst = max((m for m in sizes if differs(m, ref)), default=0)
         above = [m for m in sizes if m > worst]
         if not above:
             raise EngineError(f"prefill splits into segments of up to {max(sizes)} tokens change the logits on "
                               f"this model and CPU; prefix reuse cannot be exact here (run with --no-cache)")
-        return min(above)
+        found = min(above)
+        for m in (found + 1, found + 2, found + 3, 2 * found + 1):
+            if m not in sizes and 2 * m + 8 <= n and differs(m, ref):
+                raise EngineError(f"prefill splits change the logits at {m} tokens though {found} were exact on this "
+                                  f"model and CPU: kernels that compute rows in groups, such as llama.cpp's repacked "
+                                  f"weights (--use-extra-bufts off); prefix reuse cannot be exact with them")
+        return found
     finally:
         engine.clear(0)
 
@@ -274,25 +290,32 @@ def prefill_rate(engine: Engine, n_tokens: int = 256) -> float:
         engine.clear(0)
 
 
+def cpu_flags() -> str | None:
+    """The instruction-set flags line of /proc/cpuinfo ("flags" on x86, "Features" on ARM), where ggml-cpu's kernel
+    choice comes from; "" where it has none; None where it cannot be read."""
+    try:
+        return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        return None
+
+
 class CalibrationFile:
     """The measured min_segment of a model on this machine, kept in a small JSON file so that a restart does not
     measure again. Keyed by the model file (`model_file_digest`), the llama-cpp-python version, the CPU's
     instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), n_batch, weight
-    repacking and the offload layout (`Offload.key`: backend, devices, layers and KV placement; a CPU
+    repacking (None: a measurement of both, repacking.py) and the offload layout (`Offload.key`: backend, devices, layers and KV placement; a CPU
     measurement is never reused for a GPU). No file (None), an unreadable one, or no layout: measure every
     time."""
 
-    def __init__(self, file: Path | None, file_digest: bytes, n_batch: int, extra_bufts: bool,
+    def __init__(self, file: Path | None, file_digest: bytes, n_batch: int, extra_bufts: bool | None,
                  offload: Offload | None = None) -> None:
         self.file = file if offload is not None else None  # no layout, no way to tell it from another's
         offload_key = offload.key() if offload is not None else None
         h = hashlib.blake2b(digest_size=16)
         h.update(file_digest)
-        cpu = ""
-        try:
-            cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                        if ln.startswith(("flags", "Features"))), "")
-        except OSError:
+        cpu = cpu_flags()
+        if cpu is None:
             self.file = None  # no way to tell this CPU from another: do not trust a stored value
         for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts, offload_key):
             h.update(repr(part).encode())
@@ -307,6 +330,10 @@ class CalibrationFile:
     def get(self) -> int | None:
         value = self._read().get(self.key)
         return value if isinstance(value, int) and value >= 2 else None
+
+    def get_value(self, suffix: str) -> object:
+        """What `put(value, suffix)` stored under this key, or None."""
+        return self._read().get(self.key + suffix)
 
     def get_widths(self) -> tuple[int, ...] | None:
         """The stored exact verification widths (`measure_verify_widths`; () when none), or None: not measured."""
