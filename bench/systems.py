@@ -201,8 +201,8 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
     --cache-ram; ctx: context per slot)."""
     if s.kind == "orchestrator":
         cmd = [sys.executable, "-m", "orchestrator", "serve", "-m", str(model), "--port", str(port),
-               "-c", str(ctx), "-t", str(threads), "-b", "512", "--cache-disk-dir", str(tmp / "snapshots"),
-               "--log-level", "info"]
+               "-c", str(ctx), "-t", str(threads), "-b", "512", "--use-extra-bufts", "off",
+               "--cache-disk-dir", str(tmp / "snapshots"), "--log-level", "info"]
         if s.cold:
             cmd += ["--cache-ram", "0"]
         elif cache_ram_mib is not None:

@@ -188,8 +188,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("-n", "--max-tokens", type=_positive, default=d.max_tokens_default,
                    help="completion budget when a request sets none (default: until the context is full, at most "
                         "--max-tokens-limit)")
-    p.add_argument("--use-extra-bufts", action="store_true",
-                   help="enable llama.cpp CPU weight repacking (crashes Q4_K_M prefill on some CPUs; off by default)")
+    p.add_argument("--use-extra-bufts", nargs="?", const="on", choices=("auto", "on", "off"), default=d.use_extra_bufts,
+                   help="llama.cpp CPU weight repacking: auto measures it once per model and CPU in a child process "
+                        "and keeps it where exact and faster, never on AMX CPUs (default: auto; alone: on)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=_gpu_layers, default=d.n_gpu_layers, metavar="N",
                    help="layers to offload to the GPU devices: a number, or auto / all (default: all, which is "
                         "none on a CPU-only build; the startup log and /health name the backend and devices)")

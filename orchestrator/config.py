@@ -58,7 +58,9 @@ class Config:
     chat_template: Path | None = None  # override the template stored in the GGUF
     # completion budget when a request gives none; None: until the context is full (at most max_tokens_limit)
     max_tokens_default: int | None = None
-    use_extra_bufts: bool = False  # llama.cpp CPU weight repacking; see "CPU weight repacking" in engine.py
+    # llama.cpp CPU weight repacking ("extra buffer types"): "on", "off", or "auto": measured per model and CPU at
+    # start in a child process, kept where exact and faster (orchestrator/repacking.py); Runtime.start resolves it
+    use_extra_bufts: str = "auto"
     # Offload (orchestrator/devices.py). Layers on the GPU/iGPU devices; -1: all of them, which is none on a
     # CPU-only build (llama-server's default, without its --fit memory fitting).
     n_gpu_layers: int = -1
@@ -109,6 +111,14 @@ class Config:
     def replica(self) -> str:
         """This server's name among replicas (x-orchestrator-replica): --replica-name, else hostname:port."""
         return self.replica_name or f"{socket.gethostname()}:{self.port}"
+
+    @property
+    def extra_bufts(self) -> bool:
+        """use_extra_bufts as llama.cpp takes it. Raises ValueError while it is "auto" (Runtime.start resolves that
+        before any model loads)."""
+        if self.use_extra_bufts not in ("on", "off"):
+            raise ValueError(f"use_extra_bufts {self.use_extra_bufts!r} is not resolved to on or off")
+        return self.use_extra_bufts == "on"
 
     @property
     def cache_ram_bytes(self) -> int:

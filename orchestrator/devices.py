@@ -164,6 +164,12 @@ class Offload:
         return cls(tuple(devices) if on_device else (), on_device, n_layers, kv_offload and on_device > 0,
                    f"{cpu} | {info}")
 
+    @classmethod
+    def cpu(cls) -> "Offload":
+        """The CPU-only layout without a model (n_layers 0): the key of a CPU measurement made before any model
+        loads (runtime.Runtime._repacking)."""
+        return cls.of((), 0, -1, False)
+
     @property
     def backend(self) -> str:
         """The backend(s) computing the layers: "CPU", "Vulkan", "CUDA", or e.g. "Vulkan+CPU" when part of the

@@ -31,10 +31,11 @@ batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-
     restore a state that a shorter segment produced.
 The engine therefore creates contexts with flash attention disabled unless told otherwise.
 
-CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AVX-512/AMX
-CPUs, a Q4_K_M model loaded with repacking segfaults on any llama_decode of more than one token (seen for the
-synthetic Qwen3.5 and for the real Gemma 3 270M). A segfault cannot be caught, so the engine loads models with
-`use_extra_bufts=False` unless told otherwise.
+CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AMX CPUs, a
+Q4_K_M model loaded with repacking segfaults on any llama_decode of more than one token (seen for the synthetic
+Qwen3.5 and for the real Gemma 3 270M). A segfault cannot be caught, so the engine loads models with
+`use_extra_bufts=False` unless told otherwise; the runtime tells it otherwise where a child process found
+repacking exact and faster (repacking.py).
 """
 
 from __future__ import annotations

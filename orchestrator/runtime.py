@@ -14,10 +14,11 @@ from pathlib import Path
 import llama_cpp
 import psutil
 
-from . import calibration, sizing
+from . import calibration, repacking, sizing
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
+from .devices import Offload, select_devices
 from .engine import Engine
 from .engine_thread import EngineThread
 from .errors import OrchestratorError
@@ -109,6 +110,7 @@ class Runtime:
         scheduler's worker loop, so that one thread makes every llama_decode call (engine_thread.EngineThread)."""
         path = resolve_model(cfg)
         file_digest = model_file_digest(path)  # read once: the calibration key and the disk tier's fingerprint
+        cfg = cls._repacking(cfg, path, file_digest)
         driver = EngineThread()
         try:
             return driver.run(cls._start, cfg, path, file_digest, driver)
@@ -117,11 +119,41 @@ class Runtime:
             raise
 
     @staticmethod
+    def _repacking(cfg: Config, path: Path, file_digest: bytes) -> Config:
+        """cfg with use_extra_bufts resolved to "on" or "off" and the choice logged. "auto" follows
+        repacking.py: measured once per model, CPU and slot count in a child process, and kept in the
+        calibration file."""
+        if cfg.use_extra_bufts != "auto":
+            return cfg
+        slots = cfg.parallel if cfg.decode_batching != "off" else 1
+        if select_devices(cfg.devices, cfg.main_gpu) and cfg.n_gpu_layers != 0:
+            choice = repacking.Choice(False, "layers are offloaded to a device")
+        elif repacking.amx(calibration.cpu_flags() or ""):
+            choice = repacking.Choice(False, "this CPU has AMX, where repacked Q4_K_M crashes in llama-cpp-python "
+                                             "0.3.36 (docs/operations.md)")
+        else:
+            file = calibration.CalibrationFile(cfg.calibration_file, file_digest + b"repacking/%d" % slots,
+                                               cfg.batch_size, None, Offload.cpu())
+            choice = repacking.Choice.from_json(file.get_value(":repacking"))
+            if choice is None:
+                log.info("measuring llama.cpp CPU weight repacking on this model and CPU in a child process (first "
+                         "start; kept in %s)", file.file or "memory only: --calibration-file keeps it")
+                started = time.perf_counter()
+                choice = repacking.probe(path, cfg.threads, cfg.batch_size, slots)
+                log.info("measured CPU weight repacking in %.1f s: %s", time.perf_counter() - started,
+                         choice.describe())
+                if choice.kept:
+                    file.put(choice.to_json(), ":repacking")
+        log.info("CPU weight repacking %s (--use-extra-bufts auto): %s", "on" if choice.use_extra_bufts else "off",
+                 choice.reason)
+        return dataclasses.replace(cfg, use_extra_bufts="on" if choice.use_extra_bufts else "off")
+
+    @staticmethod
     def _fit_context(cfg: Config, path: Path, n_rs: int) -> int:
         """The context per slot when --ctx-size is not given (orchestrator/sizing.py), from a probe of the model
         in a small context: its training context, KV bytes per token and recurrent state. Logs the arithmetic."""
         probe = Engine(path, n_ctx=256, n_batch=min(cfg.batch_size, 256), n_threads=cfg.threads,
-                       use_extra_bufts=cfg.use_extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
+                       use_extra_bufts=cfg.extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
                        devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload)
         try:
             recurrent, kv_token = calibration.state_sizes(probe)
@@ -144,13 +176,13 @@ class Runtime:
             return ()
         started = time.perf_counter()
         probe = Engine(path, n_ctx=1024, n_batch=cfg.batch_size, n_threads=cfg.threads,
-                       use_extra_bufts=cfg.use_extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
+                       use_extra_bufts=cfg.extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
                        devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, n_rs_seq=cfg.draft_max,
                        decode_rows=cfg.decode_rows)
         try:
             file = calibration.CalibrationFile(cfg.calibration_file,
                                                file_digest + b"%d/%d" % (cfg.draft_max, cfg.decode_rows),
-                                               cfg.batch_size, cfg.use_extra_bufts, probe.offload)
+                                               cfg.batch_size, cfg.extra_bufts, probe.offload)
             measured = file.get_widths()
             if measured is None:
                 measured = calibration.measure_verify_widths(probe, cfg.draft_max + 1)
@@ -171,12 +203,12 @@ class Runtime:
             cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path, n_rs_seq))
         grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
-                        use_extra_bufts=cfg.use_extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
+                        use_extra_bufts=cfg.extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
                         devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,
                         n_rs_seq=n_rs_seq, decode_rows=cfg.decode_rows, grammars=grammars)
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
-            cfg.calibration_file, file_digest, cfg.batch_size, cfg.use_extra_bufts, engine.offload),
+            cfg.calibration_file, file_digest, cfg.batch_size, cfg.extra_bufts, engine.offload),
             cfg.decode_batching)
         log.info("prefill ubatches of %d tokens or more are bit-identical to larger ones on this model and %s "
                  "(min_segment)", facts.min_segment, engine.offload.backend)

@@ -76,3 +76,16 @@ def test_speculation_flags_reach_the_config():
     assert (cfg.speculative, cfg.draft_max, cfg.decode_rows) == ("ngram", 3, 2)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--speculative", "mtp"])  # not implemented: refused, not ignored
+
+
+def test_repacking_flag_takes_auto_on_off_and_the_old_bare_flag():
+    import argparse
+
+    from orchestrator import cli
+
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    value = lambda *flags: cli._config(parser.parse_args(["serve", *flags])).use_extra_bufts  # noqa: E731
+    assert (value(), value("--use-extra-bufts"), value("--use-extra-bufts", "off")) == ("auto", "on", "off")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--use-extra-bufts", "maybe"])
