@@ -54,9 +54,10 @@ def measure_min_segment(engine: Engine, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7
     at any size that is not a multiple of the group: llama.cpp's repacked weights (repacking.py) take 4 rows at a
     time and the rest one by one (ggml-cpu/repack.cpp, forward_mul_mat), so on AVX2 the 0.8b was exact at 8, 12,
     16 and 24 tokens and not at 9, 10 or 13 (bench/results/2026-12-03/repacking). Hence the found size m is
-    confirmed at m + 1, m + 2, m + 3 and 2m + 1 where untested.
+    confirmed at m + 1, m + 2, m + 3 (and 2m + 1 where the reference holds it) where untested.
 
-    Uses and clears sequence 0; raises EngineError if even the largest size differs, or a confirming size does.
+    Uses and clears sequence 0; raises EngineError if even the largest size differs, or a confirming size does or
+    does not fit the reference (m = 24).
     """
     n = min(2 * max(sizes) + 8, engine.n_batch)  # the reference must be one ubatch
     sizes = [m for m in sizes if 2 * m + 8 <= n] or [2]
@@ -82,7 +83,13 @@ def measure_min_segment(engine: Engine, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7
                               f"this model and CPU; prefix reuse cannot be exact here (run with --no-cache)")
         found = min(above)
         for m in (found + 1, found + 2, found + 3, 2 * found + 1):
-            if m not in sizes and 2 * m + 8 <= n and differs(m, ref):
+            if m in sizes or (2 * m + 8 > n and m == 2 * found + 1):
+                continue  # tested above; or 2m + 1, which a short reference cannot hold, is left out
+            if 2 * m + 8 > n:
+                raise EngineError(f"prefill splits change the logits at {worst} tokens on this model and CPU, and "
+                                  f"{found} cannot be confirmed; prefix reuse cannot be exact here (run with "
+                                  f"--no-cache)")
+            if differs(m, ref):
                 raise EngineError(f"prefill splits change the logits at {m} tokens though {found} were exact on this "
                                   f"model and CPU: kernels that compute rows in groups, such as llama.cpp's repacked "
                                   f"weights (--use-extra-bufts off); prefix reuse cannot be exact with them")

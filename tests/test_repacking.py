@@ -57,6 +57,8 @@ def test_min_segment_is_confirmed_above_the_size_found():
     assert calibration.measure_min_segment(SplitEngine(lambda n: n >= 8)) == 8
     with pytest.raises(EngineError, match="at 13 tokens though 12 were exact"):
         calibration.measure_min_segment(SplitEngine(lambda n: n >= 8 and n % 4 == 0))
+    with pytest.raises(EngineError, match="at 16 tokens on this model and CPU, and 24 cannot be confirmed"):
+        calibration.measure_min_segment(SplitEngine(lambda n: n >= 24))
     with pytest.raises(EngineError, match="up to 24 tokens"):
         calibration.measure_min_segment(SplitEngine(lambda n: n > 24))
 
