@@ -176,6 +176,34 @@ def _measure(model: Path, threads: int, n_batch: int, slots: int, extra_bufts: b
         engine.close()
 
 
+def split_deltas(model: Path, threads: int, n_batch: int, extra_bufts: bool, n: int = 56) -> dict[int, float]:
+    """The diagnostic behind measure_min_segment, for every size: m -> the largest |Δlogit| of the last token of
+    an n-token prefill split into m + (n - m) or (n - m) + m tokens, against it whole (0.0: bit-identical), for
+    m = 2 .. n // 2 - 4."""
+    import numpy as np
+
+    from .engine import Engine
+
+    engine = Engine(model, n_ctx=1024, n_batch=n_batch, n_threads=threads, use_extra_bufts=extra_bufts,
+                    devices=["none"])
+    try:
+        tokens = [1000 + (37 * i) % 5000 for i in range(n)]
+        engine.decode(0, tokens, 0)
+        ref = engine.logits().copy()
+        deltas = {}
+        for m in range(2, n // 2 - 3):
+            worst = 0.0
+            for cut in (m, n - m):
+                engine.clear(0)
+                engine.decode(0, tokens[:cut], 0, want_logits=False)
+                engine.decode(0, tokens[cut:], cut)
+                worst = max(worst, float(np.max(np.abs(engine.logits() - ref))))
+            deltas[m] = worst
+        return deltas
+    finally:
+        engine.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m orchestrator.repacking", description=__doc__.split("\n")[0])
     p.add_argument("model", type=Path)
@@ -183,7 +211,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--all", action="store_true", help="measure both ways fully even where repacking is not exact")
+    p.add_argument("--splits", action="store_true", help="print, both ways, the largest |Δlogit| of a prefill split "
+                   "at every size (split_deltas) instead")
     a = p.parse_args(argv)
+    if a.splits:
+        for bufts in (False, True):
+            deltas = split_deltas(a.model, a.threads, a.batch, bufts)
+            print(f"repacking {'on' if bufts else 'off'}: " + " ".join(f"{m}:{'=' if d == 0 else f'{d:.2g}'}"
+                                                                      for m, d in deltas.items()), flush=True)
+        return
     slots = max(1, min(a.slots, 4))
     on = _measure(a.model, a.threads, a.batch, slots, True, a.all)
     off = _measure(a.model, a.threads, a.batch, slots, False, a.all) if on.min_segment or a.all else None

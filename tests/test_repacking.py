@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -103,6 +105,12 @@ def test_the_probe_finds_repacked_q4_k_inexact_on_avx2():
     else:
         assert choice.on.min_segment is None and choice.off is None
         assert "not exact here" in choice.reason and "though" in choice.reason, choice.reason
+        # the diagnostic behind it: bit-identical at multiples of 4 from 8 tokens, not between
+        done = subprocess.run([sys.executable, "-m", "orchestrator.repacking", str(ensure_model("tiny-q4")),
+                               "--batch", "256", "--splits"], capture_output=True, text=True, timeout=600)
+        line = next(ln for ln in done.stdout.splitlines() if ln.startswith("repacking on:"))
+        exact = {int(m) for m, d in (item.split(":") for item in line.split()[2:]) if d == "="}
+        assert {8, 12, 16, 20, 24} <= exact and not exact & {9, 13, 17, 21}, line
 
 
 def test_auto_is_measured_once_per_model_and_cpu_then_read_back(tmp_path, monkeypatch, caplog):
