@@ -42,6 +42,12 @@ class EvictionPolicy:
     bonus_ticks: float = 4.0  # lookups of extra life per doubling of value
     reference: float = 1 / 65536  # value (tokens per byte) that earns one doubling: 1 token per 64 KiB
 
+    @property
+    def recency_only(self) -> bool:
+        """Whether the order is least recently used alone (covered KV first): the cache then takes the oldest
+        entry of its hot tier without ranking them all (`SnapshotCache._oldest`)."""
+        return not self.bonus_ticks
+
     def value(self, tree: RadixTree, eid: int, nbytes: int) -> float:
         """Tokens of prefill saved per byte held by entry `eid` (0 for covered KV)."""
         if tree.covered(eid):
@@ -52,9 +58,18 @@ class EvictionPolicy:
         """Sort key: lower is evicted first."""
         if tree.covered(eid):
             return 0, float(last_used)
+        if not self.bonus_ticks:  # least recently used: no value to weigh (it walks the tree)
+            return 1, float(last_used)
         return 1, last_used + self.bonus_ticks * math.log2(1 + self.value(tree, eid, nbytes) / self.reference)
 
     def victim(self, candidates: Iterable[Candidate]) -> int | None:
         """The id of the entry to evict first among `candidates` (the first of equals), or None if there is none."""
         best = min(candidates, key=lambda c: self.priority(c.tree, c.eid, c.nbytes, c.last_used), default=None)
         return best.eid if best is not None else None
+
+
+# Eviction policies by name (Config.cache_policy, --cache-policy): each a factory of a fresh policy object.
+POLICIES = {
+    "lru": lambda: EvictionPolicy(bonus_ticks=0.0),  # least recently used first (covered KV still goes first)
+    "recency-value": EvictionPolicy,  # recency with a bonus for tokens saved per byte and sharing (the default)
+}

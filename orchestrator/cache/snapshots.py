@@ -262,6 +262,9 @@ class SnapshotCache:
         meta = self._meta.get(eid)
         if meta is None:
             return None
+        if meta.level == HOT and meta.last_used < self._tick:  # `_resident` stays in the order of last use
+            del self._resident[eid]
+            self._resident[eid] = None
         meta.last_used = self._tick
         if meta.level == HOT:
             return self.hot.get(meta.key).payload
@@ -443,12 +446,29 @@ class SnapshotCache:
         if nbytes > self.budget_bytes:
             return False
         while self.hot.bytes + nbytes > self.budget_bytes:
-            victim = self.policy.victim(Candidate(e, self._tree_of(e), self._meta[e].nbytes, self._meta[e].last_used)
-                                        for e in self._resident if e not in pinned)
+            if self.policy.recency_only:
+                victim = self._oldest(pinned)
+            else:
+                victim = self.policy.victim(Candidate(e, self._tree_of(e), self._meta[e].nbytes,
+                                                      self._meta[e].last_used) for e in self._resident if e not in pinned)
             if victim is None:
                 return False
             self._evict(victim)
         return True
+
+    def _oldest(self, pinned: set[int]) -> int | None:
+        """The policy's victim where it weighs recency only (`EvictionPolicy.recency_only`), without ranking every
+        entry: the first covered KV entry in `_resident` (which is in the order of last use), else its first
+        entry, never `pinned`; None if all are pinned. The same choice as `EvictionPolicy.victim`."""
+        first = None
+        for eid in self._resident:
+            if eid in pinned:
+                continue
+            if self._meta[eid].kind.prefix_closed and self._tree_of(eid).covered(eid):
+                return eid
+            if first is None:
+                first = eid
+        return first
 
     def _evict(self, eid: int) -> None:
         """Move a hot entry down to the first lower tier that takes it, or drop it."""
@@ -601,6 +621,8 @@ class SnapshotCache:
             assert all(self.tiers[m.level].contains(m.source or m.key) for m in self._meta.values()), \
                 "an entry whose snapshot its tier no longer holds"
             assert set(self._resident) == {e for e, m in self._meta.items() if m.level == HOT}
+            used = [self._meta[e].last_used for e in self._resident]
+            assert used == sorted(used), "the hot tier's entries out of the order of last use"
             assert len(self.hot) == len(self._resident), "the hot tier holds entries the index does not know"
             assert self.hot.bytes == sum(self._meta[e].nbytes for e in self._resident) <= self.budget_bytes
 
