@@ -309,6 +309,15 @@ class RadixTree:
             anc = anc.parent
         return node.depth - (anc.depth if anc is not None else 0)
 
+    def stretch_below(self, eid: int, limit: int) -> int:
+        """Tokens from an entry's node down its unbranched path to the first node that forks or ends (a leaf),
+        or `limit` if that is further. 0 where the node itself forks or ends."""
+        node, n = self._nodes[eid], 0
+        while len(node.children) == 1 and n <= limit:
+            (node,) = node.children.values()
+            n += len(node.edge)
+        return min(n, limit)
+
     def branches_below(self, eid: int) -> int:
         """Leaves in the subtree of an entry's node: how many distinct continuations share its prefix."""
         stack, leaves = [self._nodes[eid]], 0
