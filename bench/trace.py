@@ -598,7 +598,8 @@ def grid(args) -> Iterator[ReplayConfig]:
             for ram in _floats(args.ram_gib):
                 for policy in args.policies.split(","):
                     yield ReplayConfig(shape=shape, ram_bytes=int(ram * GiB), disk_bytes=int(disk * GiB),
-                                       policy=policy, scale=scale, messages=args.messages)
+                                       policy=policy, scale=scale, messages=args.messages,
+                                       checkpoint_interval=args.checkpoint_interval)
 
 
 def _run_one(job: tuple) -> dict:
@@ -608,6 +609,7 @@ def _run_one(job: tuple) -> dict:
     hit, total = ceiling(requests)
     r.update(trace=Path(path).name, shape=cfg.shape, ram_gib=cfg.ram_bytes / GiB, disk_gib=cfg.disk_bytes / GiB,
              policy=cfg.policy, messages=cfg.messages, scale=asdict(cfg.scale), ceiling=hit / total,
+             checkpoint_interval=cfg.checkpoint_interval,
              of_ceiling=r["hit_rate"] / (hit / total) if hit else 0.0)
     print(f"{r['trace']} {cfg.shape} ram {r['ram_gib']:g} GiB disk {r['disk_gib']:g} GiB {cfg.policy}: hit "
           f"{r['hit_rate']:.4f} = {r['of_ceiling']:.1%} of the ceiling {hit / total:.4f} ({r['wall_s']:.0f} s)",
@@ -637,13 +639,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-gib", default="0,64", help="disk tier budgets, GiB (0: no disk tier)")
     p.add_argument("--policies", default="lru", help="eviction policies (orchestrator.cache.policy.POLICIES)")
     p.add_argument("--messages", default="turn", choices=("turn", "block"), help="block-to-message mapping")
+    p.add_argument("--checkpoint-interval", type=int, default=512, help="the server's, in tokens (0: off)")
     p.add_argument("--token-scale", type=int, default=16, help="real tokens per simulated token (divides 512)")
     p.add_argument("--byte-scale", type=int, default=4096, help="real bytes per simulated byte")
     p.add_argument("--jobs", type=int, default=1, help="replays run at once (processes)")
     p.add_argument("--out", type=Path, default=None, help="write <trace>.json and print tables (default: print)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print lru_budget_curve's estimate per shape (with and without interval checkpoints), no replay")
     args = p.parse_args(argv)
     if BLOCK % args.token_scale:
         p.error("--token-scale must divide 512")
+    if args.estimate:
+        for path in args.trace:
+            requests = load_trace(path, args.limit)
+            for shape in args.shapes.split(","):
+                for interval in (args.checkpoint_interval, 0):
+                    curve = lru_budget_curve(requests, SHAPES[shape], interval)
+                    print(f"{path.name} {shape} interval {interval}: " +
+                          ", ".join(f"{b:g} GiB {v:.1%}" for b, v in curve.items()))
+        return 0
     jobs = [(str(path), args.limit, cfg) for path in args.trace for cfg in grid(args)]
     if args.jobs > 1:
         import multiprocessing
@@ -663,3 +677,29 @@ def main(argv: list[str] | None = None) -> int:
                 dict(trace=path.name, limit=args.limit, ceiling=hit / total, ceiling_tokens=hit, input_tokens=total,
                      argv=sys.argv[1:] if argv is None else argv, runs=mine), indent=1))
     return 0
+
+
+def lru_budget_curve(requests: Sequence[TraceRequest], shape: Shape, interval: int = 512,
+                     budgets_gib: Sequence[float] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)) -> dict:
+    """An estimate, not a replay: the share of the infinite-cache ceiling that one least-recently-used store of
+    each budget (GiB, RAM and disk together) keeps, from reuse distances in bytes. A request hits its seen
+    prefix when the bytes written since that prefix was last stored or restored fit the budget; what it writes
+    is modelled on the server's stores: a checkpoint every `interval` new tokens (0: none) plus the repeat point
+    and the prompt end, its logits, and the prompt's KV. Returns {budget: share of the ceiling}."""
+    last: dict[int, int] = {}
+    written = 0
+    need: list[tuple[int, int]] = []  # (bytes since last use, tokens)
+    for r in requests:
+        k = 0
+        while k < len(r.hash_ids) and r.hash_ids[k] in last:
+            k += 1
+        hit = min(k * BLOCK, r.input_length)
+        if k:
+            need.append((written - last[r.hash_ids[k - 1]], hit))
+        new = r.input_length - hit
+        stops = (-(-new // interval) if interval else 1) + 2
+        written += stops * shape.checkpoint_bytes + LOGITS_BYTES + r.input_length * shape.kv_bytes_per_token
+        for h in r.hash_ids:
+            last[h] = written
+    ceiling_tokens = sum(t for _, t in need)
+    return {b: sum(t for d, t in need if d <= b * GiB) / max(ceiling_tokens, 1) for b in budgets_gib}

@@ -92,3 +92,13 @@ def test_the_command_writes_its_tables(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "infinite-cache ceiling" in out and "| mooncake_conversation_excerpt.jsonl | 0.8b | 2 | 0 | lru |" in out
     assert (tmp_path / "mooncake_conversation_excerpt.json").exists()
+
+
+def test_the_budget_estimate_grows_to_the_ceiling_and_interval_checkpoints_cost_budget(requests):
+    from bench.trace import lru_budget_curve
+
+    with_interval = lru_budget_curve(requests, SHAPES["0.8b"], 512, (1, 4, 16, 1e6))
+    without = lru_budget_curve(requests, SHAPES["0.8b"], 0, (1, 4, 16, 1e6))
+    assert list(with_interval.values()) == sorted(with_interval.values()) and with_interval[1e6] == 1.0
+    assert all(without[b] >= with_interval[b] for b in with_interval) and without[1] > with_interval[1]
+    assert lru_budget_curve(requests, SHAPES["27b"], 512, (4,))[4] < with_interval[4]
