@@ -25,6 +25,7 @@ COMMANDS = {
     "cluster": "cluster",
     "soak": "soak",
     "speculative": "speculative",
+    "trace": "trace",
 }
 
 

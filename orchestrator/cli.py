@@ -17,6 +17,7 @@ from typing import Callable
 
 from platformdirs import user_cache_dir
 
+from .cache.policy import POLICIES
 from .config import Config, default_cache_ram_mib
 
 
@@ -160,6 +161,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--cache-ram", type=_non_negative, default=None, metavar="MiB",
                    help=f"RAM budget for snapshots in MiB (default: a quarter of available memory, now "
                         f"{default_cache_ram_mib()}); 0 disables the cache")
+    p.add_argument("--cache-policy", choices=sorted(POLICIES), default=d.cache_policy,
+                   help=f"which snapshot leaves RAM first (default {d.cache_policy}; docs/reuse.md)")
     p.add_argument("--no-cache", action="store_true", help="never reuse or store state (every request cold)")
     p.add_argument("--cache-disk-dir", type=Path, default=Path(user_cache_dir("orchestrator")) / "snapshots",
                    help="disk tier for snapshots evicted from RAM; kept across restarts (default: %(default)s)")
@@ -244,7 +247,7 @@ def _config(a: argparse.Namespace) -> Config:
     cfg = Config(model=a.model, host=a.host, port=a.port, ctx_size=a.ctx_size, batch_size=a.batch_size,
                  threads=a.threads, model_alias=a.alias, chat_template=a.chat_template_file,
                  max_tokens_default=a.max_tokens, use_extra_bufts=a.use_extra_bufts,
-                 cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk,
+                 cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk, cache_policy=a.cache_policy,
                  checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, prefill_chunk_alone=a.prefill_chunk_alone,
                  snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints, rs_snapshots=a.rs_snapshots,

@@ -45,6 +45,9 @@ class Config:
     # the time of one without, on a loaded 2-core EPYC (bench/results/2026-12-01/stops), more than the stop saved.
     rs_snapshots: int = 0
     spare_checkpoints: int = 8  # checkpoint buffers faulted in while idle, out of cache_ram_mib (at most 1/8 of it)
+    # RAM tier eviction (orchestrator/cache/policy.py POLICIES): "recency-value" (recency with a bonus for tokens
+    # saved per byte and sharing), "lru", or "value" (mid-stretch checkpoints first; bench/results/2026-12-03/trace)
+    cache_policy: str = "recency-value"
     cache_disk_dir: Path | None = None  # disk tier directory; None = no disk tier
     cache_disk_mib: int = 4096  # disk tier budget, MiB
     # The remote tier shared with other replicas: redis://[user:password@]host:port/db, rediss:// for TLS, or

@@ -15,6 +15,7 @@ import llama_cpp
 import psutil
 
 from . import calibration, repacking, sizing
+from .cache.policy import POLICIES
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
@@ -250,7 +251,7 @@ class Runtime:
                      "write-behind queue %d MiB; prefill measured at %.0f tokens/s", redacted(cfg.cache_remote),
                      cfg.cache_remote_queue_mib, prefill_tps)
             tiers.append(remote)
-        cache = SnapshotCache(tiers, state=engine.state)
+        cache = SnapshotCache(tiers, policy=POLICIES[cfg.cache_policy](), state=engine.state)
         if cfg.cache_enabled:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)

@@ -5,6 +5,7 @@ remote tier read by another replica, finds an entry under the key its tokens giv
 from __future__ import annotations
 
 import hashlib
+import struct
 from typing import Sequence
 
 
@@ -18,7 +19,7 @@ def salt_id(salt: str) -> str:
 def disk_key(kind: str, tokens: Sequence[int], sid: str = "") -> str:
     """Key of an entry: "<kind>-<n>-<hash of tokens>" unsalted, "s<salt id>-<kind>-<n>-<hash of salt id and
     tokens>" under salt id `sid`."""
-    h = hashlib.blake2b(sid.encode() + b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=16).hexdigest()
+    h = hashlib.blake2b(sid.encode() + struct.pack(f"<{len(tokens)}I", *tokens), digest_size=16).hexdigest()
     return f"s{sid}-{kind}-{len(tokens)}-{h}" if sid else f"{kind}-{len(tokens)}-{h}"
 
 

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
-from .radix import RadixTree
+from .radix import CHECKPOINT, RadixTree
 
 
 class Candidate(NamedTuple):
@@ -42,6 +42,12 @@ class EvictionPolicy:
     bonus_ticks: float = 4.0  # lookups of extra life per doubling of value
     reference: float = 1 / 65536  # value (tokens per byte) that earns one doubling: 1 token per 64 KiB
 
+    @property
+    def recency_only(self) -> bool:
+        """Whether the order is least recently used alone (covered KV first): the cache then takes the oldest
+        entry of its hot tier without ranking them all (`SnapshotCache._oldest`)."""
+        return not self.bonus_ticks
+
     def value(self, tree: RadixTree, eid: int, nbytes: int) -> float:
         """Tokens of prefill saved per byte held by entry `eid` (0 for covered KV)."""
         if tree.covered(eid):
@@ -52,9 +58,76 @@ class EvictionPolicy:
         """Sort key: lower is evicted first."""
         if tree.covered(eid):
             return 0, float(last_used)
+        if not self.bonus_ticks:  # least recently used: no value to weigh (it walks the tree)
+            return 1, float(last_used)
         return 1, last_used + self.bonus_ticks * math.log2(1 + self.value(tree, eid, nbytes) / self.reference)
 
     def victim(self, candidates: Iterable[Candidate]) -> int | None:
         """The id of the entry to evict first among `candidates` (the first of equals), or None if there is none."""
         best = min(candidates, key=lambda c: self.priority(c.tree, c.eid, c.nbytes, c.last_used), default=None)
         return best.eid if best is not None else None
+
+
+@dataclass(frozen=True)
+class ValuePolicy:
+    """Evict by the prefill an entry is likely to save per byte, with recency (Marconi, arXiv 2411.19379, weighs
+    FLOPs saved per byte against recency; this weighs where requests restore).
+
+    A request restores where it leaves the tree: at a fork (a shared system prompt, tools block or history), or
+    at the end of a branch it continues (its conversation's last turn: the last message end, the repeat point,
+    the prompt end, and the KV there). A checkpoint inside an unbranched stretch, more than `near_end` tokens
+    above the stretch's end, is restored only by a request that diverges inside that stretch. With interval
+    checkpoints every 512 tokens (--checkpoint-interval) these are most of a long prompt's bytes: a 12,000-token
+    prompt of the 0.8B stores about 23 checkpoints (19.3 MiB each) beside 141 MiB of KV, and all but the last
+    one or two are mid-stretch. Such a *mid-stretch* checkpoint ranks `horizon` lookups older than it is;
+    every other entry by its last use; a covered KV entry (another KV entry deeper on its path restores all it
+    does) goes first, as in `EvictionPolicy`.
+
+        priority = (0, last_used)                                   covered KV
+                   (1, last_used)                                   mid-stretch checkpoint
+                   (1, last_used + horizon)                         the rest          (lowest goes first)
+
+    `victim` expects covered KV entries first, then the rest in the order of last use (SnapshotCache keeps its
+    hot tier so) and ranks only the oldest of each class, so an eviction reads a few entries, not all.
+    """
+
+    horizon: float = 4096.0  # lookups (about 12 per request with 4 slots) a likely restore point outlives others
+    near_end: int = 512  # tokens: a checkpoint this close above a fork or branch end is a likely restore point
+    recency_only = False
+
+    def likely(self, tree: RadixTree, eid: int) -> bool:
+        """Whether a later request is likely to restore entry `eid` (all but mid-stretch checkpoints)."""
+        return tree.kind_of(eid) is not CHECKPOINT or tree.stretch_below(eid, self.near_end + 1) <= self.near_end
+
+    def priority(self, tree: RadixTree, eid: int, nbytes: int, last_used: int) -> tuple[int, float]:
+        """Sort key: lower is evicted first."""
+        if tree.covered(eid):
+            return 0, float(last_used)
+        return 1, last_used + self.horizon * self.likely(tree, eid)
+
+    def victim(self, candidates: Iterable[Candidate]) -> int | None:
+        """The id of the entry to evict first among `candidates`, or None if there is none. The candidates come
+        covered KV entries first, then in the order of last use (the first of equals goes); it stops reading
+        them once it has the oldest of both classes (SnapshotCache._candidates gives them so)."""
+        cheap = likely = None
+        for c in candidates:
+            if c.tree.covered(c.eid):
+                return c.eid
+            if self.likely(c.tree, c.eid):
+                likely = likely or c
+            else:
+                cheap = cheap or c
+            if cheap is not None and likely is not None:
+                break
+        if cheap is None or likely is None:
+            best = cheap or likely
+            return best.eid if best is not None else None
+        return cheap.eid if cheap.last_used <= likely.last_used + self.horizon else likely.eid
+
+
+# Eviction policies by name (Config.cache_policy, --cache-policy): each a factory of a fresh policy object.
+POLICIES = {
+    "lru": lambda: EvictionPolicy(bonus_ticks=0.0),  # least recently used first (covered KV still goes first)
+    "recency-value": EvictionPolicy,  # recency with a bonus for tokens saved per byte and sharing (the default)
+    "value": ValuePolicy,  # recency, mid-stretch checkpoints first (where requests are likely to restore)
+}

@@ -75,12 +75,19 @@ class PathNode:
 
 
 def common_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Length of the longest common prefix of two token sequences (lists or tuples, in any mix)."""
     n = min(len(a), len(b))
+    if tuple(a[:n]) == tuple(b[:n]):  # the common case on a tree walk: the whole edge matches
+        return n
     i = 0
+    while i + _STRIDE <= n and tuple(a[i:i + _STRIDE]) == tuple(b[i:i + _STRIDE]):  # C-speed comparison
+        i += _STRIDE
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+_STRIDE = 64  # tokens compared at once by common_len before it goes token by token
 
 
 class RadixTree:
@@ -118,7 +125,7 @@ class RadixTree:
                 node.children[tokens[i]] = leaf
                 node = leaf
                 break
-            k = common_len(child.edge, tokens[i:])
+            k = common_len(child.edge, tokens[i:i + len(child.edge)])
             if k < len(child.edge):
                 child = self._split(child, k)
             node = child
@@ -179,7 +186,7 @@ class RadixTree:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            k = common_len(child.edge, tokens[i:])
+            k = common_len(child.edge, tokens[i:i + len(child.edge)])
             if k < len(child.edge) or child.depth > limit:
                 break
             node = child
@@ -207,7 +214,7 @@ class RadixTree:
             child = node.children.get(tokens[i])
             if child is None or child.kv_below == 0:
                 break
-            k = common_len(child.edge, tokens[i:limit])
+            k = common_len(child.edge, tokens[i:min(limit, i + len(child.edge))])
             best = i + k
             if k < len(child.edge):
                 break
@@ -221,7 +228,7 @@ class RadixTree:
             child = node.children.get(tokens[i])
             if child is None:
                 return None
-            k = common_len(child.edge, tokens[i:depth])
+            k = common_len(child.edge, tokens[i:min(depth, i + len(child.edge))])
             if k < min(len(child.edge), depth - i):
                 return None
             if i + len(child.edge) > depth:  # depth falls inside this edge: the child's subtree covers it
@@ -234,6 +241,39 @@ class RadixTree:
         """The entry of `kind` stored at exactly `tokens`, or None."""
         node = self._node_at(tokens, len(tokens)) if tokens else None
         return node.entries.get(kind) if node is not None and node.depth == len(tokens) else None
+
+    def walk(self, tokens: Sequence[int]) -> dict[int, int]:
+        """The nodes the path of `tokens` enters, as {id(node): tokens of it matched} (its depth where the whole
+        edge matches, less on the last node where `tokens` ends or leaves inside the edge); the root included.
+        For `branch`, which then finds where any entry's path leaves this one without building its tokens."""
+        node, i = self._root, 0
+        out = {id(node): 0}
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            k = common_len(child.edge, tokens[i:i + len(child.edge)])
+            out[id(child)] = i + k
+            if k < len(child.edge):
+                break
+            node, i = child, i + k
+        return out
+
+    def branch(self, eid: int, walked: dict[int, int]) -> tuple[int, int, list[int]]:
+        """For entry `eid` and the `walk` of some tokens: (its depth, the length of the common prefix of its tokens
+        and those, the checkpoint ids on its path deeper than that, shallow first). Equals
+        common_len(tokens_of(eid), tokens) and the checkpoints of path(tokens_of(eid)) past it, in O(nodes)."""
+        node = self._nodes[eid]
+        depth, tail = node.depth, []
+        while id(node) not in walked:
+            if CHECKPOINT in node.entries:
+                tail.append(node.entries[CHECKPOINT])
+            node = node.parent
+        branch = walked[id(node)]  # a node entered whole: its depth; the last node entered: the tokens matched
+        if branch < node.depth and CHECKPOINT in node.entries:
+            tail.append(node.entries[CHECKPOINT])
+        tail.reverse()
+        return depth, branch, tail
 
     def tokens_of(self, eid: int) -> tuple[int, ...]:
         """The token prefix an entry is stored under. Raises KeyError for an unknown id."""
@@ -251,7 +291,7 @@ class RadixTree:
     def covered(self, eid: int) -> bool:
         """A KV entry with another KV entry deeper in its subtree: the deeper one covers every position."""
         node = self._nodes[eid]
-        return EntryKind(self.kind_of(eid)).prefix_closed and node.kv_below > 1
+        return node.kv_below > 1 and node.entries.get(KV) == eid
 
     def recompute_tokens(self, eid: int) -> int:
         """Tokens to prefill again if this entry were lost: a checkpoint's, from the nearest ancestor checkpoint;
@@ -268,6 +308,15 @@ class RadixTree:
         while anc is not None and kind not in anc.entries:
             anc = anc.parent
         return node.depth - (anc.depth if anc is not None else 0)
+
+    def stretch_below(self, eid: int, limit: int) -> int:
+        """Tokens from an entry's node down its unbranched path to the first node that forks or ends (a leaf),
+        or `limit` if that is further. 0 where the node itself forks or ends."""
+        node, n = self._nodes[eid], 0
+        while len(node.children) == 1 and n <= limit:
+            (node,) = node.children.values()
+            n += len(node.edge)
+        return min(n, limit)
 
     def branches_below(self, eid: int) -> int:
         """Leaves in the subtree of an entry's node: how many distinct continuations share its prefix."""

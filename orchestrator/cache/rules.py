@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Iterable, Protocol, Sequence
 
-from .radix import EntryKind, RadixTree, common_len
+from .radix import EntryKind, RadixTree
 
 
 class StoresKinds(Protocol):
@@ -63,15 +63,14 @@ class PrefixRules:
         next prompt typically renders differently). E goes, with the end checkpoints in its tail, which no KV
         would cover any more; should that branch come back, it is prefilled from its last boundary checkpoint."""
         gone: dict[int, None] = {}  # ordered, once each: two dropped branches may share an end checkpoint
+        walked = tree.walk(tokens)
         for eid in kv_ids:
-            other = tree.tokens_of(eid)
-            branch = common_len(other, tokens)
-            if branch == len(other):
+            depth, branch, tail = tree.branch(eid, walked)  # tail: checkpoints on its path past the branch
+            if branch == depth:
                 gone[eid] = None
                 continue
             if not self.exact:
                 continue
-            tail = [n.checkpoint for n in tree.path(other) if n.depth > branch and n.checkpoint is not None]
             if any(is_boundary(c) for c in tail):
                 continue
             gone.update(dict.fromkeys(tail + [eid]))

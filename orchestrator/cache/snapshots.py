@@ -47,7 +47,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from .keys import disk_key, salt_id, salt_of_key
 from .policy import Candidate, EvictionPolicy
@@ -160,7 +160,8 @@ class SnapshotCache:
         self._meta: dict[int, _Meta] = {}
         self._by_key: dict[str, int] = {}  # disk key -> entry id, for the disk tier's evictions
         self._gone: list[tuple[int, str]] = []  # (level, key) lower tiers evicted, not yet settled (`_settle`)
-        self._resident: dict[int, None] = {}  # ids in the hot tier, in the order they entered it
+        self._resident: dict[int, None] = {}  # ids in the hot tier, in the order of last use (`_fetch`)
+        self._resident_kv: dict[int, None] = {}  # the KV entries among them, in the same order
         self._ids = itertools.count(1)
         self._tick = 0
         self._lock = threading.RLock()
@@ -262,6 +263,9 @@ class SnapshotCache:
         meta = self._meta.get(eid)
         if meta is None:
             return None
+        if meta.level == HOT and meta.last_used < self._tick:  # `_resident` stays in the order of last use
+            self._unresident(eid)
+            self._make_resident(eid)
         meta.last_used = self._tick
         if meta.level == HOT:
             return self.hot.get(meta.key).payload
@@ -279,7 +283,7 @@ class SnapshotCache:
         self._stats.promotions += 1
         meta.shared = meta.shared or meta.level in self._shared
         if self._make_room(len(data), pinned) and self.hot.put(meta.key, (), meta.kind, data):
-            self._resident[eid] = None
+            self._make_resident(eid)
             meta.level, meta.nbytes, meta.source = HOT, len(data), None
         return data
 
@@ -422,7 +426,7 @@ class SnapshotCache:
         meta = _Meta(kind, nbytes, HOT, self._tick, key, boundary, sid)
         self._index(eid, tokens, meta)
         self._share(meta, tokens, data)
-        self._resident[eid] = None
+        self._make_resident(eid)
         self._stats.inserts += 1
         return True
 
@@ -443,19 +447,43 @@ class SnapshotCache:
         if nbytes > self.budget_bytes:
             return False
         while self.hot.bytes + nbytes > self.budget_bytes:
-            victim = self.policy.victim(Candidate(e, self._tree_of(e), self._meta[e].nbytes, self._meta[e].last_used)
-                                        for e in self._resident if e not in pinned)
+            candidates = self._candidates(pinned)
+            if self.policy.recency_only:  # the first is the victim: no need to rank them
+                victim = next(candidates, Candidate(None, _EMPTY, 0, 0)).eid
+            else:
+                victim = self.policy.victim(candidates)
             if victim is None:
                 return False
             self._evict(victim)
         return True
+
+    def _candidates(self, pinned: set[int]) -> Iterator[Candidate]:
+        """The hot tier's entries but `pinned`, covered KV entries first (every policy evicts them first: another
+        KV entry deeper on their path restores all they do), then all in the order of last use (the covered
+        ones again), made as they are asked for: a policy that weighs recency may stop at the first few."""
+        for eid in self._resident_kv:
+            if eid not in pinned and self._tree_of(eid).covered(eid):
+                yield Candidate(eid, self._tree_of(eid), self._meta[eid].nbytes, self._meta[eid].last_used)
+        for eid in self._resident:
+            if eid not in pinned:
+                yield Candidate(eid, self._tree_of(eid), self._meta[eid].nbytes, self._meta[eid].last_used)
+
+    def _make_resident(self, eid: int) -> None:
+        """Entry `eid` is (again) in the hot tier, used last."""
+        self._resident[eid] = None
+        if self._meta[eid].kind.prefix_closed:
+            self._resident_kv[eid] = None
+
+    def _unresident(self, eid: int) -> None:
+        del self._resident[eid]
+        self._resident_kv.pop(eid, None)
 
     def _evict(self, eid: int) -> None:
         """Move a hot entry down to the first lower tier that takes it, or drop it."""
         meta = self._meta[eid]
         data = self.hot.get(meta.key).payload
         self.hot.delete(meta.key)
-        del self._resident[eid]
+        self._unresident(eid)
         self._stats.evictions += 1
         level = self._spill(meta.key, self._tree_of(eid).tokens_of(eid), meta.kind, data) \
             if self._local else None
@@ -511,7 +539,7 @@ class SnapshotCache:
         meta = self._meta[eid]
         if meta.level == HOT:
             self.hot.delete(meta.key)
-            del self._resident[eid]
+            self._unresident(eid)
         for level in self._local:  # a promoted entry keeps its lower copy: delete it too
             self._lower[level].delete(meta.key)
         if shared:
@@ -601,7 +629,10 @@ class SnapshotCache:
             assert all(self.tiers[m.level].contains(m.source or m.key) for m in self._meta.values()), \
                 "an entry whose snapshot its tier no longer holds"
             assert set(self._resident) == {e for e, m in self._meta.items() if m.level == HOT}
+            used = [self._meta[e].last_used for e in self._resident]
+            assert used == sorted(used), "the hot tier's entries out of the order of last use"
             assert len(self.hot) == len(self._resident), "the hot tier holds entries the index does not know"
+            assert list(self._resident_kv) == [e for e in self._resident if self._meta[e].kind.prefix_closed]
             assert self.hot.bytes == sum(self._meta[e].nbytes for e in self._resident) <= self.budget_bytes
 
     def close(self) -> None:
