@@ -539,8 +539,11 @@ def table(out: Path) -> str:
             continue
         split = data.get("split_max_abs_delta") or {}
         below = ", ".join(f"{k}: {v:.2g}" for k, v in split.items())
-        bi = "yes" if s["batch_invariant"] else f"to {s['batch_exact_upto']} (worst Δ " \
-             f"{max(data['batch_max_abs_delta'].values()):.2g})"
+        worst = max(data["batch_max_abs_delta"].values())
+        bi = "yes" if s["batch_invariant"] else (
+            f"to width {s['batch_exact_upto']} (worst Δ {worst:.2g})" if s["batch_exact_upto"] >= 2 else
+            "no: " + ", ".join(w for w, d in sorted(data["batch_max_abs_delta"].items()) if d) +
+            f" differ (worst Δ {worst:.2g})")
         rb = "not run" if s["rollback"] is None else ("yes" if s["rollback"] else "no")
         cc = "yes" if s["cached_equals_cold"] else f"NO (max Δ {s['cached_max_abs_delta']:.2g})"
         rows.append(f"| {variant} ({data['qemu_cpu']}) | {model} | {bufts} ({'yes' if s['repacked'] else 'no'}) | "
