@@ -70,6 +70,7 @@ KNOWN_INEXACT = {
     "i8mm/tiny-q4/off": "with i8mm, ggml-cpu's Q4_K/Q6_K dot product takes two rows at a time (SMMLA) when the "
                         "ubatch has an even number of rows and one otherwise, so a token's logits depend on the "
                         "parity of its ubatch's length; measure_min_segment's even sizes do not see it",
+    "sve256/tiny-q4/off": "the SVE build also has i8mm (armv8.6-a+sve): the same parity-dependent dot products",
 }
 
 
