@@ -18,9 +18,17 @@
 # if the build outlasts one command, "build" then "measure" in two calls while the machine is warm (build/ is
 # kept). Results land in $OUT (device tool) or bench/results/<date>/gpu/ here; copy them there and commit.
 #
-# Environment: OUT (results dir), JOBS (compile jobs; default nproc), PYTHON (default python3), CARRY
-# (default build/cuda-carry), DRY_OUT (dry run's results dir), LLAMA_SDIST (prepare: an already downloaded
-# llama_cpp_python-0.3.36.tar.gz instead of pip download).
+# Environment: OUT (results dir), JOBS (compile jobs; default nproc, at most one per 2 GiB of memory), PYTHON
+# (default python3), CARRY (default build/cuda-carry), DRY_OUT (dry run's results dir), LLAMA_SDIST (prepare: an
+# already downloaded llama_cpp_python-0.3.36.tar.gz instead of pip download), CUDA_ARCH (build: the
+# CMAKE_CUDA_ARCHITECTURES value; default: the GPU's compute capability, see cuda_arch below), TARGET_ARCH and
+# TARGET_PYTHON (prepare: the machine the wheels are for; default x86_64 and 3.12, the lent H200 machine).
+#
+# aarch64 (a Jetson-class box: Orin = sm_87, Xavier = sm_72; JetPack puts nvcc in /usr/local/cuda/bin, off PATH,
+# and may have no nvidia-smi): `build` finds nvcc there, takes the compute capability from nvidia-smi or else
+# from the Tegra SoC in /proc/device-tree, and builds the CPU side for Armv8.2-A + dotprod + fp16 (Cortex-A78AE;
+# GGML_CPU_ARM_ARCH overrides). Prepare the carry for it with TARGET_ARCH=aarch64 TARGET_PYTHON=3.10 (JetPack 6).
+# Nothing below is x86-only; checked with bash -n and shellcheck, not yet run on a Jetson.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
@@ -54,10 +62,11 @@ prepare() {
     tar -czf "$sdist" -C "$tmp" "llama_cpp_python-$version"
     rm -rf "$tmp"
   fi
+  local arch="${TARGET_ARCH:-x86_64}"
   # shellcheck disable=SC2086
-  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$carry/whl" $WHEELS
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "${TARGET_PYTHON:-3.12}" \
+    --implementation cp --platform "manylinux_2_28_$arch" --platform "manylinux_2_17_$arch" \
+    --platform "manylinux2014_$arch" -d "$carry/whl" $WHEELS
   du -sh "$carry" "$carry"/* "$carry"/whl/*
 }
 
@@ -72,8 +81,49 @@ site() {  # the carried wheels, installed beside (not into) the machine's Python
   export PYTHONPATH="$work/site:${PYTHONPATH:-}"
 }
 
+cuda_path() {  # JetPack (and some x86 installs) keep nvcc in /usr/local/cuda/bin, off PATH
+  if ! command -v nvcc >/dev/null; then
+    local d
+    for d in "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-*; do
+      if [ -n "$d" ] && [ -x "$d/bin/nvcc" ]; then
+        export PATH="$d/bin:$PATH" CUDACXX="$d/bin/nvcc"
+        export LD_LIBRARY_PATH="$d/lib64:${LD_LIBRARY_PATH:-}"
+        break
+      fi
+    done
+  fi
+}
+
+cuda_arch() {  # CMAKE_CUDA_ARCHITECTURES: CUDA_ARCH, else nvidia-smi's compute capability, else the Tegra SoC
+  if [ -n "${CUDA_ARCH:-}" ]; then echo "$CUDA_ARCH"; return; fi
+  local cap=""
+  if command -v nvidia-smi >/dev/null; then
+    cap="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')" || cap=""
+  fi
+  case "$cap" in [0-9][0-9]|[0-9][0-9][0-9]) ;; *) cap="" ;; esac  # Jetson's nvidia-smi may answer [N/A]
+  if [ -z "$cap" ] && [ -r /proc/device-tree/compatible ]; then
+    case "$(tr '\0' ' ' < /proc/device-tree/compatible)" in
+      *tegra234*) cap=87 ;;  # Jetson AGX Orin, Orin NX, Orin Nano
+      *tegra194*) cap=72 ;;  # Jetson AGX Xavier, Xavier NX
+    esac
+  fi
+  case "$cap" in
+    [0-9][0-9]|[0-9][0-9][0-9]) echo "$cap" ;;
+    *) echo 90 ;;  # the H200 this script was written for
+  esac
+}
+
+build_jobs() {  # compile jobs: nproc, at most one per 2 GiB of memory (an 8 GB Orin Nano runs out with 6 nvcc jobs)
+  if [ -n "${JOBS:-}" ]; then echo "$JOBS"; return; fi
+  local n mem
+  n="$(nproc)"
+  mem="$(awk '/^MemTotal:/ {print int($2 / 2097152)}' /proc/meminfo 2>/dev/null || echo "$n")"
+  [ "${mem:-0}" -ge 1 ] || mem=1
+  if [ "$mem" -lt "$n" ]; then echo "$mem"; else echo "$n"; fi
+}
+
 build() {
-  log "build llama-cpp-python $version (GGML_CUDA, sm_90)"
+  log "build llama-cpp-python $version (GGML_CUDA, sm_$(cuda_arch), $(uname -m))"
   if [ "$dry" = 1 ]; then
     # the steps' inputs, not their compilation: the carried sdist unpacks with its CMake project, the CPU build
     # here is what measure then loads
@@ -82,13 +132,22 @@ build() {
     "$py" -c "import llama_cpp; print('dry run: using the installed llama_cpp', llama_cpp.__version__)"
     return
   fi
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
-    | tee "$out/nvidia-smi.csv"
+  cuda_path
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/nvidia-smi.csv" || true
+  fi
+  if [ -r /etc/nv_tegra_release ]; then tee "$out/nv_tegra_release.txt" < /etc/nv_tegra_release; fi
+  uname -m | tee "$out/machine.txt"
   nvcc --version | tail -2 | tee "$out/nvcc.txt"
   site
   if ! ls "$work"/wheels/llama_cpp_python-$version-*.whl >/dev/null 2>&1; then
-    export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
-    export CMAKE_BUILD_PARALLEL_LEVEL="${JOBS:-$(nproc)}"
+    local cpu_flags=""
+    if [ "$(uname -m)" = aarch64 ]; then
+      cpu_flags="-DGGML_CPU_ARM_ARCH=${GGML_CPU_ARM_ARCH:-armv8.2-a+dotprod+fp16}"
+    fi
+    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(cuda_arch) -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF $cpu_flags"
+    CMAKE_BUILD_PARALLEL_LEVEL="$(build_jobs)"
+    export CMAKE_ARGS CMAKE_BUILD_PARALLEL_LEVEL
     echo "CMAKE_ARGS=$CMAKE_ARGS" > "$out/build-command.txt"
     local t0=$SECONDS
     "$py" -m pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$work/wheels" \
@@ -107,6 +166,7 @@ step() {  # run a measuring step, log it, keep going when it fails (its log says
 
 measure() {
   cd "$repo"
+  [ "$dry" = 1 ] || cuda_path
   site
   [ "$dry" = 1 ] || export PYTHONPATH="$work/llama:$PYTHONPATH"
   export PYTHONPATH="$repo:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
