@@ -19,6 +19,7 @@ COMMANDS = {
     "side-by-side": "run",
     "cold": "cold",
     "w5": "w5",
+    "w6": "w6",
     "slots": "slots",
     "memory": "memory",
     "prefix": "prefix",

@@ -159,12 +159,12 @@ class Running:
             last = now
         return time.perf_counter() - t0
 
-    def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 15 s) and remove its temp dir."""
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after `grace_s` seconds) and remove its temp dir."""
         if self.popen.poll() is None:
             self.popen.terminate()
             try:
-                self.popen.wait(15)
+                self.popen.wait(grace_s)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(15)

@@ -87,9 +87,10 @@ def _tool_text(rng: random.Random, tokenize, n_tokens: int, turn: int) -> str:
     return _words(rng, tokenize, n_tokens, head=f"$ exit 0 (step {turn})\n")
 
 
-def claude_session(base: dict, turns: int, rng: random.Random, tokenize, budgets: list[int]) -> list[dict]:
+def claude_session(base: dict, turns: int, rng: random.Random, tokenize, budgets: list[int],
+                   result_tokens=lambda rng: rng.randint(200, 1500)) -> list[dict]:
     """Claude Code request bodies, turn by turn: the captured first request, then one Bash tool_use and its
-    tool_result per turn."""
+    tool_result (of `result_tokens(rng)` tokens) per turn."""
     bodies, messages = [], copy.deepcopy(base["messages"])
     for t in range(turns):
         if t:
@@ -100,7 +101,7 @@ def claude_session(base: dict, turns: int, rng: random.Random, tokenize, budgets
                     {"type": "tool_use", "id": call_id, "name": "Bash",
                      "input": {"command": f"python -m pytest -q tests/test_step_{t}.py", "description": f"step {t}"}}]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
-                                              "content": _tool_text(rng, tokenize, rng.randint(200, 1500), t)}]}]
+                                              "content": _tool_text(rng, tokenize, result_tokens(rng), t)}]}]
         bodies.append(dict(copy.deepcopy(base), messages=messages, max_tokens=budgets[t], stream=True))
     return bodies
 

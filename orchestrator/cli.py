@@ -19,6 +19,7 @@ from platformdirs import user_cache_dir
 
 from .cache.policy import POLICIES
 from .config import Config, default_cache_ram_mib
+from .sizing import AGENT_CTX
 
 
 def _positive(text: str) -> int:
@@ -114,10 +115,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=_port, default=d.port, help=f"port (default {d.port})")
     p.add_argument("-c", "--ctx-size", type=_positive, default=d.ctx_size,
                    help="context size per slot in tokens (default: the model's training context, reduced to what "
-                        "the slots' KV and states fit in half the memory left beside the weights and --cache-ram; "
+                        "the slots' KV and states and the compute buffer fit in 80%% of the memory left beside the "
+                        "weights, --cache-ram and 1 GiB for the process, and to what --cache-ram holds of one slot; "
                         "the arithmetic is logged at start)")
-    p.add_argument("-np", "--parallel", type=_positive, default=d.parallel,
-                   help=f"slots: requests served at once, each with its own sequence (default {d.parallel})")
+    p.add_argument("-np", "--parallel", type=_positive, default=None,
+                   help=f"slots: requests served at once, each with its own sequence (default {d.parallel}, fewer "
+                        f"when memory cannot give each {AGENT_CTX} tokens of context and --ctx-size is not given)")
     p.add_argument("--queue-size", type=_non_negative, default=d.queue_size,
                    help=f"requests that may wait for a slot; more get HTTP 429 (default {d.queue_size})")
     p.add_argument("--timeout", type=_non_negative_float, default=d.timeout, metavar="SECONDS",
@@ -248,7 +251,8 @@ def _config(a: argparse.Namespace) -> Config:
                  threads=a.threads, model_alias=a.alias, chat_template=a.chat_template_file,
                  max_tokens_default=a.max_tokens, use_extra_bufts=a.use_extra_bufts,
                  cache_disk_dir=a.cache_disk_dir, cache_disk_mib=a.cache_disk, cache_policy=a.cache_policy,
-                 checkpoint_interval=a.checkpoint_interval, parallel=a.parallel, queue_size=a.queue_size,
+                 checkpoint_interval=a.checkpoint_interval, parallel=a.parallel or Config.parallel,
+                 parallel_auto=a.parallel is None, queue_size=a.queue_size,
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, prefill_chunk_alone=a.prefill_chunk_alone,
                  snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints, rs_snapshots=a.rs_snapshots,
                  decode_batching=a.decode_batching, speculative=a.speculative, draft_max=a.draft_max,
@@ -286,15 +290,22 @@ def main(serve: Callable[[Config, str], int], argv: list[str] | None = None) -> 
     p = sub.add_parser("synth-model", help="write a random-weight Qwen3.5-shaped GGUF (no download needed)")
     from .models.synth import PRESETS  # numpy and gguf load lazily there
 
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--preset", choices=sorted(PRESETS), help="required unless --sizes")
     p.add_argument("--out", type=Path, help="output GGUF (default: build once into the user cache and print its path)")
+    p.add_argument("--sizes", action="store_true", help="print the preset's sizes (recurrent state per checkpoint, KV "
+                   "per token, weights, file) from its shapes, without building; every preset without --preset")
     a = parser.parse_args(argv)
+    if a.command == "synth-model" and not a.sizes and a.preset is None:
+        parser.error("synth-model: --preset is required (or --sizes)")
     level = getattr(a, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if a.command == "serve":
         return serve(_config(a), a.log_level)
-    from .models.synth import build_model, ensure_model
+    from .models.synth import build_model, ensure_model, sizes_table
 
+    if a.sizes:
+        print(sizes_table([a.preset] if a.preset else list(PRESETS)))
+        return 0
     path = build_model(a.preset, a.out) if a.out else ensure_model(a.preset)
     print(path)
     return 0

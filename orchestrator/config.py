@@ -11,12 +11,15 @@ import psutil
 MiB = 1024 * 1024
 
 
-def default_cache_ram_mib() -> int:
-    """Default RAM budget for snapshots, in MiB: a quarter of the memory available now (psutil), at most 8 GiB.
+def default_cache_ram_mib(available: int | None = None) -> int:
+    """Default RAM budget for snapshots, in MiB: a quarter of `available` bytes (default: the memory available now,
+    psutil), at most 8 GiB.
 
-    A quarter leaves room for the model weights, the context's own KV/recurrent buffers and the OS.
+    A quarter leaves room for the model weights, the context's own KV/recurrent buffers and the OS; the context is
+    then fitted beside it (orchestrator/sizing.py), and bounded by what it holds of one slot.
     """
-    available = psutil.virtual_memory().available
+    if available is None:
+        available = psutil.virtual_memory().available
     return int(min(available // 4, 8 * 1024 * MiB) // MiB)
 
 
@@ -71,6 +74,9 @@ class Config:
     main_gpu: int | None = None  # only this index of those devices (llama-server's -sm none -mg N); None: all
     kv_offload: bool = True  # KV cache and attention on the device of their layer (False: --no-kv-offload)
     parallel: int = 4  # slots: requests served at once (sequences of one llama.cpp context)
+    # True (serve without -np): with ctx_size None, start may use fewer slots than `parallel` so that each holds an
+    # agent's session (orchestrator/sizing.py AGENT_CTX); False: exactly `parallel`
+    parallel_auto: bool = False
     queue_size: int = 64  # requests waiting for a slot before new ones get HTTP 429
     timeout: float = 600.0  # seconds a request may take from arrival to its last token (0 = no limit)
     prefill_chunk: int = 128  # most prompt tokens per prefill step (between two decode steps of other slots)

@@ -150,22 +150,26 @@ class Runtime:
         return dataclasses.replace(cfg, use_extra_bufts="on" if choice.use_extra_bufts else "off")
 
     @staticmethod
-    def _fit_context(cfg: Config, path: Path, n_rs: int) -> int:
-        """The context per slot when --ctx-size is not given (orchestrator/sizing.py), from a probe of the model
-        in a small context: its training context, KV bytes per token and recurrent state. Logs the arithmetic."""
+    def _fit_context(cfg: Config, path: Path, n_rs: int) -> sizing.ContextFit:
+        """The context per slot when --ctx-size is not given, and the slot count when --parallel is not either
+        (orchestrator/sizing.py), from a probe of the model in a small context: its training context, KV bytes per
+        token, recurrent state, vocabulary and attention heads (the compute buffer). Logs the arithmetic."""
         probe = Engine(path, n_ctx=256, n_batch=min(cfg.batch_size, 256), n_threads=cfg.threads,
                        use_extra_bufts=cfg.extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
                        devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload)
         try:
             recurrent, kv_token = calibration.state_sizes(probe)
-            n_ctx_train, model_bytes = probe.info.n_ctx_train, probe.info.size_bytes
+            info = probe.info
+            n_head = int(probe.meta(f"{info.architecture}.attention.head_count") or 0)
         finally:
             probe.close()
-        fit = sizing.fit_context(n_ctx_train, kv_token, recurrent * (1 + n_rs), cfg.parallel,
-                                 psutil.virtual_memory().available, model_bytes,
-                                 cfg.cache_ram_bytes if cfg.cache_enabled else 0)
+        floor, per_token = sizing.compute_sizes(cfg.batch_size, info.n_vocab, n_head)
+        fit = sizing.fit_context(info.n_ctx_train, kv_token, recurrent * (1 + n_rs), cfg.parallel,
+                                 psutil.virtual_memory().available, info.size_bytes,
+                                 cfg.cache_ram_bytes if cfg.cache_enabled else 0, per_token, floor, cfg.parallel_auto,
+                                 recurrent)
         (log.info if fit.fits else log.warning)("%s", fit.describe())
-        return fit.ctx_size
+        return fit
 
     @staticmethod
     def _verify_widths(cfg: Config, path: Path, file_digest: bytes) -> tuple[int, ...]:
@@ -201,7 +205,8 @@ class Runtime:
         n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, widths[-1] - 1 if widths else 0,
                        cfg.decode_rows - 1)
         if cfg.ctx_size is None:
-            cfg = dataclasses.replace(cfg, ctx_size=cls._fit_context(cfg, path, n_rs_seq))
+            fit = cls._fit_context(cfg, path, n_rs_seq)
+            cfg = dataclasses.replace(cfg, ctx_size=fit.ctx_size, parallel=fit.slots)
         grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
         engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
                         use_extra_bufts=cfg.extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,

@@ -5,6 +5,7 @@ the runtime and runs this package's HTTP API under uvicorn until interrupted.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from orchestrator import cli
@@ -35,11 +36,22 @@ def serve(cfg: Config, log_level: str = "info") -> int:
     warning = cli.bind_warning(cfg)
     if warning:
         log.warning("%s", warning)
+    # uvicorn shuts down on SIGTERM and then raises the signal again with the handler it found: the default one
+    # ends the process at once, without the `finally` below, and the RAM tier's snapshots never reach the disk
+    # tier (SnapshotCache.close). This handler turns that second SIGTERM into an orderly exit.
+    previous = signal.signal(signal.SIGTERM, _exit_after_shutdown)
     try:
         uvicorn.run(create_app(rt), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False)
+    except SystemExit:
+        pass
     finally:
         rt.close()
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_after_shutdown(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -641,3 +641,28 @@ def test_a_repair_that_was_interrupted_is_done_again_at_the_next_open(tmp_path, 
         assert sorted(t.keys()) == ["a", "b"] and t.get("b") == ("kv", (1,), b"b")
         recount(t, tmp_path)
     assert len(_moved_aside(tmp_path)) == 2 and not (tmp_path / "cache.db.repairing").exists()
+
+
+def test_a_server_stopped_with_sigterm_writes_its_ram_snapshots_to_the_disk_tier(tiny_model, tmp_path):
+    """uvicorn ends on SIGTERM by raising the signal again; with the default handler the process died before
+    Runtime.close, so the RAM tier's snapshots (the newest: what a session restores next) never reached the disk,
+    and W6's restart restored 69.5% of the previous request instead of all but its last tokens."""
+    import httpx
+
+    from tests.conftest import serve_process
+
+    disk = tmp_path / "disk"
+    proc, url = serve_process(tiny_model, tmp_path / "log", "-c", "4096", "-np", "1", "--cache-ram", "64",
+                              "--cache-disk-dir", str(disk))
+    try:
+        body = {"messages": [{"role": "system", "content": "You answer briefly. " * 20},
+                             {"role": "user", "content": "Hello there."}], "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=300).status_code == 200
+        assert httpx.get(url + "/v1/cache/stats", timeout=30).json()["disk_entries"] == 0  # all in RAM
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        proc.kill()
+    log = (tmp_path / "log").read_text()
+    assert "snapshots from RAM to the disk tier at shutdown" in log
+    assert len([p for p in disk.iterdir() if p.is_dir()]) >= 2  # entries' files, beside the index

@@ -88,6 +88,58 @@ def test_presets_match_published_configs():
     assert t.vocab_size == 248_320 and t.quantization is None
 
 
+def test_larger_presets_have_the_published_shapes_and_their_sizes_follow_from_them():
+    """4B/9B/27B shapes (module doc "Larger shapes") and the sizes computed from them, against hand arithmetic and
+    the public figures (about 51 MiB per checkpoint at 4B, about 150 MiB at 27B; the real 9B Q4_K_M is 5.23 GiB)."""
+    shapes = {"qwen3.5-4b": (32, 2560, 9216, 16, 4, 32, True), "qwen3.5-9b": (32, 4096, 12288, 16, 4, 32, False),
+              "qwen3.5-27b": (64, 5120, 17408, 24, 4, 48, False)}
+    for name, (layers, hidden, ffn, heads, kv_heads, v_heads, tied) in shapes.items():
+        p = synth.PRESETS[name]
+        assert (p.n_layer, p.hidden_size, p.intermediate_size, p.num_attention_heads, p.num_key_value_heads,
+                p.linear_num_value_heads, p.tie_word_embeddings) == (layers, hidden, ffn, heads, kv_heads, v_heads, tied)
+        assert (p.head_dim, p.linear_num_key_heads, p.linear_key_head_dim, p.linear_value_head_dim) == (256, 16, 128, 128)
+        assert (p.linear_conv_kernel_dim, p.full_attention_interval, p.vocab_size, p.quantization) == (4, 4, 248_320, "Q4_K_M")
+        z = p.sizes()
+        n_gdn = layers * 3 // 4
+        # per DeltaNet layer, F32: conv window 3 x (q + k + v widths) and the state key_dim x (v_heads x value_dim)
+        assert z.recurrent_bytes == n_gdn * 4 * (3 * (2 * 16 * 128 + v_heads * 128) + 128 * v_heads * 128)
+        assert z.kv_bytes_per_token == (layers // 4) * 2 * kv_heads * 256 * 2  # K and V, F16
+        specs = dict((n, s) for n, s, _ in p.tensor_specs())
+        assert ("output.weight" in specs) == (not tied)
+    mib = 1 << 20
+    sizes = {n: synth.PRESETS[n].sizes() for n in ("qwen3.5-0.8b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b")}
+    assert sizes["qwen3.5-0.8b"].recurrent_bytes == 20_201_472  # 19.3 MiB: what the 0.8b's docs and logs say
+    assert 50 * mib < sizes["qwen3.5-4b"].recurrent_bytes < 52 * mib          # 50.25 MiB
+    assert 149 * mib < sizes["qwen3.5-27b"].recurrent_bytes < 151 * mib       # 149.6 MiB
+    assert (sizes["qwen3.5-4b"].kv_bytes_per_token, sizes["qwen3.5-27b"].kv_bytes_per_token) == (32768, 65536)
+    assert round(sizes["qwen3.5-9b"].n_params / 1e9, 2) == 8.95  # untied: llama.cpp's count for the real 9B
+    assert round(sizes["qwen3.5-9b"].q4_k_m_tensor_bytes / (1 << 30), 2) == 5.23  # llama.cpp prints tensor data
+    assert 15 << 30 < sizes["qwen3.5-27b"].file_bytes("Q4_K_M") < 16 << 30
+    assert synth.model_filename("qwen3.5-0.8b") == synth.model_filename(dataclasses.replace(
+        synth.PRESETS["qwen3.5-0.8b"], tie_word_embeddings=True))  # the new field keeps the old presets' names
+    table = synth.sizes_table(["qwen3.5-4b"])
+    assert "| qwen3.5-4b | 32 (8 + 24) | 4.21B | 50.2 MiB | 32 KiB | 2.00 GiB |" in table
+
+
+def test_the_q4_k_m_estimate_matches_a_built_file(tmp_path, backend):
+    """The untied-output code path of the 9B/27B presets, built small: tiny-q4 with its own output matrix builds,
+    loads, and its file is the size Sizes.file_bytes predicts from llama.cpp's Q4_K_M type rules."""
+    pre = dataclasses.replace(synth.PRESETS["tiny-q4"], name="tiny-q4-untied", tie_word_embeddings=False)
+    assert pre.n_params() == synth.PRESETS["tiny-q4"].n_params() + 248_320 * 256
+    path = synth.build_model(pre, tmp_path / "m.gguf", progress=False)
+    assert abs(path.stat().st_size - pre.sizes().file_bytes("Q4_K_M")) < 1 << 20
+    tied = synth.build_model("tiny-q4", tmp_path / "t.gguf", progress=False)
+    assert abs(tied.stat().st_size - synth.PRESETS["tiny-q4"].sizes().file_bytes("Q4_K_M")) < 1 << 20
+    mp = llama_cpp.llama_model_default_params()
+    mp.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    assert model, f"llama.cpp failed to load {path}"
+    try:
+        assert meta(model, "qwen35.block_count") == "8" and llama_cpp.llama_model_n_params(model) == pre.n_params()
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
 def test_unknown_preset_is_an_actionable_error(tmp_path):
     with pytest.raises(synth.SynthError, match="unknown synthetic-model preset 'nope'.*tiny"):
         synth.build_model("nope", tmp_path / "x.gguf", progress=False)

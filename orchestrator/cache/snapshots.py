@@ -167,6 +167,7 @@ class SnapshotCache:
         self._lock = threading.RLock()
         self._stats = CacheStats()
         self._warned_too_large = False
+        self._closed = False
         self._lower: dict[int, GuardedTier] = {level: GuardedTier(t) for level, t in enumerate(self.tiers) if level}
         self._local = tuple(level for level in range(1, len(self.tiers)) if not self.tiers[level].shared)
         self._shared = tuple(level for level in range(1, len(self.tiers)) if self.tiers[level].shared)
@@ -636,8 +637,35 @@ class SnapshotCache:
             assert self.hot.bytes == sum(self._meta[e].nbytes for e in self._resident) <= self.budget_bytes
 
     def close(self) -> None:
-        """Close every tier (idempotent)."""
+        """Write the RAM tier's entries that no local lower tier holds yet down to them (`flush_down`), then close
+        every tier (idempotent)."""
         with self._lock:
+            if not self._closed:
+                self.flush_down()
+            self._closed = True
             for tier in self.tiers:
                 tier.close()
+
+    def flush_down(self) -> int:
+        """Copy every RAM-resident entry that no local lower tier holds to them (the RAM tier is write-back: an
+        entry reaches the disk only when evicted, so without this a stopped server loses its newest snapshots,
+        the ones its sessions restore next). Entries stay in RAM. Returns how many were written. A server that
+        is killed, not stopped, still loses them."""
+        written = 0
+        with self._lock:
+            if not self._local:
+                return 0
+            for eid in list(self._resident):
+                meta = self._meta[eid]
+                if any(self._lower[level].contains(meta.key) for level in self._local):
+                    continue
+                entry = self.hot.get(meta.key)
+                if entry is None:
+                    continue
+                if self._spill(meta.key, self._tree_of(eid).tokens_of(eid), meta.kind, entry.payload) is not None:
+                    written += 1
+            self._settle()
+        if written:
+            log.info("wrote %d snapshots from RAM to the disk tier at shutdown", written)
+        return written
 

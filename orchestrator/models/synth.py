@@ -17,6 +17,37 @@ Sources of the facts used
   intermediate 3584, 8 query heads / 2 KV heads of dim 256, Gated DeltaNet with 16 key heads and 16 value heads
   of dim 128, conv kernel 4, every 4th layer full attention, partial rotary factor 0.25, rope theta 1e7,
   RMS eps 1e-6, vocab 248,320, tied embeddings, 262,144 positions.
+* Larger shapes (presets ``qwen3.5-4b``, ``-9b``, ``-27b``): the ``text_config`` of the published HF configs of
+  ``Qwen/Qwen3.5-4B``, ``-9B`` and ``-27B``, which could not be read here (offline); the values come from copies
+  and model cards, each checked against a second source:
+
+  ==========================  ======  ======  ======
+  field                       4B      9B      27B
+  ==========================  ======  ======  ======
+  num_hidden_layers           32      32      64
+  hidden_size                 2560    4096    5120
+  intermediate_size           9216    12288   17408
+  attention heads / KV heads  16 / 4  16 / 4  24 / 4
+  linear key / value heads    16/32   16/32   16/48
+  tie_word_embeddings         true    false   false
+  ==========================  ======  ======  ======
+
+  head_dim 256, linear key/value head dims 128, conv kernel 4, full_attention_interval 4, partial rotary 0.25,
+  rope theta 1e7 and the 248,320-row vocabulary are those of every size. Sources: 4B -- apxml.com/models/qwen35-4b
+  (2560, 32 layers, FFN 9216, 16/4 heads of 256) and a test fixture transcribing its ``text_config`` (the same
+  plus linear heads 16/32, vocab 248,320); 9B -- the Qwen3.5-9B model card as copied at 2048ai.net (hidden 4096,
+  32 layers, "32 for V and 16 for QK" linear heads of 128, "16 for Q and 4 for KV" of 256, FFN 12288) and a
+  published fine-tune's ``config.json`` naming ``Qwen/Qwen3.5-9B`` (huggingface.co/khtsly/Mini-Coder); 27B --
+  the TevunahAi GPTQ card of ``Qwen/Qwen3.5-27B`` (64 layers, 24/4 heads of 256, FFN 17,408, hidden 5,120) and
+  THUDM/slime's ``scripts/models/qwen3.5-27B.sh`` (the same, ``--untie-embeddings-and-output-weights``); the
+  linear heads 16/48 from the transcribed ``text_config`` of the 27B's successor with the same shape (mlxcel's
+  tests). ``tie_word_embeddings`` was not found for 4B and 9B in any source read: it is inferred from parameter
+  counts. Untied, the 9B's text model has 8.95B weights, which is what llama.cpp reports for the real 9B Q4_K_M
+  (a user's review at lzwjava.github.io: "8.95B ... 5.23 GB"); tied it would have 7.93B. The 4B tied has 4.20B
+  text weights (4.5B with its vision encoder, the published total), untied 4.84B. Cross-checks of the results:
+  the recurrent state per checkpoint is 50.3 MiB at 4B and 149.6 MiB at 27B (public figures: about 51 and
+  about 150 MiB), and the 9B's Q4_K_M size from :func:`_q4_k_m_tensor_bytes` is 5.23 GiB, the size llama.cpp
+  prints (in GiB) for the real 9B Q4_K_M.
 * GGUF keys, tensor names and shapes: llama.cpp ``src/models/qwen35.cpp`` (``load_arch_hparams``,
   ``load_arch_tensors``) and the HF converter ``conversion/qwen.py`` / ``conversion/base.py`` of the llama.cpp
   vendored in llama-cpp-python 0.3.36 (rope sections default ``[11, 11, 10, 0]``; norms stored as ``w + 1``, so
@@ -177,6 +208,7 @@ _BOS_EOS_PAD = ("<|endoftext|>", "<|im_end|>", "<|endoftext|>")  # bos, eos, pad
 _WEIGHT_STD = 0.02
 _LLAMA_FTYPE_MOSTLY_F16 = 1
 _LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+MiB, GiB = 1 << 20, 1 << 30
 
 
 class SynthError(OrchestratorError):
@@ -212,6 +244,8 @@ class Preset:
         architecture: ``"qwen35"`` (hybrid) or ``"qwen3"`` (every layer full attention).
         ends: plant the token stages and untied output rows that make answers end (module doc "Ending
             answers"); False for the plain presets, whose cache names do not include it.
+        tie_word_embeddings: the HF field: True (0.8B, 4B) reads the logits from ``token_embd``; False (9B, 27B)
+            writes an ``output.weight`` of its own (V x E more weights). Cache names include it only when False.
     """
 
     name: str
@@ -237,6 +271,7 @@ class Preset:
     seed: int = 0
     architecture: str = "qwen35"  # or "qwen3": every layer full attention, no recurrent state (a non-hybrid model)
     ends: bool = False  # answers end: planted token stages and an untied output matrix (module doc "Ending answers")
+    tie_word_embeddings: bool = True  # False: an untied ``output.weight`` (V x E) after output_norm, as 9B and 27B
 
     def __post_init__(self) -> None:
         problems = []
@@ -320,13 +355,121 @@ class Preset:
                 (p + "ffn_down.weight", (E, self.intermediate_size), "normal"),
             ]
         specs.append(("output_norm.weight", (E,), "ones"))
-        if self.ends:
-            specs.append(("output.weight", (V, E), "normal"))  # untied (module doc "Ending answers")
+        if self.ends or not self.tie_word_embeddings:
+            specs.append(("output.weight", (V, E), "normal"))  # untied (module doc "Ending answers"; 9B, 27B)
         return specs
 
     def n_params(self) -> int:
         """Number of weights written (tied output counted once)."""
         return sum(int(np.prod(shape)) for _, shape, _ in self.tensor_specs())
+
+    def sizes(self) -> "Sizes":
+        """The byte sizes that follow from the shapes alone, without building (see :class:`Sizes`)."""
+        specs = self.tensor_specs()
+        n_full = sum(self.is_full_attention(i) for i in range(self.n_layer))
+        n_gdn = self.n_layer - n_full if self.architecture == "qwen35" else 0
+        k_dim = self.linear_key_head_dim * self.linear_num_key_heads
+        # llama.cpp llama-hparams.cpp: n_embd_r = (d_conv - 1) * (d_inner + 2 * n_group * d_state) (the conv
+        # window) and n_embd_s = d_state * d_inner (the delta-rule matrices), both F32 rows per sequence
+        conv = (self.linear_conv_kernel_dim - 1) * (self.ssm_inner_size + 2 * k_dim)
+        delta = self.linear_key_head_dim * self.ssm_inner_size
+        f16 = sum(int(np.prod(shape)) * np.dtype(_dtype_for(name, shape)).itemsize for name, shape, _ in specs)
+        return Sizes(
+            n_params=self.n_params(), n_full_attention=n_full, n_gated_deltanet=n_gdn,
+            recurrent_bytes=n_gdn * 4 * (conv + delta),
+            kv_bytes_per_token=n_full * 2 * self.num_key_value_heads * self.head_dim * 2,
+            f16_tensor_bytes=f16,
+            q4_k_m_tensor_bytes=_q4_k_m_tensor_bytes(specs, self.n_layer, not (self.ends or not self.tie_word_embeddings)),
+        )
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Sizes of a :class:`Preset` from its shapes alone (bytes unless named otherwise).
+
+    Attributes:
+        n_params: weights written (:meth:`Preset.n_params`).
+        n_full_attention / n_gated_deltanet: layers of each kind.
+        recurrent_bytes: one sequence's recurrent state, which is what one checkpoint holds: per Gated DeltaNet
+            layer the conv window ``(conv_kernel - 1) x (2 x key_heads x key_dim + value_heads x value_dim)`` and
+            the delta-rule state ``key_dim x value_heads x value_dim``, F32 (llama.cpp ``n_embd_r``/``n_embd_s``).
+            llama.cpp's serialised checkpoint adds a few bytes per layer (type, row size): see
+            ``calibration.state_sizes``, which measures it.
+        kv_bytes_per_token: K and V of every full-attention layer, ``2 x kv_heads x head_dim`` F16 values each.
+            A serialised KV entry adds llama.cpp's per-cell metadata (position, sequence ids, M-RoPE position).
+        f16_tensor_bytes: tensor data of the F16 GGUF (the intermediate of a quantized preset; 1-D and conv F32).
+        q4_k_m_tensor_bytes: tensor data after llama.cpp's Q4_K_M type choice (:func:`_q4_k_m_tensor_bytes`);
+            None where a quantized tensor's rows are not a multiple of the 256-wide K-quant block (llama.cpp then
+            falls back to other types, which this does not model). A file adds its metadata (the vocabulary and
+            merges, about :data:`METADATA_BYTES`).
+    """
+
+    n_params: int
+    n_full_attention: int
+    n_gated_deltanet: int
+    recurrent_bytes: int
+    kv_bytes_per_token: int
+    f16_tensor_bytes: int
+    q4_k_m_tensor_bytes: int | None
+
+    def file_bytes(self, quantization: str | None) -> int | None:
+        """Expected GGUF size for ``quantization`` (``"Q4_K_M"`` or None for F16): tensors + metadata."""
+        data = self.q4_k_m_tensor_bytes if quantization == "Q4_K_M" else self.f16_tensor_bytes
+        return None if data is None else data + METADATA_BYTES
+
+
+#: Bytes of a synthetic GGUF that are not tensor data (the 248,320 tokens, their types, 247,587 merges, the chat
+#: template, alignment): the built 0.8b's file size minus its tensor data, measured with llama-cpp-python 0.3.36.
+METADATA_BYTES = 10_961_312
+
+# Bytes per 256 weights of the K-quant types (ggml-common.h: block_q4_K 144, block_q5_K 176, block_q6_K 210).
+_K_BLOCK = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def sizes_table(names: list[str]) -> str:
+    """A Markdown table of :meth:`Preset.sizes` for the presets ``names`` (MiB = 2^20 bytes, GiB = 2^30)."""
+    rows = ["| preset | layers (attention + DeltaNet) | weights | recurrent state per checkpoint | KV per token | "
+            "KV of 64k tokens | file |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        pre = _preset(name)
+        z = pre.sizes()
+        file = z.file_bytes(pre.quantization)
+        rows.append(f"| {name} | {pre.n_layer} ({z.n_full_attention} + {z.n_gated_deltanet}) | {z.n_params / 1e9:.2f}B | "
+                    f"{z.recurrent_bytes / MiB:.1f} MiB | {z.kv_bytes_per_token / 1024:.0f} KiB | "
+                    f"{65536 * z.kv_bytes_per_token / GiB:.2f} GiB | "
+                    f"{'?' if file is None else f'{file / GiB:.2f} GiB'} {pre.quantization or 'F16'} |")
+    return "\n".join(rows)
+
+
+def _q4_k_m_tensor_bytes(specs: list[tuple[str, tuple[int, ...], str]], n_layer: int, tied: bool) -> int | None:
+    """Tensor data of ``specs`` quantized Q4_K_M the way llama.cpp 0.3.36's ``llama_tensor_get_type_impl``
+    (``src/llama-quant.cpp``) chooses types without an imatrix: 1-D tensors, norms and ``ssm_conv1d`` stay F32;
+    the output matrix (``token_embd`` when tied) Q6_K; ``attn_v`` and ``attn_qkv`` (both "attention-v-like",
+    counted together in file order, so the i-th is layer i) and ``ffn_down`` Q6_K on the layers
+    ``use_more_bits`` picks (the first and last eighth and every third between), Q4_K elsewhere; every other
+    matrix Q4_K. None when a quantized tensor's row length is not a multiple of 256 (see :class:`Sizes`)."""
+    def more_bits(i: int) -> bool:
+        return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+
+    total, i_v, i_down = 0, 0, 0
+    for name, shape, _ in specs:
+        n = int(np.prod(shape))
+        if len(shape) < 2 or name.endswith("ssm_conv1d.weight") or name.endswith("_norm.weight"):
+            total += n * np.dtype(_dtype_for(name, shape)).itemsize
+            continue
+        if shape[-1] % 256:
+            return None
+        kind = "Q4_K"
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            kind = "Q6_K"
+        elif name.endswith(("attn_v.weight", "attn_qkv.weight")):
+            kind = "Q6_K" if more_bits(i_v) else "Q4_K"
+            i_v += 1
+        elif name.endswith("ffn_down.weight"):
+            kind = "Q6_K" if more_bits(i_down) else "Q4_K"
+            i_down += 1
+        total += n // 256 * _K_BLOCK[kind]
+    return total
 
 
 PRESETS: Mapping[str, Preset] = MappingProxyType({
@@ -336,6 +479,25 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
         num_attention_heads=8, num_key_value_heads=2, head_dim=256,
         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
         quantization="Q4_K_M",
+    ),
+    # The larger Qwen3.5 dense models (module doc "Sources": "Larger shapes"), Q4_K_M like a typical download.
+    "qwen3.5-4b": Preset(
+        name="qwen3.5-4b", n_layer=32, hidden_size=2560, intermediate_size=9216,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        quantization="Q4_K_M",
+    ),
+    "qwen3.5-9b": Preset(
+        name="qwen3.5-9b", n_layer=32, hidden_size=4096, intermediate_size=12288,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        quantization="Q4_K_M", tie_word_embeddings=False,
+    ),
+    "qwen3.5-27b": Preset(
+        name="qwen3.5-27b", n_layer=64, hidden_size=5120, intermediate_size=17408,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        quantization="Q4_K_M", tie_word_embeddings=False,
     ),
     # Same layer pattern (layers 3 and 7 full attention), head dims and vocabulary; narrow; F16 (a hidden size
     # of 128 is below the 256-wide K-quant blocks, so Q4_K_M would fall back to other types for most tensors).
@@ -838,6 +1000,11 @@ def build_model(preset: str | Preset, out: Path, progress: bool = True) -> Path:
     p = _Progress(progress)
     p.say(f"building synthetic {pre.name!r}: Qwen3.5 architecture with {RANDOM_WEIGHTS_NOTICE} -- its output is "
           f"gibberish")
+    z = pre.sizes()
+    expected = z.file_bytes(pre.quantization)
+    p.say(f"{pre.name}: {z.n_params / 1e9:.2f}B weights; recurrent state {z.recurrent_bytes / MiB:.1f} MiB per "
+          f"checkpoint, KV {z.kv_bytes_per_token / 1024:.0f} KiB per token; F16 intermediate "
+          f"{z.f16_tensor_bytes / GiB:.2f} GiB" + (f", file about {expected / GiB:.2f} GiB" if expected else ""))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -890,7 +1057,8 @@ def model_filename(preset: str | Preset) -> str:
     h = hashlib.sha256()
     h.update(f"v{GENERATOR_VERSION}\n".encode())
     for f in fields(pre):
-        if (f.name == "architecture" and pre.architecture == "qwen35") or (f.name == "ends" and not pre.ends):
+        if ((f.name == "architecture" and pre.architecture == "qwen35") or (f.name == "ends" and not pre.ends)
+                or (f.name == "tie_word_embeddings" and pre.tie_word_embeddings)):
             continue  # added later: presets from before keep their file names
         h.update(f"{f.name}={getattr(pre, f.name)!r}\n".encode())
     if pre.ends:  # the planted recipe's constants (module doc "Ending answers")
