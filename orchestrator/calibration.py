@@ -40,7 +40,7 @@ log = logging.getLogger("orchestrator.calibration")
 UNEXACT_MIN_SEGMENT = 24  # the largest size measure_min_segment tests: what a device backend that fails it serves at
 
 
-def measure_min_segment(engine: Engine, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24)) -> int:
+def measure_min_segment(engine: Engine, sizes: Sequence[int] = tuple(range(2, 25))) -> int:
     """The fewest tokens a prefill ubatch may have for its result to be bit-identical to the same tokens inside one
     larger ubatch: the smallest tested size above every size that differed, confirmed at untested sizes above it.
 
@@ -51,10 +51,13 @@ def measure_min_segment(engine: Engine, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7
     n < 2, 4 or 8 depending on the ISA), hence a measurement at start.
 
     The rule assumes that every size from the found one on is exact. Kernels that compute rows in groups break it
-    at any size that is not a multiple of the group: llama.cpp's repacked weights (repacking.py) take 4 rows at a
-    time and the rest one by one (ggml-cpu/repack.cpp, forward_mul_mat), so on AVX2 the 0.8b was exact at 8, 12,
-    16 and 24 tokens and not at 9, 10 or 13 (bench/results/2026-12-03/repacking). Hence the found size m is
-    confirmed at m + 1, m + 2, m + 3 (and 2m + 1 where the reference holds it) where untested.
+    at sizes that are not a multiple of the group, however large: llama.cpp's repacked weights (repacking.py)
+    take 4 rows at a time and the rest one by one (ggml-cpu/repack.cpp, forward_mul_mat), so on AVX2 the 0.8b was
+    exact at 8, 12, 16, 20, 24 tokens only (bench/results/2026-12-03/repacking); ARM's i8mm dot products take
+    two rows at a time in even ubatches only (bench/results/2026-12-03/aarch64). A difference need not show at
+    every such size (repacked tiny-q4 on ARM dotprod: 11 differs, 13 does not), so every size from 2 to 24 is
+    tested (an earlier list, 2..10, 12, 16, 24, read 12 and 16 there), and the found size m is confirmed at
+    m + 1, m + 2, m + 3 and 2m + 1 where not tested and the reference holds them.
 
     Uses and clears sequence 0; raises EngineError if even the largest size differs, or a confirming size does or
     does not fit the reference (m = 24).
@@ -91,11 +94,20 @@ def measure_min_segment(engine: Engine, sizes: Sequence[int] = (2, 3, 4, 5, 6, 7
                                   f"--no-cache)")
             if differs(m, ref):
                 raise EngineError(f"prefill splits change the logits at {m} tokens though {found} were exact on this "
-                                  f"model and CPU: kernels that compute rows in groups, such as llama.cpp's repacked "
-                                  f"weights (--use-extra-bufts off); prefix reuse cannot be exact with them")
+                                  f"model and CPU: kernels that compute rows in groups (llama.cpp's repacked weights: "
+                                  f"--use-extra-bufts off; ARM i8mm dot products, two rows at a time); prefix reuse "
+                                  f"cannot be exact with them")
         return found
     finally:
         engine.clear(0)
+
+
+def _delta(a: np.ndarray, b: np.ndarray) -> float:
+    """0.0 where bit-identical, else the largest |a - b| (inf where that is not a positive number: NaN, inf)."""
+    if np.array_equal(a, b):
+        return 0.0
+    d = float(np.max(np.abs(a - b)))
+    return d if d > 0 else float("inf")
 
 
 def check_batch_invariance(engine: Engine) -> bool:
@@ -107,11 +119,17 @@ def check_batch_invariance(engine: Engine) -> bool:
     |Δlogit| 0.14 on the 0.8b), and false at any width for the F16 tiny preset (another matmul path for more than
     one row: 8e-4). So it is measured on the served model, for the configured number of slots.
     """
+    return engine.n_seq_max >= 2 and not any(batch_deltas(engine, first_only=True).values())
+
+
+def batch_deltas(engine: Engine, first_only: bool = False) -> dict[int, float]:
+    """The comparison behind check_batch_invariance: batch width (2..n_seq_max) -> the largest |Δlogit| of any
+    sequence's decode step in that batch against the same step alone (0.0: bit-identical); after the first width
+    that differs, no more when `first_only`. Clears the sequences it uses."""
     k = engine.n_seq_max
-    if k < 2:
-        return False
     prompts = [[1000 + 7 * s + i for i in range(4)] for s in range(k)]
     nxt = [2000 + s for s in range(k)]
+    deltas: dict[int, float] = {}
     try:
         alone = []
         for s in range(k):
@@ -124,12 +142,12 @@ def check_batch_invariance(engine: Engine) -> bool:
             for s in range(width):
                 engine.decode(s, prompts[s], 0, want_logits=False)
             engine.decode_step([(s, nxt[s], len(prompts[s])) for s in range(width)])
-            same = all(np.array_equal(engine.logits(i), alone[i]) for i in range(width))
+            deltas[width] = max(_delta(engine.logits(i), alone[i]) for i in range(width))
             for s in range(width):
                 engine.clear(s)
-            if not same:
-                return False
-        return True
+            if first_only and deltas[width]:
+                break
+        return deltas
     finally:
         for s in range(k):
             engine.clear(s)

@@ -54,13 +54,18 @@ class SplitEngine:
 
 
 def test_min_segment_is_confirmed_above_the_size_found():
-    """Kernels that compute rows in groups of 4 (llama.cpp's repacked weights) are exact at 8, 12, 16 and 24
-    tokens but not at 13: a threshold read off the tested sizes alone would be 12 and wrong."""
+    """Kernels that compute rows in groups of 4 (llama.cpp's repacked weights) are exact at 8, 12, 16, 20 and 24
+    tokens only: every size up to 24 is tested, so 23 differs and nothing is exact. With the earlier sizes
+    (2..10, 12, 16, 24) the threshold read would be 12; the confirmation above it (13) refuses it too."""
+    grouped = SplitEngine(lambda n: n >= 8 and n % 4 == 0)
     assert calibration.measure_min_segment(SplitEngine(lambda n: n >= 8)) == 8
+    with pytest.raises(EngineError, match="at 23 tokens on this model and CPU, and 24 cannot be confirmed"):
+        calibration.measure_min_segment(grouped)
     with pytest.raises(EngineError, match="at 13 tokens though 12 were exact"):
-        calibration.measure_min_segment(SplitEngine(lambda n: n >= 8 and n % 4 == 0))
-    with pytest.raises(EngineError, match="at 16 tokens on this model and CPU, and 24 cannot be confirmed"):
-        calibration.measure_min_segment(SplitEngine(lambda n: n >= 24))
+        calibration.measure_min_segment(grouped, sizes=(2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24))
+    parity = SplitEngine(lambda n: n >= 8 and n % 2 == 0)  # ARM i8mm: two rows at a time in even ubatches
+    with pytest.raises(EngineError, match="at 23 tokens"):
+        calibration.measure_min_segment(parity)
     with pytest.raises(EngineError, match="up to 24 tokens"):
         calibration.measure_min_segment(SplitEngine(lambda n: n > 24))
 

@@ -137,34 +137,10 @@ def _split_deltas(engine, below: int) -> dict:
 
 
 def _batch_deltas(engine) -> dict:
-    """check_batch_invariance's comparison with the worst |Δlogit| per width (its prompts and tokens)."""
-    import numpy as np
+    """check_batch_invariance's comparison with the worst |Δlogit| per width (calibration.batch_deltas)."""
+    from orchestrator import calibration
 
-    k = engine.n_seq_max
-    prompts = [[1000 + 7 * s + i for i in range(4)] for s in range(k)]
-    nxt = [2000 + s for s in range(k)]
-    alone = []
-    out = {}
-    try:
-        for s in range(k):
-            engine.clear(s)
-            engine.decode(s, prompts[s], 0, want_logits=False)
-            engine.decode(s, [nxt[s]], len(prompts[s]))
-            alone.append(engine.logits())
-            engine.clear(s)
-        for width in range(2, k + 1):
-            for s in range(width):
-                engine.decode(s, prompts[s], 0, want_logits=False)
-            engine.decode_step([(s, nxt[s], len(prompts[s])) for s in range(width)])
-            worst = max((_maxdiff(engine.logits(i), alone[i]) for i in range(width)
-                         if not np.array_equal(engine.logits(i), alone[i])), default=0.0)
-            out[str(width)] = worst
-            for s in range(width):
-                engine.clear(s)
-    finally:
-        for s in range(k):
-            engine.clear(s)
-    return out
+    return {str(w): d for w, d in calibration.batch_deltas(engine).items()}
 
 
 def _save_restore(engine) -> dict:
@@ -226,7 +202,7 @@ def _cached_vs_cold(model: Path, bufts: bool, calibration_file: Path, quick: boo
     from orchestrator.runtime import Runtime
 
     cfg = Config(model=model, ctx_size=2048, batch_size=N_BATCH, threads=THREADS, cache_ram_mib=1024,
-                 checkpoint_interval=0, parallel=2, speculative="off", use_extra_bufts=bufts,
+                 checkpoint_interval=0, parallel=2, speculative="off", use_extra_bufts="on" if bufts else "off",
                  calibration_file=calibration_file)
     started = time.perf_counter()
     rt = Runtime.start(cfg)
