@@ -109,7 +109,7 @@ def test_the_probe_finds_repacked_q4_k_inexact_on_avx2():
         assert "signal" in choice.reason and repacking.amx(calibration.cpu_flags() or ""), choice.reason
     else:
         assert choice.on.min_segment is None and choice.off is None
-        assert "not exact here" in choice.reason and "though" in choice.reason, choice.reason
+        assert "not exact here: prefill splits change the logits" in choice.reason, choice.reason
         # the diagnostic behind it: bit-identical at multiples of 4 from 8 tokens, not between
         done = subprocess.run([sys.executable, "-m", "orchestrator.repacking", str(ensure_model("tiny-q4")),
                                "--batch", "256", "--splits"], capture_output=True, text=True, timeout=600)
