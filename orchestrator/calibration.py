@@ -214,7 +214,7 @@ def check_rollback(engine: Engine, seq: int | None = None) -> bool:
         engine.clear(0)
 
 
-def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence[int] = (40, 300),
+def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence[int] = (40, 90, 170, 300),
                           follow: int = 2) -> tuple[int, ...]:
     """The verification widths w (2..max_width) at which one ubatch of w tokens of one sequence
     (`Engine.verify`) gives bit-identical logits to w one-token decode steps, at every position, AND the state
@@ -229,7 +229,9 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     F16 KV cache (KQ, KQV) run ggml_vec_dot_f16 (several accumulators) for one query row and llamafile's
     tinyBLAS (one accumulator per element; llamafile_sgemm refuses n < 2) for two or more, so the sums round
     differently; on K-quant models the Q8_K rounding of the activations absorbs most of it, position by
-    position, data-dependently (bench/results/2026-12-03/verification-widths/README.md). Widths of 8 and more
+    position, data-dependently (bench/results/2026-12-03/verification-widths/README.md): on an AMD EPYC with
+    AVX-512, tiny-q4 passed widths 2..7 after 40 tokens, 2..3 after 300 and none after 128 or 170 (1-ulp
+    differences), so two contexts read (2, 3), which another prompt refuted; four are tried. Widths of 8 and more
     also change the weight-matmul kernels (as `measure_min_segment` sees). With decode_rows 2 the one-token
     step takes the verification's attention kernels: widths 2..7 exact on K-quant models; F16 still none (the
     output projection then runs for one row in a step and for w rows in a verification)."""

@@ -132,8 +132,11 @@ def test_two_row_decoding_makes_speculation_exact_on_tiny_q4(q4_pair, case):
         assert (x.completion_tokens, x.text, x.finish_reason, x.logprobs) == \
             (y.completion_tokens, y.text, y.finish_reason, y.logprobs)
         assert np.array_equal(x.first_logits, y.first_logits)
-    # the random model loops (at low temperatures too): its own answer gets drafted and accepted
-    assert sum(r.drafted_tokens for r in a) > 0 and sum(r.accepted_tokens for r in a) > 0
+    # the random model loops: its own answer gets drafted, and accepted when greedy (sampled at 0.15 with n=2 it
+    # did not repeat itself enough on an AVX-512 EPYC: 1 drafted, 0 accepted; the answers equal all the same)
+    assert sum(r.drafted_tokens for r in a) > 0
+    if job.sampling.temperature == 0.0:
+        assert sum(r.accepted_tokens for r in a) > 0
     on.scheduler.drain()
     off.scheduler.drain()
 
