@@ -180,8 +180,7 @@ def split_deltas(model: Path, threads: int, n_batch: int, extra_bufts: bool, n: 
     """The diagnostic behind measure_min_segment, for every size: m -> the largest |Δlogit| of the last token of
     an n-token prefill split into m + (n - m) or (n - m) + m tokens, against it whole (0.0: bit-identical), for
     m = 2 .. n // 2 - 4."""
-    import numpy as np
-
+    from .calibration import split_delta
     from .engine import Engine
 
     engine = Engine(model, n_ctx=1024, n_batch=n_batch, n_threads=threads, use_extra_bufts=extra_bufts,
@@ -190,16 +189,7 @@ def split_deltas(model: Path, threads: int, n_batch: int, extra_bufts: bool, n: 
         tokens = [1000 + (37 * i) % 5000 for i in range(n)]
         engine.decode(0, tokens, 0)
         ref = engine.logits().copy()
-        deltas = {}
-        for m in range(2, n // 2 - 3):
-            worst = 0.0
-            for cut in (m, n - m):
-                engine.clear(0)
-                engine.decode(0, tokens[:cut], 0, want_logits=False)
-                engine.decode(0, tokens[cut:], cut)
-                worst = max(worst, float(np.max(np.abs(engine.logits() - ref))))
-            deltas[m] = worst
-        return deltas
+        return {m: split_delta(engine, tokens, ref, m) for m in range(2, n // 2 - 3)}
     finally:
         engine.close()
 
