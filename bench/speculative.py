@@ -16,6 +16,11 @@ decoding without speculation (the cost of the second row). --reps rounds interle
 where calibration measured exact widths: with --decode-rows 1, none on the CPUs measured so far, and then "on"
 equals "off") or "ngram" (verifies anyway; answers may differ, and the report says whether they did). Decode
 tokens/s: completion tokens / the decode phase (first token to last). Writes bench/results/<date>/speculative.json.
+
+--forced 0,25,50,75,100 replaces "on" by one mode per rate: the drafts are the model's own continuation (the "off"
+answer of the round) with that percentage of drafted tokens corrupted (`ForcedDrafter`), so acceptance is set
+from outside: the cost of verification and rollback against acceptance, on models whose text repeats nothing
+(the random-weight presets). The width policy (speculative/policy.py) backs off as in serving.
 """
 
 from __future__ import annotations
@@ -29,6 +34,39 @@ from platformdirs import user_cache_dir
 from bench.common import results_dir, write_json
 
 CALIBRATION = Path(user_cache_dir("orchestrator")) / "calibration.json"  # as `serve`: measured once
+
+
+class ForcedDrafter:
+    """NgramDrafter's interface (`tokens`, `extend`, `draft`) drafting `reference[j:j + k]` after j answer tokens,
+    each drafted token replaced by another with probability `corrupt` (a fixed draw per answer position, so every
+    mode and round corrupts the same positions)."""
+
+    def __init__(self, tokens, reference: list[int], corrupt: float) -> None:
+        import random
+
+        self.tokens, self.n_prompt, self.reference = list(tokens), len(tokens), reference
+        self.bad = [random.Random(1_000_003 * i + 7).random() < corrupt for i in range(len(reference))]
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(tokens)
+
+    def draft(self, k: int) -> list[int]:
+        j = len(self.tokens) - self.n_prompt  # answer tokens so far (the last one is the pending token)
+        return [t + 1 if self.bad[j + i] else t for i, t in enumerate(self.reference[j:j + k])]
+
+
+def force(speculation, reference: list[int], corrupt: float) -> None:
+    """Make `speculation` (orchestrator.speculative.verify.Speculation) draft with ForcedDrafter from here on."""
+    from orchestrator.speculative.policy import DraftLength
+    from orchestrator.speculative.verify import RequestSpec
+
+    def state(task):
+        if task.spec is None and speculation.widths:
+            drafter = ForcedDrafter(task.tokens, reference, corrupt)
+            task.spec = RequestSpec(drafter, DraftLength(speculation.widths, speculation.costs))
+        return task.spec
+
+    speculation.state = state
 
 TEMPLATES = {
     "gemma": ("<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n", True),
@@ -50,19 +88,22 @@ def prompts(lines: int) -> dict[str, str]:
 
 
 def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
-             draft_max: int, decode_rows: int = 1) -> dict:
+             draft_max: int, decode_rows: int = 1, flash_attn: str = "auto",
+             forced: tuple[float, dict[str, list[int]]] | None = None) -> dict:
     from orchestrator.config import Config
     from orchestrator.request import Job, SamplingParams
     from orchestrator.runtime import Runtime
 
     rt = Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,
                               cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
-                              decode_rows=decode_rows, calibration_file=CALIBRATION))
+                              decode_rows=decode_rows, calibration_file=CALIBRATION, flash_attn=flash_attn))
     fmt, bos = TEMPLATES[template]
-    out = {"widths": list(rt.scheduler.speculation.widths)}
+    out = {"widths": list(rt.scheduler.speculation.widths), "attention": rt.engine.attention.key()}
     try:
         for name, text in texts.items():
             tokens = rt.engine.tokenize(fmt.format(text), add_special=bos)
+            if forced is not None:
+                force(rt.scheduler.speculation, forced[1][name], forced[0])
             started = time.perf_counter()
             r = rt.scheduler.run(Job(tokens, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
                                      use_cache=False))
@@ -90,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-max", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-rows", type=int, choices=[1, 2], default=1)
+    ap.add_argument("--flash-attn", choices=["auto", "off"], default="auto",
+                    help="the attention layout of off and on (auto: engine.VERIFYING where exact; default auto)")
+    ap.add_argument("--forced", default="", metavar="P,P,...",
+                    help="percentages of corrupted forced drafts, one 'on' mode each (module docstring)")
     ap.add_argument("--only", default="", help="comma-separated generations (default: all)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of every mode (default 3)")
     ap.add_argument("--out", type=Path, default=None)
@@ -102,17 +147,31 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts(a.lines)
     if a.only:
         texts = {k: v for k, v in texts.items() if k in a.only.split(",")}
-    # (name, --speculative, decode rows); with --decode-rows 2 also one-row decoding without speculation (today's
-    # default: what the second row costs). Rounds interleave the modes, so machine drift hits all alike.
-    modes = [("off", "off", a.decode_rows), ("on", a.mode, a.decode_rows)]
+    # (name, --speculative, decode rows, --flash-attn); with --decode-rows 2 also one-row decoding without
+    # speculation (what the second row costs); with --flash-attn auto also speculation off with flash attention
+    # off over F16 (the layout before auto chose engine.VERIFYING). Rounds interleave the modes, so machine drift
+    # hits all alike.
+    modes = [("off", "off", a.decode_rows, a.flash_attn), ("on", a.mode, a.decode_rows, a.flash_attn)]
+    rates = [float(p) / 100 for p in a.forced.split(",") if p]
+    if rates:
+        modes[1:] = [(f"forced{p:g}", a.mode, a.decode_rows, a.flash_attn) for p in (r * 100 for r in rates)]
     if a.decode_rows == 2:
-        modes.append(("one_row_off", "off", 1))
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in modes}
+        modes.append(("one_row_off", "off", 1, a.flash_attn))
+    if a.flash_attn == "auto":
+        modes.append(("fa_off_off", "off", 1, "off"))
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in modes}
     for _ in range(a.reps):
-        for name, mode, rows in modes:
-            runs[name].append(run_mode(model, mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rows))
+        for name, mode, rows, flash in modes:
+            forced = None
+            if name.startswith("forced"):
+                reference = {g: runs["off"][-1][g]["tokens"] for g in texts}
+                forced = (float(name[6:]) / 100, reference)
+            runs[name].append(run_mode(model, mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rows,
+                                       flash, forced))
+    spec = [name for name, *_ in modes[1:] if name not in ("one_row_off", "fa_off_off")]  # "on", or forcedP
     report = {"model": str(model), "mode": a.mode, "decode_rows": a.decode_rows, "reps": a.reps,
-              "widths": runs["on"][0]["widths"], "generations": {}}
+              "widths": runs[spec[0]][0]["widths"], "attention": {n: r[0]["attention"] for n, r in runs.items()},
+              "generations": {}}
     for gen in texts:
         row: dict = {}
         for name in runs:
@@ -124,19 +183,23 @@ def main(argv: list[str] | None = None) -> int:
                          "decode_tps_sum": sum(d["completion_tokens"] - 1 for d in done)
                          / sum(d["decode_s"] for d in done),
                          "spread": (min(tps), max(tps))}
-        row["identical"] = all(r[gen]["tokens"] == runs["off"][0][gen]["tokens"] for r in runs["off"] + runs["on"])
+        ref = runs["off"][0][gen]["tokens"]
+        row["identical"] = all(r[gen]["tokens"] == ref for name in ["off", *spec] for r in runs[name])
         for name in runs:
             for d in (r[gen] for r in runs[name]):
                 d.pop("tokens", None)
         base = row["off"]["decode_tps_sum"]
-        row["speedup_on_vs_off"] = row["on"]["decode_tps_sum"] / base
+        for name in spec:
+            row[name]["speedup_vs_off"] = row[name]["decode_tps_sum"] / base
+        line = ", ".join(f"{name} {row[name]['speedup_vs_off']:.2f}x ({row[name]['accepted']}/{row[name]['drafted']})"
+                         for name in spec)
+        if "fa_off_off" in row:
+            row["off_vs_fa_off"] = base / row["fa_off_off"]["decode_tps_sum"]
+            line += f", off/fa-off-off {row['off_vs_fa_off']:.2f}x"
         if "one_row_off" in row:
             row["two_row_cost"] = base / row["one_row_off"]["decode_tps_sum"]
-            row["speedup_on_vs_one_row_off"] = row["on"]["decode_tps_sum"] / row["one_row_off"]["decode_tps_sum"]
+            line += f", two-row/one-row {row['two_row_cost']:.2f}x"
         report["generations"][gen] = row
-        print(f"{gen:5} on/off {row['speedup_on_vs_off']:.2f}x"
-              + (f", two-row/one-row {row['two_row_cost']:.2f}x, on/one-row {row['speedup_on_vs_one_row_off']:.2f}x"
-                 if "one_row_off" in row else "")
-              + f", accepted {row['on']['accepted']}/{row['on']['drafted']}, identical: {row['identical']}")
+        print(f"{gen:5} vs off: {line}, identical: {row['identical']}")
     write_json((a.out or results_dir()) / "speculative.json", report)
     return 0

@@ -461,9 +461,10 @@ def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int) -> 
                     draft_max + 1)
         return tuple(range(2, draft_max + 2))
     log.warning("speculative decoding off: no verification width is bit-identical to one-token decoding on this "
-                "model and CPU (ggml-cpu's attention matmuls take other kernels for one query row than for two "
-                "or more; bench/results/2026-12-03/verification-widths/README.md). --speculative ngram trades "
-                "exactness for speed")
+                "model and CPU in its attention layout (ggml-cpu takes other kernels for one row than for two or "
+                "more: F16 weights always, attention unless flash attention runs over a Q8_0 K cache; "
+                "bench/results/2026-12-03/attention-layouts/README.md). --speculative ngram trades exactness for "
+                "speed")
     return ()
 
 

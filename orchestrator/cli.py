@@ -18,7 +18,7 @@ from typing import Callable
 from platformdirs import user_cache_dir
 
 from .cache.policy import POLICIES
-from .config import Config, default_cache_ram_mib
+from .config import KV_TYPES, Config, default_cache_ram_mib
 from .sizing import AGENT_CTX
 
 
@@ -156,6 +156,14 @@ def _serve_parser(sub) -> None:
                    help="rows per one-token decode step: 2 = the token and a rolled-back copy, the kernels of a "
                         "speculative verification, so that verification is exact by construction (answers differ "
                         "from 1; each step computes a second row; default 1)")
+    p.add_argument("-fa", "--flash-attn", choices=["auto", "on", "off"], default=d.flash_attn,
+                   help="flash attention: auto = on with a Q8_0 K cache where speculative verification is then exact "
+                        "at one row per decode step (measured at first start; cold prefill about 0.8x), else off "
+                        "over F16; on with -ctk/-ctv other than f16/f32 (default auto)")
+    p.add_argument("-ctk", "--cache-type-k", choices=["auto", *KV_TYPES], default=d.cache_type_k,
+                   help="KV cache type for K (default auto: see --flash-attn)")
+    p.add_argument("-ctv", "--cache-type-v", choices=["auto", *KV_TYPES], default=d.cache_type_v,
+                   help="KV cache type for V; other than f16/f32 needs flash attention (default auto: f16)")
     p.add_argument("--draft-max", type=_positive, default=d.draft_max, metavar="N",
                    help=f"most drafted tokens per verification (default {d.draft_max})")
     p.add_argument("-b", "--batch-size", type=_positive, default=d.batch_size,
@@ -256,7 +264,8 @@ def _config(a: argparse.Namespace) -> Config:
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, prefill_chunk_alone=a.prefill_chunk_alone,
                  snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints, rs_snapshots=a.rs_snapshots,
                  decode_batching=a.decode_batching, speculative=a.speculative, draft_max=a.draft_max,
-                 decode_rows=a.decode_rows,
+                 decode_rows=a.decode_rows, flash_attn=a.flash_attn, cache_type_k=a.cache_type_k,
+                 cache_type_v=a.cache_type_v,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
                  api_key=a.api_key, admin_key=a.admin_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,
                  max_tokens_limit=a.max_tokens_limit, max_prompt_kib=a.max_prompt_size,

@@ -9,6 +9,8 @@ from pathlib import Path
 import psutil
 
 MiB = 1024 * 1024
+# llama.cpp's KV cache types by their llama-server names (-ctk / -ctv): ggml_type values (ggml.h)
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 
 
 def default_cache_ram_mib(available: int | None = None) -> int:
@@ -83,11 +85,21 @@ class Config:
     prefill_chunk_alone: int = 0  # most prompt tokens per step when no other request waits or decodes (0: n_batch)
     decode_batching: str = "auto"  # "auto": batch slots' decode steps when bit-identical to alone; "on"; "off"
     # Speculative decoding (orchestrator/speculative/): "auto" = n-gram drafts verified only in widths that
-    # calibration measured bit-identical to one-token decoding on this model and CPU (none found: off, logged);
+    # calibration measured bit-identical to one-token decoding on this model, CPU and attention layout (K-quant
+    # models in engine.VERIFYING: 2..7; none found: off, logged), each request's width weighed by its acceptance
+    # and the measured cost of a verification (speculative/policy.py);
     # "ngram" = also where none were measured exact, at widths up to draft_max + 1 (outputs may then differ
     # from "off", as --decode-batching on); "off". MTP and draft-model drafts are not implemented yet.
     speculative: str = "auto"
     draft_max: int = 6  # most drafted tokens per verification (the ubatch is draft_max + 1 wide)
+    # Flash attention ("on", "off", "auto") and the K / V cache types ("f16", "q8_0", ... engine.KV_TYPES, or
+    # "auto"), llama-server's -fa / -ctk / -ctv. All three "auto": with speculation on, on the CPU, the layout in
+    # which verification is exact at one row per decode step is tried first (engine.VERIFYING: flash attention, K
+    # cache Q8_0) and kept where calibration finds exact widths; otherwise flash attention off over F16, whose
+    # prefill splits are exact (Runtime._attention). Any of them set: that layout, the rest at those defaults.
+    flash_attn: str = "auto"
+    cache_type_k: str = "auto"
+    cache_type_v: str = "auto"
     # Rows per one-token decode step (Engine decode_rows): 1, or 2 (the token and a copy that is rolled back), which
     # takes the same attention kernels as a verification ubatch, so that verification widths 2..7 (K-quant) are
     # exact by construction and --speculative auto turns on (bench/results/2026-12-03/verification-widths).

@@ -22,14 +22,17 @@ batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-
     (GGML_FA_TILE_Q), a one-row path below, a split-KV reduction for a single query), so splitting a prefill
     changes the logits (max |Δ| 2e-4 on tiny, 0.18 on the random 0.8b). With flash attention off, KQ and KQV
     are plain matmuls and any split into ubatches of >= 2 tokens is bit-identical (25 random splits, 0
-    differences), at the same prefill speed (315 vs 311 tokens/s at 2,000 tokens on the 0.8b preset).
+    differences), at the same prefill speed (315 vs 311 tokens/s at 2,000 tokens on the 0.8b preset). The tiled
+    and split-KV paths take only an F16/F32 K cache: over a Q8_0 K cache every query row runs the one-row path,
+    whatever the ubatch holds, so splits are exact there too, and so is speculative verification against
+    one-token decoding (`Attention`, VERIFYING).
   * a short ubatch still differs from the same tokens inside a larger one: one token always (other matmul and
     Gated DeltaNet graph paths), and on quantized models anything under 8 tokens (other ggml-cpu matmul
     kernels; max |Δlogit| 0.23 on the 0.8b). The threshold depends on the weight types and the CPU, so the
     runtime measures it at start (calibration.measure_min_segment) and passes it in (`calibrate`): `decode`
     never cuts a chunk shorter than `min_segment` out of a longer run, and the reuse rules never store or
     restore a state that a shorter segment produced.
-The engine therefore creates contexts with flash attention disabled unless told otherwise.
+The engine therefore creates contexts with flash attention off over F16 unless given another `Attention`.
 
 CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AMX CPUs, a
 Q4_K_M model loaded with repacking segfaults on any llama_decode of more than one token (seen for the synthetic
@@ -51,6 +54,7 @@ import numpy as np
 
 from .buffers import SpareBuffers, address, bytes_writer
 from .chunks import chunk_sizes
+from .config import KV_TYPES
 from .devices import Offload, device_array, select_devices
 from .errors import EngineError, InvalidRequest, ModelLoadError
 from .grammar_guard import GrammarLimits, GrammarPool
@@ -92,6 +96,46 @@ class ModelInfo:
     add_bos: bool
 
 
+@dataclass(frozen=True)
+class Attention:
+    """How attention runs and where its KV cache is kept: flash attention (llama_context_params.flash_attn_type)
+    and the K and V cache types (type_k, type_v: names of KV_TYPES). Raises ValueError for an unknown type, or a
+    quantized V cache without flash attention (llama.cpp refuses it).
+
+    The default, flash attention off over an F16 cache, makes any prefill split of >= min_segment tokens
+    bit-identical (module docstring, "Numerics"). VERIFYING is the layout in which a verification ubatch of k < 8
+    tokens of one sequence equals k one-token decode steps, bit for bit, on K-quant models: with flash attention
+    on and a K cache that is neither F16 nor F32, ggml-cpu runs every query row through the same one-row kernel
+    (ops.cpp ggml_compute_forward_flash_attn_ext_f16: its tiled path for >= 64 queries and its split-KV path for
+    one query both require an F16/F32 K of V's type), so attention no longer depends on how many rows a ubatch
+    has; the weight matmuls are bit-identical below 8 rows already. Measured (calibration.measure_verify_widths,
+    contexts up to 1,000 tokens): widths 2..7 exact on tiny-q4, the qwen3.5-0.8b preset and Gemma 3 270M, on an
+    AMD EPYC with AVX-512, where the default layout has none (bench/results/2026-12-03/attention-layouts). Its
+    cost: cold prefill about 0.75-0.8x (the one-row kernel instead of the tiled one), decode within noise, K cache
+    about half the bytes (Q8_0: 34 bytes per 32 values)."""
+
+    flash: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+
+    def __post_init__(self) -> None:
+        for t in (self.type_k, self.type_v):
+            if t not in KV_TYPES:
+                raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(KV_TYPES)})")
+        if not self.flash and self.type_v not in ("f16", "f32"):
+            raise ValueError(f"a {self.type_v} V cache needs flash attention (-fa on)")
+
+    def key(self) -> str:
+        """A short name for calibration keys and fingerprints: "fa1/q8_0/f16"."""
+        return f"fa{int(self.flash)}/{self.type_k}/{self.type_v}"
+
+    def describe(self) -> str:
+        return f"flash attention {'on' if self.flash else 'off'}, KV cache K {self.type_k} / V {self.type_v}"
+
+
+VERIFYING = Attention(True, "q8_0", "f16")
+
+
 class Engine:
     """A llama.cpp model + context with one sequence per slot.
 
@@ -101,7 +145,8 @@ class Engine:
         n_batch: most tokens per llama_decode call; also n_ubatch.
         n_threads: CPU threads for decode and prefill.
         use_extra_bufts: llama.cpp CPU weight repacking (see the module docstring; off by default).
-        flash_attn: use flash attention (off by default: see "Numerics" in the module docstring).
+        attention: flash attention and KV cache types (Attention; default: flash attention off over F16, see
+            "Numerics" in the module docstring; VERIFYING for exact speculative verification).
         n_gpu_layers: layers offloaded to the devices (llama_model_params.n_gpu_layers; < 0: all of them, which
             is none on a CPU-only build: llama-server's default).
         devices: ggml device names to offload to (["none"]: none; None: llama.cpp's default choice);
@@ -130,7 +175,7 @@ class Engine:
     """
 
     def __init__(self, model_path: Path, n_ctx: int = 8192, n_batch: int = 512, n_threads: int = 2,
-                 use_extra_bufts: bool = False, n_seq_max: int = 1, flash_attn: bool = False,
+                 use_extra_bufts: bool = False, n_seq_max: int = 1, attention: Attention = Attention(),
                  n_gpu_layers: int = -1, devices: Sequence[str] | None = None, main_gpu: int | None = None,
                  kv_offload: bool = True, n_rs_seq: int = 0, decode_rows: int = 1,
                  grammars: GrammarPool | None = None) -> None:
@@ -171,8 +216,10 @@ class Engine:
                                            bool(llama_cpp.llama_model_is_hybrid(self.model)),
                                            int(llama_cpp.llama_model_n_swa(self.model)))
         cparams.swa_full = self.state.swa_full
-        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if attention.flash
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.type_k = KV_TYPES[attention.type_k]
+        cparams.type_v = KV_TYPES[attention.type_v]
         self.context_params = cparams
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -186,7 +233,7 @@ class Engine:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
-        self.flash_attn = flash_attn
+        self.attention = attention
         self.offload = Offload.of(offload_to, n_gpu_layers, llama_cpp.llama_model_n_layer(self.model), kv_offload)
         if not offload_to and n_gpu_layers > 0:
             log.warning("-ngl %d: no offload device (%s), every layer runs on the CPU", n_gpu_layers,

@@ -20,9 +20,9 @@ from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
 from .devices import Offload, select_devices
-from .engine import Engine
+from .engine import VERIFYING, Attention, Engine
 from .engine_thread import EngineThread
-from .errors import OrchestratorError
+from .errors import ModelLoadError, OrchestratorError
 from .config import MiB, Config
 from .grammar_guard import GrammarLimits, GrammarPool
 from .output import grammar
@@ -63,8 +63,9 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
     """32 bytes that change whenever a stored state could not be loaded into this engine as it is.
 
     Covers the model file (`model_file_digest`, computed here unless given), the llama-cpp-python / llama.cpp
-    version, and the context parameters that shape the state layout: n_ctx, sequences, flash attention, and the
-    layout of saved entries (`StateKind.layout`), and CPU weight repacking (`use_extra_bufts`: other matmul
+    version, and the context parameters that shape the state layout: n_ctx, sequences, flash attention and the KV
+    cache types (`Engine.attention`), the layout of saved entries (`StateKind.layout`), and CPU weight repacking
+    (`use_extra_bufts`: other matmul
     kernels, so other numerics). A changed model file (even touched, or copied without -p) therefore empties
     the disk tier, which costs only misses.
 
@@ -75,10 +76,18 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
     """
     h = hashlib.blake2b(digest_size=32)
     h.update(file_digest if file_digest is not None else model_file_digest(model_path))
-    for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.flash_attn, engine.state.layout,
+    for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.attention.key(), engine.state.layout,
                  engine.offload.key(), engine.use_extra_bufts):
         h.update(repr(part).encode())
     return h.digest()
+
+
+def _engine(cfg: Config, path: Path, attention: Attention, **kw) -> Engine:
+    """An Engine of `path` with the configuration's threads, batch, repacking and offload, `attention`, and `kw`
+    (n_ctx, n_seq_max, n_rs_seq, ...). Raises ModelLoadError."""
+    kw.setdefault("n_batch", cfg.batch_size)
+    return Engine(path, n_threads=cfg.threads, use_extra_bufts=cfg.extra_bufts, n_gpu_layers=cfg.n_gpu_layers,
+                  devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, attention=attention, **kw)
 
 
 def resolve_model(cfg: Config) -> Path:
@@ -150,13 +159,11 @@ class Runtime:
         return dataclasses.replace(cfg, use_extra_bufts="on" if choice.use_extra_bufts else "off")
 
     @staticmethod
-    def _fit_context(cfg: Config, path: Path, n_rs: int) -> sizing.ContextFit:
+    def _fit_context(cfg: Config, path: Path, n_rs: int, attention: Attention) -> sizing.ContextFit:
         """The context per slot when --ctx-size is not given, and the slot count when --parallel is not either
         (orchestrator/sizing.py), from a probe of the model in a small context: its training context, KV bytes per
         token, recurrent state, vocabulary and attention heads (the compute buffer). Logs the arithmetic."""
-        probe = Engine(path, n_ctx=256, n_batch=min(cfg.batch_size, 256), n_threads=cfg.threads,
-                       use_extra_bufts=cfg.extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
-                       devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload)
+        probe = _engine(cfg, path, attention, n_ctx=256, n_batch=min(cfg.batch_size, 256))
         try:
             recurrent, kv_token = calibration.state_sizes(probe)
             info = probe.info
@@ -172,49 +179,74 @@ class Runtime:
         return fit
 
     @staticmethod
-    def _verify_widths(cfg: Config, path: Path, file_digest: bytes) -> tuple[int, ...]:
-        """The speculative verification widths to serve with (calibration.speculation_widths), measured on a
-        probe context of one sequence (the same model, threads and kernels; n_rs_seq = draft_max for the
-        recurrent rollback), so that the served context gets n_rs_seq snapshots only where speculation is on;
-        kept in the calibration file beside min_segment (widths up to draft_max + 1 are measured)."""
-        if cfg.speculative == "off":
-            return ()
-        started = time.perf_counter()
-        probe = Engine(path, n_ctx=1024, n_batch=cfg.batch_size, n_threads=cfg.threads,
-                       use_extra_bufts=cfg.extra_bufts, n_seq_max=1, n_gpu_layers=cfg.n_gpu_layers,
-                       devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, n_rs_seq=cfg.draft_max,
-                       decode_rows=cfg.decode_rows)
+    def _attention(cfg: Config) -> tuple[Attention, ...]:
+        """The attention layouts to try, best first (Config.flash_attn, cache_type_k, cache_type_v). Any of the
+        three set: that one layout (flash attention "auto" is then on when a cache type is not F16/F32). All
+        "auto" with every layer on the CPU: VERIFYING (exact speculative verification at one row per decode step),
+        then the default; with layers offloaded, the default alone (VERIFYING is measured on ggml-cpu only).
+        Raises ModelLoadError for a layout llama.cpp refuses."""
         try:
-            file = calibration.CalibrationFile(cfg.calibration_file,
-                                               file_digest + b"%d/%d" % (cfg.draft_max, cfg.decode_rows),
-                                               cfg.batch_size, cfg.extra_bufts, probe.offload)
-            measured = file.get_widths()
-            if measured is None:
-                measured = calibration.measure_verify_widths(probe, cfg.draft_max + 1)
-                file.put_widths(measured)
-                log.info("measured the exact speculative verification widths in %.1f s: %s",
-                         time.perf_counter() - started, ", ".join(map(str, measured)) or "none")
-        finally:
-            probe.close()
-        return calibration.speculation_widths(measured, cfg.speculative, cfg.draft_max)
+            if (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v) != ("auto", "auto", "auto"):
+                k, v = (("f16" if t == "auto" else t) for t in (cfg.cache_type_k, cfg.cache_type_v))
+                flash = cfg.flash_attn == "on" or (cfg.flash_attn == "auto" and {k, v} - {"f16", "f32"} != set())
+                return (Attention(flash, k, v),)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+        offloaded = bool(select_devices(cfg.devices, cfg.main_gpu)) and cfg.n_gpu_layers != 0
+        return (Attention(),) if offloaded else (VERIFYING, Attention())
+
+    @classmethod
+    def _verify_widths(cls, cfg: Config, path: Path, file_digest: bytes) -> tuple[Attention, tuple[int, ...]]:
+        """The attention layout to serve with and the speculative verification widths to use in it
+        (calibration.speculation_widths). The layout is the first of `_attention` where some width was measured
+        exact, else the last; it does not depend on --speculative, so that speculation on and off answer alike.
+        Widths are measured on a probe context of one sequence (the same model, threads and kernels; n_rs_seq =
+        draft_max for the recurrent rollback), so that the served context gets n_rs_seq snapshots only where
+        speculation is on, and kept in the calibration file beside min_segment (widths up to draft_max + 1)."""
+        layouts = cls._attention(cfg)
+        if cfg.speculative == "off" and len(layouts) == 1:
+            return layouts[0], ()
+        for attention in layouts:
+            started = time.perf_counter()
+            probe = _engine(cfg, path, attention, n_ctx=1024, n_seq_max=1, n_rs_seq=cfg.draft_max,
+                            decode_rows=cfg.decode_rows)
+            try:
+                file = calibration.CalibrationFile(
+                    cfg.calibration_file, file_digest + b"%d/%d/%s" % (cfg.draft_max, cfg.decode_rows,
+                                                                      attention.key().encode()),
+                    cfg.batch_size, cfg.extra_bufts, probe.offload)
+                measured = file.get_widths()
+                if measured is None:
+                    measured = calibration.measure_verify_widths(probe, cfg.draft_max + 1)
+                    file.put_widths(measured)
+                    log.info("measured the exact speculative verification widths (%s) in %.1f s: %s",
+                             attention.describe(), time.perf_counter() - started,
+                             ", ".join(map(str, measured)) or "none")
+            finally:
+                probe.close()
+            if measured:
+                break
+        return attention, calibration.speculation_widths(measured, cfg.speculative, cfg.draft_max)
 
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
-        widths = cls._verify_widths(cfg, path, file_digest)
+        attention, widths = cls._verify_widths(cfg, path, file_digest)
+        log.info("%s%s", attention.describe(), " (--flash-attn auto: the layout in which speculative verification "
+                 "is exact at one row per decode step on this model and CPU; cold prefill about 0.8x of -fa off)"
+                 if attention == VERIFYING and cfg.flash_attn == "auto" else "")
         # recurrent snapshots per slot: the cache's (--rs-snapshots), a verification's rollback, a decode row's
         n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, widths[-1] - 1 if widths else 0,
                        cfg.decode_rows - 1)
         if cfg.ctx_size is None:
-            fit = cls._fit_context(cfg, path, n_rs_seq)
+            fit = cls._fit_context(cfg, path, n_rs_seq, attention)
             cfg = dataclasses.replace(cfg, ctx_size=fit.ctx_size, parallel=fit.slots)
         grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
-        engine = Engine(path, n_ctx=cfg.ctx_size, n_batch=cfg.batch_size, n_threads=cfg.threads,
-                        use_extra_bufts=cfg.extra_bufts, n_seq_max=cfg.parallel, n_gpu_layers=cfg.n_gpu_layers,
-                        devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload,
-                        n_rs_seq=n_rs_seq, decode_rows=cfg.decode_rows, grammars=grammars)
+        engine = _engine(cfg, path, attention, n_ctx=cfg.ctx_size, n_seq_max=cfg.parallel, n_rs_seq=n_rs_seq,
+                         decode_rows=cfg.decode_rows, grammars=grammars)
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
-            cfg.calibration_file, file_digest, cfg.batch_size, cfg.extra_bufts, engine.offload),
+            cfg.calibration_file, file_digest + attention.key().encode(), cfg.batch_size, cfg.extra_bufts,
+            engine.offload),
             cfg.decode_batching)
         log.info("prefill ubatches of %d tokens or more are bit-identical to larger ones on this model and %s "
                  "(min_segment)", facts.min_segment, engine.offload.backend)
@@ -336,14 +368,18 @@ class Runtime:
 
     def health(self, full: bool = True) -> dict:
         """/health: slots (total, busy, free), the backend and devices computing the model; with `full`, also the
-        queue length and the cache figures (which tell one tenant that another is active: behind the API key)."""
+        queue length, the cache figures (which tell one tenant that another is active: behind the API key), the
+        attention layout served and the speculative verification widths in use (empty: speculation off)."""
         busy = self.scheduler.slots_busy
         out = {"backend": self.engine.offload.backend, "devices": self.engine.offload.device_names,
                "slots": len(self.scheduler.slots), "slots_busy": busy, "slots_free": len(self.scheduler.slots) - busy}
         if not full:
             return out
         s = self.cache.stats()
+        a = self.engine.attention
         return {**out, "queue_length": self.scheduler.queue_length,
+                "attention": {"flash_attn": a.flash, "cache_type_k": a.type_k, "cache_type_v": a.type_v},
+                "speculative_widths": list(self.scheduler.speculation.widths),
                 "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
                           "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}}
 

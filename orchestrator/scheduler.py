@@ -427,7 +427,9 @@ class Scheduler:
     def _decode_one(self, t: Task) -> None:
         if self.speculation.step(t, self._sample):  # drafts verified in one ubatch, or False: nothing done
             return
+        started = time.perf_counter()
         self.engine.decode(t.slot.seq, [t.pending], t.n + len(t.out) - 1)
+        self.speculation.costs.observe(1, time.perf_counter() - started)  # what a verification is weighed against
         self._sample(t, -1)
 
     def _prefill_chunk(self, t: Task, chunk: int) -> None:

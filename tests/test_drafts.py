@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from orchestrator.speculative.ngram import NgramDrafter
-from orchestrator.speculative.policy import DraftLength
+from orchestrator.speculative.policy import DraftLength, VerifyCosts
 
 WIDTHS = (2, 3, 4, 5, 6, 7)
 
@@ -37,8 +37,17 @@ def test_ngram_incremental_equals_built_at_once():
         assert inc.draft(5) == NgramDrafter(tokens[:i + 1]).draft(5)
 
 
+def fixed_costs(per_row: float) -> VerifyCosts:
+    """Costs where a verification of w tokens takes 1 + per_row * (w - 1) plain decode steps."""
+    costs = VerifyCosts()
+    costs.observe(1, 0.01)
+    for w in WIDTHS:
+        costs.observe(w, 0.01 * (1 + per_row * (w - 1)))
+    return costs
+
+
 def test_draft_length_backs_off_when_nothing_is_accepted():
-    length = DraftLength(WIDTHS)
+    length = DraftLength(WIDTHS, fixed_costs(0.5))
     verifications = 0
     for _ in range(1000):
         w = length.width(6)
@@ -49,11 +58,29 @@ def test_draft_length_backs_off_when_nothing_is_accepted():
     assert verifications <= 1000 / 32 + 6  # about one verification per max_backoff steps
 
 
-def test_draft_length_follows_acceptance():
-    length = DraftLength(WIDTHS)
+def test_draft_length_follows_acceptance_and_cost():
+    """Cheap rows and drafts always accepted: the widest width; drafts mostly rejected: narrower, then none but
+    probes; rows as dear as decode steps: no width ever pays (a verified token is at best as cheap as a step)."""
+    length = DraftLength(WIDTHS, fixed_costs(0.1))
+    for _ in range(5):
+        length.observe(6, 6)
     assert length.width(6) == 7 and length.width(2) == 3 and length.width(0) == 1
-    length.observe(6, 1)
-    assert length.width(6) == 3  # one more than accepted, plus the pending token
-    length.observe(2, 2)
-    assert length.width(6) == 7
+    for _ in range(8):
+        length.observe(6, 1)
+    narrower = length.width(6)
+    assert 1 < narrower < 7
+    dear = DraftLength(WIDTHS, fixed_costs(1.0))
+    for _ in range(5):
+        dear.observe(6, 5)
+    assert [dear.width(6) for _ in range(3)] == [1, 1, 2]  # backing off, then a probe at the narrowest width
     assert DraftLength(()).width(6) == 1
+
+
+def test_verify_costs_are_measured_ratios_with_a_prior_until_then():
+    costs = VerifyCosts(prior=0.5)
+    assert costs.ratio(1) == 1.0 and costs.ratio(5) == 3.0
+    costs.observe(1, 0.02)
+    costs.observe(5, 0.05)
+    assert costs.ratio(5) == 2.5
+    costs.observe(5, 0.10)  # moving average, weight 0.2
+    assert abs(costs.ratio(5) - 3.0) < 1e-9

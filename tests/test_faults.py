@@ -22,6 +22,7 @@ import pytest
 import orchestrator.cache.disk as disk
 from orchestrator.cache.radix import CHECKPOINT, KV
 from orchestrator.devices import Offload
+from orchestrator.engine import Attention
 from orchestrator.runtime import Runtime, state_fingerprint
 from orchestrator.state import HybridState
 
@@ -201,7 +202,7 @@ def test_model_file_replaced_in_place_between_runs_empties_the_disk_tier(start, 
 def test_fingerprint_sees_a_change_in_the_middle_of_the_file_even_with_the_old_mtime(tmp_path, tiny_model):
     model = tmp_path / "model.gguf"
     shutil.copy(tiny_model, model)
-    eng = types.SimpleNamespace(n_ctx=1024, n_seq_max=1, flash_attn=False, state=HybridState(split_layout=True),
+    eng = types.SimpleNamespace(n_ctx=1024, n_seq_max=1, attention=Attention(), state=HybridState(split_layout=True),
                                 offload=Offload.of([], -1, 8, True), use_extra_bufts=False)
     st = model.stat()
     before = state_fingerprint(model, eng)

@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator import calibration, cli
 from orchestrator.devices import Device, Offload, available, select_devices
-from orchestrator.engine import Engine
+from orchestrator.engine import Attention, Engine
 from orchestrator.errors import EngineError, ModelLoadError
 from orchestrator.runtime import model_file_digest, state_fingerprint
 from orchestrator.state import HybridState
@@ -141,7 +141,7 @@ def test_a_cpu_calibration_is_never_reused_for_a_gpu(tmp_path, tiny_model):
 
 def test_a_state_of_one_offload_layout_is_refused_by_another(tiny_model):
     def engine(offload):
-        return types.SimpleNamespace(n_ctx=1024, n_seq_max=1, flash_attn=False, use_extra_bufts=False,
+        return types.SimpleNamespace(n_ctx=1024, n_seq_max=1, attention=Attention(), use_extra_bufts=False,
                                      state=HybridState(split_layout=True), offload=offload)
 
     digest = model_file_digest(tiny_model)

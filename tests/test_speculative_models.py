@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from orchestrator.calibration import measure_verify_widths
-from orchestrator.engine import Engine, SamplingParams
+from orchestrator.engine import Attention, Engine, SamplingParams
 from orchestrator.models.synth import ensure_model
 from orchestrator.request import Job
 
@@ -20,17 +20,20 @@ def greedy(tokens, n=40, **kw) -> Job:
     return Job(list(tokens), max_tokens=n, sampling=SamplingParams(temperature=0.0), want_logits=True, **kw)
 
 
-def test_f16_has_no_exact_width_so_auto_is_off_and_says_why(start, caplog):
-    """F16: every verified position differs from one-token decoding (other matmul kernels for one row), so
-    --speculative auto serves without speculation, logs why, and answers as with it off."""
+def test_f16_has_no_exact_width_so_auto_is_off_and_says_why(start, caplog, tmp_path):
+    """F16: every verified position differs from one-token decoding (other matmul kernels for one row), in the
+    VERIFYING attention layout too, so --flash-attn auto falls back to the default layout and --speculative auto
+    serves without speculation, logs why, and answers as with it off."""
+    kw = dict(flash_attn="auto", calibration_file=tmp_path / "cal.json")
     with caplog.at_level(logging.WARNING, logger="orchestrator.calibration"):
-        rt = start(speculative="auto")
+        rt = start(speculative="auto", **kw)
+    assert rt.engine.attention == Attention()
     assert rt.scheduler.speculation.widths == ()
     assert rt.engine.n_rs_seq == 0  # no rollback snapshots paid for
     assert any("speculative decoding off" in r.getMessage() for r in caplog.records)
     prompt = rt.engine.tokenize("one two three one two three one two three one two")
     on = rt.scheduler.run(greedy(prompt))
-    off = start(speculative="off").scheduler.run(greedy(prompt))
+    off = start(speculative="off", **kw).scheduler.run(greedy(prompt))
     assert on.completion_tokens == off.completion_tokens and on.drafted_tokens == 0
     assert np.array_equal(on.first_logits, off.first_logits)
 

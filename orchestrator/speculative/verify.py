@@ -16,11 +16,12 @@ rules take over the sequence, as after any decode step).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .ngram import NgramDrafter
-from .policy import DraftLength
+from .policy import DraftLength, VerifyCosts
 
 
 @dataclass
@@ -46,19 +47,22 @@ class Speculation:
 
     `step(task, sample)` runs one step for a task that decodes alone in its llama_decode call and returns True,
     or returns False without touching anything (no usable draft, a grammar, backing off): the caller then runs
-    its plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`."""
+    its plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`.
+    `costs`: seconds of verifications (timed here) and of plain decode steps (timed by the scheduler), which the
+    requests' width policies weigh."""
 
     def __init__(self, engine, widths: Sequence[int], min_n: int = 2, max_n: int = 4) -> None:
         self.engine = engine
         self.widths = tuple(sorted(widths))
         self.min_n, self.max_n = min_n, max_n
         self.stats = SpecStats()
+        self.costs = VerifyCosts()
 
     def state(self, task) -> RequestSpec | None:
         """The task's speculation state, made at its first step; None where it never speculates: no widths, or
         a grammar (its mask is computed in a grammar process token by token: `Sampler.ready`)."""
         if task.spec is None and self.widths and not task.job.sampling.grammar:
-            task.spec = RequestSpec(NgramDrafter(task.tokens, self.min_n, self.max_n), DraftLength(self.widths))
+            task.spec = RequestSpec(NgramDrafter(task.tokens, self.min_n, self.max_n), DraftLength(self.widths, self.costs))
         return task.spec
 
     def step(self, task, sample: Callable[[object, int], None]) -> bool:
@@ -75,7 +79,9 @@ class Speculation:
             return False
         tokens = [task.pending] + draft[:width - 1]
         seq = task.slot.seq
+        started = time.perf_counter()
         self.engine.verify(seq, tokens, pos)
+        self.costs.observe(width, time.perf_counter() - started)
         i = 0
         while True:
             sample(task, i)
