@@ -31,6 +31,7 @@ import numpy as np
 
 from .devices import Offload
 from .cache.radix import CHECKPOINT
+from .speculative.verify import rewind
 from .engine import Engine
 from .errors import EngineError
 
@@ -224,9 +225,10 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
                           follow: int = 2) -> tuple[int, ...]:
     """The verification widths w (2..max_width) at which one ubatch of w tokens of one sequence
     (`Engine.verify`) gives bit-identical logits to w one-token decode steps, at every position, AND the state
-    after keeping 1, w // 2 and w - 1 of them (`Engine.truncate`: KV removal, n_rs_seq rollback on a recurrent
-    memory: the farthest and the nearest rollback) goes on exactly: the logits of the next `follow` one-token
-    steps equal those of the one-token path (`Engine.decode` of one token: decode_rows apply). Tested
+    after keeping 1, w // 2, w - 1 and all w of them (speculative.verify.rewind: KV removal, and on a recurrent
+    memory the checkpoint from before the verification reloaded and the kept tokens decoded again: the farthest and the
+    nearest rollback, and none) goes on exactly: the logits of the next `follow` one-token steps equal those
+    of the one-token path (`Engine.decode` of one token: decode_rows apply). Tested
     after prefills of each length in `contexts` (pseudo-random tokens); a width counts only if every context
     passes, and the result is contiguous from 2 (the first width that fails ends it). Empty: speculation
     cannot be exact here. Uses and clears sequence 0.
@@ -241,8 +243,7 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     also change the weight-matmul kernels (as `measure_min_segment` sees). With decode_rows 2 the one-token
     step takes the verification's attention kernels: widths 2..7 exact on K-quant models; F16 still none (the
     output projection then runs for one row in a step and for w rows in a verification)."""
-    recurrent = CHECKPOINT in engine.state.entry_kinds
-    top = min(max_width, engine.n_rs_seq + 1 if recurrent else max_width, engine.n_batch)
+    top = min(max_width, engine.n_batch)
     if top < 2:
         return ()
     exact = {w: True for w in range(2, top + 1)}
@@ -268,10 +269,12 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
                 if not all(np.array_equal(engine.logits(i), ref[i]) for i in range(w)):
                     exact[w] = False
                     break
-                for keep in sorted({1, w // 2, w - 1}):  # keep == w: no rollback, the state of the logits above
+                for keep in sorted({1, w // 2, w - 1, w}):
                     engine.load_state(0, start)
+                    point = engine.rewind_point(0)
                     engine.verify(0, nxt[:w], n)
-                    engine.truncate(0, n + keep)
+                    if keep < w:
+                        rewind(engine, 0, point, n, nxt[:keep])
                     for i in range(keep, keep + follow):
                         engine.decode(0, [nxt[i]], n + i)
                         if not np.array_equal(engine.logits(), ref[i]):

@@ -60,6 +60,7 @@ from .errors import EngineError, InvalidRequest, ModelLoadError
 from .grammar_guard import GrammarLimits, GrammarPool
 from .request import SamplingParams, TokenLogprob
 from .sampling import Sampler, token_logprob
+from .cache.radix import CHECKPOINT
 from .state import StateKind, state_kind
 
 log = logging.getLogger("orchestrator.engine")
@@ -250,6 +251,7 @@ class Engine:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._pieces: dict[int, bytes] = {}  # piece() by token id: at most the vocabulary
         self._scratch = bytearray()  # the kept buffer of load_state (states given in parts) and save_state_view
+        self._rewind = bytearray()  # the kept buffer of rewind_point
         self._view: memoryview | None = None  # the view save_state_view returned last (load_state reads it in place)
         self._new_bytes = bytes_writer()  # save_state's bytes objects, filled in place by llama.cpp
         self.spares = SpareBuffers(self._new_bytes)  # checkpoint-sized, faulted in while idle (keep_spares)
@@ -429,7 +431,8 @@ class Engine:
         (calibration.measure_verify_widths). Afterwards `truncate(seq, pos + j + 1)` keeps the first j + 1 tokens:
         on a recurrent memory only while len(tokens) - j - 1 <= n_rs_seq (llama.cpp keeps the recurrent state
         after each of the call's last n_rs_seq + 1 tokens: llama_memory_recurrent::seq_rm). Raises EngineError
-        when llama_decode fails (the sequence's state is then unspecified)."""
+        when llama_decode fails (the sequence's state is then unspecified). To keep fewer than all of them
+        without n_rs_seq: `rewind_point` before, speculative.verify.rewind after."""
         if not 2 <= len(tokens) <= self.n_batch:
             raise ValueError(f"a verification takes 2..{self.n_batch} tokens, got {len(tokens)}")
         b = self._batch
@@ -444,6 +447,23 @@ class Engine:
         rc = llama_cpp.llama_decode(self.ctx, b)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} verifying {len(tokens)} tokens at {pos}")
+
+    def rewind_point(self, seq: int) -> memoryview | None:
+        """Before a verification of `seq`: what speculative.verify.rewind needs to bring it back here. On a memory
+        with a recurrent part, its checkpoint (the recurrent state: 19 MiB on the 0.8b), written into a buffer this engine keeps for
+        it (valid until the next rewind_point); None on an attention-only memory, where KV removal suffices.
+        Raises EngineError when llama.cpp writes nothing."""
+        if CHECKPOINT not in self.state.entry_kinds:
+            return None
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL)
+        if len(self._rewind) < size:
+            self._rewind = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(self._rewind)
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, PARTIAL)
+        del buf
+        if n == 0:
+            raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
+        return memoryview(self._rewind)[:n]
 
     def sampler(self, params: SamplingParams, deadline: float | None = None) -> Sampler:
         """A sampler chain over this context's logits (close it when done). With `params.grammar`, the grammar is
@@ -608,6 +628,8 @@ class Engine:
             size, src = len(data), address(data)
         elif data is self._view and data.obj is self._scratch:  # the last view, whole: it starts the buffer
             size, src = data.nbytes, (ctypes.c_uint8 * data.nbytes).from_buffer(self._scratch)
+        elif isinstance(data, memoryview) and data.obj is self._rewind:  # a rewind_point: it starts that buffer
+            size, src = data.nbytes, (ctypes.c_uint8 * data.nbytes).from_buffer(self._rewind)
         else:
             parts = data if isinstance(data, tuple) else (data,)
             # a part that lies in the kept buffer itself is copied out first: the join below overwrites it

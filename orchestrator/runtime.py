@@ -200,20 +200,20 @@ class Runtime:
         """The attention layout to serve with and the speculative verification widths to use in it
         (calibration.speculation_widths). The layout is the first of `_attention` where some width was measured
         exact, else the last; it does not depend on --speculative, so that speculation on and off answer alike.
-        Widths are measured on a probe context of one sequence (the same model, threads and kernels; n_rs_seq =
-        draft_max for the recurrent rollback), so that the served context gets n_rs_seq snapshots only where
-        speculation is on, and kept in the calibration file beside min_segment (widths up to draft_max + 1)."""
+        Widths are measured on a probe context of one sequence (the same model, threads and kernels; the
+        recurrent rollback is a reloaded checkpoint, Engine.rewind, so no n_rs_seq snapshots), and kept in the
+        calibration file beside min_segment (widths up to draft_max + 1)."""
         layouts = cls._attention(cfg)
         if cfg.speculative == "off" and len(layouts) == 1:
             return layouts[0], ()
         for attention in layouts:
             started = time.perf_counter()
-            probe = _engine(cfg, path, attention, n_ctx=1024, n_seq_max=1, n_rs_seq=cfg.draft_max,
+            probe = _engine(cfg, path, attention, n_ctx=1024, n_seq_max=1, n_rs_seq=cfg.decode_rows - 1,
                             decode_rows=cfg.decode_rows)
             try:
                 file = calibration.CalibrationFile(
-                    cfg.calibration_file, file_digest + b"%d/%d/%s" % (cfg.draft_max, cfg.decode_rows,
-                                                                      attention.key().encode()),
+                    cfg.calibration_file, file_digest + b"%d/%d/%s/rewind" % (cfg.draft_max, cfg.decode_rows,
+                                                                             attention.key().encode()),
                     cfg.batch_size, cfg.extra_bufts, probe.offload)
                 measured = file.get_widths()
                 if measured is None:
@@ -234,9 +234,9 @@ class Runtime:
         log.info("%s%s", attention.describe(), " (--flash-attn auto: the layout in which speculative verification "
                  "is exact at one row per decode step on this model and CPU; cold prefill about 0.8x of -fa off)"
                  if attention == VERIFYING and cfg.flash_attn == "auto" else "")
-        # recurrent snapshots per slot: the cache's (--rs-snapshots), a verification's rollback, a decode row's
-        n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, widths[-1] - 1 if widths else 0,
-                       cfg.decode_rows - 1)
+        # recurrent snapshots per slot: the cache's (--rs-snapshots), a decode row's (a verification rolls back
+        # through a reloaded checkpoint instead: Engine.rewind)
+        n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, cfg.decode_rows - 1)
         if cfg.ctx_size is None:
             fit = cls._fit_context(cfg, path, n_rs_seq, attention)
             cfg = dataclasses.replace(cfg, ctx_size=fit.ctx_size, parallel=fit.slots)

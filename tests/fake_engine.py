@@ -323,6 +323,10 @@ class FakeEngine:
             self.clear(seq)
             raise
 
+    def rewind_point(self, seq: int) -> bytes | None:
+        """As the engine's: the recurrent checkpoint, or None on an attention-only memory."""
+        return self.save_state(seq, partial=True) if self._seqs[seq].rec is not None else None
+
     def truncate(self, seq: int, n_tokens: int) -> None:
         s = self._seqs[seq]
         lo, hi = self._verified.pop(seq, (0, -1))

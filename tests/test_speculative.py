@@ -38,7 +38,7 @@ def make():
 
     def _make(widths=WIDTHS, hw=WIDTHS, hybrid=True, n_slots=3, batch_decode=False):
         eng = FakeEngine(n_seq_max=n_slots, hybrid=hybrid, exact_from=MS, n_ctx=4096, exact_widths=hw,
-                         n_rs_seq=6, markov=True, n_vocab=48)
+                         n_rs_seq=0, markov=True, n_vocab=48)  # no n_rs_seq: verifications rewind
         eng.calibrate(MS, True)
         s = Scheduler(eng, SnapshotCache([RamTier(64 << 20)], state=eng.state), n_slots=n_slots,
                       batch_decode=batch_decode, prefill_chunk=16, prefill_chunk_alone=16, verify_widths=widths)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from orchestrator.calibration import measure_verify_widths
-from orchestrator.engine import Attention, Engine, SamplingParams
+from orchestrator.engine import VERIFYING, Attention, Engine, SamplingParams
 from orchestrator.models.synth import ensure_model
 from orchestrator.request import Job
+from orchestrator.speculative.verify import rewind
 
 from .conftest import make_config
 
@@ -39,10 +40,9 @@ def test_f16_has_no_exact_width_so_auto_is_off_and_says_why(start, caplog, tmp_p
 
 
 def test_verify_widths_are_checked_position_by_position_on_tiny_q4():
-    """The measurement on the K-quant hybrid: whatever it finds on this CPU (none here: the attention kernels
-    change with the number of query rows, bench/results/2026-12-03/verification-widths), every width it
-    returns really is exact at every position and after every rollback for a prompt it did not probe."""
-    e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=256, n_threads=2, n_rs_seq=6)
+    """The measurement on the K-quant hybrid in the VERIFYING layout: every width it returns really is exact at
+    every position and after every rollback (speculative.verify.rewind) for a prompt it did not probe."""
+    e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=256, n_threads=2, attention=VERIFYING)
     try:
         widths = measure_verify_widths(e, 7)
         assert widths == tuple(range(2, 2 + len(widths)))
@@ -54,13 +54,16 @@ def test_verify_widths_are_checked_position_by_position_on_tiny_q4():
         for i, tok in enumerate(nxt):
             e.decode(0, [tok], len(prompt) + i)
             ref.append(e.logits())
+        assert widths == (2, 3, 4, 5, 6, 7)  # in the VERIFYING layout (tests/test_attention_layouts.py)
         for w in widths:
-            e.load_state(0, start)
-            e.verify(0, nxt[:w], len(prompt))
-            assert all(np.array_equal(e.logits(i), ref[i]) for i in range(w))
-            e.truncate(0, len(prompt) + 1)  # keep one: the recurrent state rolls back (n_rs_seq)
-            e.decode(0, [nxt[1]], len(prompt) + 1)
-            assert np.array_equal(e.logits(), ref[1])
+            for keep in range(1, w):
+                e.load_state(0, start)
+                point = e.rewind_point(0)
+                e.verify(0, nxt[:w], len(prompt))
+                assert all(np.array_equal(e.logits(i), ref[i]) for i in range(w))
+                rewind(e, 0, point, len(prompt), nxt[:keep])  # the checkpoint reloaded, nxt[:keep] decoded again
+                e.decode(0, [nxt[keep]], len(prompt) + keep)
+                assert np.array_equal(e.logits(), ref[keep])
     finally:
         e.close()
 

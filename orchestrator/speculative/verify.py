@@ -9,9 +9,10 @@ is exact (calibration.measure_verify_widths). Sampling stops at the first token 
 (that token is the step's last output, as a plain decode step's would be), at the end of generation, or after
 the last index; so the sampler runs exactly once per output token, in order, with its own RNG, and every
 other effect of a token (logprobs, stop strings, streaming, the end) happens through the scheduler's own
-`_sample`. Afterwards the sequence keeps ubatch[0..i] (`Engine.truncate`: KV removal and llama.cpp's n_rs_seq
-recurrent rollback), the state i + 1 one-token steps give, unless generation ended (then the after-generation
-rules take over the sequence, as after any decode step).
+`_sample`. Afterwards the sequence keeps ubatch[0..i] (`rewind`: KV removal, and on a recurrent memory
+the checkpoint taken before the verification reloaded and ubatch[0..i] decoded again), the state i + 1 one-token
+steps give, unless generation ended (then the after-generation rules take over the sequence, as after any decode
+step).
 """
 
 from __future__ import annotations
@@ -22,6 +23,26 @@ from typing import Callable, Sequence
 
 from .ngram import NgramDrafter
 from .policy import DraftLength, VerifyCosts
+
+
+def rewind(engine, seq: int, point, pos: int, kept: Sequence[int]) -> None:
+    """After `engine.verify(seq, tokens, pos)`, keep only `kept`, its first len(kept) >= 1 tokens; `point` is
+    what `engine.rewind_point(seq)` gave before the verification. Attention-only memory (`point` None): the KV
+    after them is removed. Otherwise the recurrent state cannot be cut back without llama.cpp's n_rs_seq
+    snapshots, which cost every decode step a state copy (+6.5% on the 0.8b:
+    bench/results/2026-12-03/attention-layouts) and a recurrent state per snapshot and slot: so the checkpoint
+    `point` is loaded, the KV from `pos` removed, and `kept` decoded again at `pos` in one ubatch (one token: a
+    decode step; more: a verification of that width, exact where the width is; calibration.
+    measure_verify_widths checks this path). Raises EngineError (sequence cleared)."""
+    if point is None:
+        engine.truncate(seq, pos + len(kept))
+        return
+    engine.load_state(seq, point, partial=True, clear=False)
+    engine.truncate(seq, pos)
+    if len(kept) == 1:
+        engine.decode(seq, kept, pos)
+    else:
+        engine.verify(seq, kept, pos)
 
 
 @dataclass
@@ -80,8 +101,9 @@ class Speculation:
         tokens = [task.pending] + draft[:width - 1]
         seq = task.slot.seq
         started = time.perf_counter()
+        point = self.engine.rewind_point(seq)
         self.engine.verify(seq, tokens, pos)
-        self.costs.observe(width, time.perf_counter() - started)
+        spent = time.perf_counter() - started
         i = 0
         while True:
             sample(task, i)
@@ -95,5 +117,8 @@ class Speculation:
             s.accepted += accepted
             s.verifications += 1
         if task.pending is not None and i + 1 < width:  # still generating: keep ubatch[0..i]
-            self.engine.truncate(seq, pos + i + 1)
+            started = time.perf_counter()
+            rewind(self.engine, seq, point, pos, tokens[:i + 1])
+            spent += time.perf_counter() - started
+        self.costs.observe(width, spent)  # the verification with its rollback, against a plain step
         return True
