@@ -40,14 +40,17 @@ def test_ngram_incremental_equals_built_at_once():
 def fixed_costs(per_row: float) -> VerifyCosts:
     """Costs where a verification of w tokens takes 1 + per_row * (w - 1) plain decode steps."""
     costs = VerifyCosts()
-    costs.observe(1, 0.01)
-    for w in WIDTHS:
-        costs.observe(w, 0.01 * (1 + per_row * (w - 1)))
+    for _ in range(2):  # the first observation of each width is a warm-up, dropped
+        costs.observe(1, 0.01)
+        for w in WIDTHS:
+            costs.observe(w, 0.01 * (1 + per_row * (w - 1)))
     return costs
 
 
-def test_draft_length_backs_off_when_nothing_is_accepted():
-    length = DraftLength(WIDTHS, fixed_costs(0.5))
+def test_draft_length_stops_verifying_when_nothing_is_accepted():
+    """Drafts never accepted: a rejected verification or two at the prior, then the unverified drafts' misses keep
+    the estimate down and nothing more is verified."""
+    length = DraftLength(WIDTHS, fixed_costs(0.2))
     verifications = 0
     for _ in range(1000):
         w = length.width(6)
@@ -55,12 +58,27 @@ def test_draft_length_backs_off_when_nothing_is_accepted():
         if w > 1:
             verifications += 1
             length.observe(w - 1, 0)
-    assert verifications <= 1000 / 32 + 6  # about one verification per max_backoff steps
+        else:
+            length.shadow(False)
+    assert 1 <= verifications <= 2
+
+
+def test_unverified_drafts_that_match_bring_verification_back():
+    length = DraftLength(WIDTHS, fixed_costs(0.2))
+    length.observe(6, 0)
+    for _ in range(10):
+        length.shadow(False)
+    assert length.width(6) == 1
+    steps = 0
+    while length.width(6) == 1:
+        length.shadow(True)
+        steps += 1
+    assert 1 <= steps <= 6  # a few matching drafts in a row are enough
 
 
 def test_draft_length_follows_acceptance_and_cost():
-    """Cheap rows and drafts always accepted: the widest width; drafts mostly rejected: narrower, then none but
-    probes; rows as dear as decode steps: no width ever pays (a verified token is at best as cheap as a step)."""
+    """Cheap rows and drafts always accepted: the widest width; drafts mostly rejected: narrower; rows as dear as
+    decode steps: no width ever pays (a verified token is at best as cheap as a step)."""
     length = DraftLength(WIDTHS, fixed_costs(0.1))
     for _ in range(5):
         length.observe(6, 6)
@@ -72,15 +90,39 @@ def test_draft_length_follows_acceptance_and_cost():
     dear = DraftLength(WIDTHS, fixed_costs(1.0))
     for _ in range(5):
         dear.observe(6, 5)
-    assert [dear.width(6) for _ in range(3)] == [1, 1, 2]  # backing off, then a probe at the narrowest width
+    assert dear.width(6) == 1
+    for _ in range(50):
+        dear.shadow(True)
+    assert dear.width(6) == 1
     assert DraftLength(()).width(6) == 1
 
 
+def test_a_dear_rollback_narrows_or_stops_verification():
+    """The same acceptance and verification costs: where a rejected verification's rollback costs two decode
+    steps more, narrower widths (fewer rejections) or none."""
+    cheap, dear = fixed_costs(0.3), fixed_costs(0.3)
+    for _ in range(2):
+        cheap.observe_rewind(0.0)
+        dear.observe_rewind(0.02)
+    assert cheap.rewind_ratio() == 0.0 and dear.rewind_ratio() == 2.0
+    a, b = DraftLength(WIDTHS, cheap), DraftLength(WIDTHS, dear)
+    for length in (a, b):
+        for _ in range(5):
+            length.observe(4, 3)
+    assert a.width(6) > b.width(6)
+
+
 def test_verify_costs_are_measured_ratios_with_a_prior_until_then():
-    costs = VerifyCosts(prior=0.5)
-    assert costs.ratio(1) == 1.0 and costs.ratio(5) == 3.0
+    costs = VerifyCosts(prior=0.25, rewind_prior=0.5)
+    assert costs.ratio(1) == 1.0 and costs.ratio(5) == 2.0 and costs.rewind_ratio() == 0.5
+    costs.observe(1, 0.02)
+    costs.observe(5, 0.50)  # first observations: warm-ups (a new graph), dropped
+    costs.observe_rewind(0.50)
+    assert costs.ratio(5) == 2.0 and costs.rewind_ratio() == 0.5
     costs.observe(1, 0.02)
     costs.observe(5, 0.05)
     assert costs.ratio(5) == 2.5
     costs.observe(5, 0.10)  # moving average, weight 0.2
     assert abs(costs.ratio(5) - 3.0) < 1e-9
+    costs.observe_rewind(0.01)
+    assert abs(costs.rewind_ratio() - 0.5) < 1e-9

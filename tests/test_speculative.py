@@ -14,6 +14,7 @@ from orchestrator.cache.tiers import RamTier
 from orchestrator.calibration import speculation_widths
 from orchestrator.request import Event, EventKind, Job, SamplingParams
 from orchestrator.scheduler import Scheduler
+from orchestrator.speculative.policy import VerifyCosts
 
 from .fake_engine import FakeEngine
 
@@ -85,11 +86,23 @@ CASES = {
 }
 
 
+class FreeCosts(VerifyCosts):
+    """Verifications and rollbacks as cheap as a decode step: every available draft is verified, whatever the
+    acceptance, so rejections (and their rollbacks) happen in every case."""
+
+    def ratio(self, width: int) -> float:
+        return 1.0
+
+    def rewind_ratio(self) -> float:
+        return 0.0
+
+
 @pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "kv"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_speculation_changes_nothing(make, case, hybrid):
     _, off = make(widths=(), hybrid=hybrid)
     eng, on = make(hybrid=hybrid)
+    on.speculation.costs = FreeCosts()
     job = Job(PROMPT, max_tokens=60, want_logits=True, **CASES[case])
     a, a_events = run(off, job)
     b, b_events = run(on, job)

@@ -1,6 +1,6 @@
 """How many drafted tokens a request verifies next: the width that yields the most tokens per second, from the
-request's acceptance so far and what verifications cost on this engine, within the verification widths
-calibrated exact (calibration.measure_verify_widths)."""
+request's acceptance so far and what verifications and their rollbacks cost on this engine, within the
+verification widths calibrated exact (calibration.measure_verify_widths)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,40 @@ from typing import Sequence
 
 
 class VerifyCosts:
-    """What a verification of each width costs against a plain one-row decode step on this engine: exponential
-    moving averages (weight `alpha`) of the seconds llama_decode took, shared by the requests of one scheduler
-    (width 1: a plain decode step). Until both are measured, width w is taken to cost 1 + prior * (w - 1) steps.
+    """What a verification of each width, and the rollback after a rejected one, cost against a plain one-row
+    decode step on this engine: exponential moving averages (weight `alpha`) of seconds, shared by the requests of
+    one scheduler (width 1: a plain decode step, timed by the scheduler). Until measured, width w is taken to cost
+    1 + prior * (w - 1) steps and a rollback `rewind_prior` steps: optimistic (memory-bound figures), so that a
+    width is tried and measured where the drafts would pay at that price; the first observation of each width and
+    of a rollback is dropped (a new ubatch shape builds llama.cpp's compute graph: a warm-up, not a cost).
 
     Why measured: exactness keeps a verification of w < 8 rows on ggml-cpu's one-row matmul kernels, so how much
     w rows cost over one depends on whether the CPU is compute- or memory-bound: about 5x for w = 7 on the
     qwen3.5-0.8b preset on 2 cores (bench/results/2026-12-03/attention-layouts), near 1x where weights stream
-    from memory."""
+    from memory. A rollback (verify.rewind) is a KV removal on attention-only models, and on a recurrent memory a
+    checkpoint load plus the kept tokens decoded again: about one decode step more."""
 
-    def __init__(self, alpha: float = 0.2, prior: float = 0.5) -> None:
-        self.alpha, self.prior = alpha, prior
+    def __init__(self, alpha: float = 0.2, prior: float = 0.25, rewind_prior: float = 0.5) -> None:
+        self.alpha, self.prior, self.rewind_prior = alpha, prior, rewind_prior
         self.seconds: dict[int, float] = {}
+        self.rewind_seconds: float | None = None
+        self._warm: set[int] = set()  # widths (0: rollbacks) whose first observation was dropped
+
+    def _average(self, key: int, old: float | None, new: float) -> float | None:
+        if key not in self._warm:
+            self._warm.add(key)
+            return old
+        return new if old is None else old + self.alpha * (new - old)
 
     def observe(self, width: int, seconds: float) -> None:
-        old = self.seconds.get(width)
-        self.seconds[width] = seconds if old is None else old + self.alpha * (seconds - old)
+        """A decode step (width 1) or a verification of `width` tokens took `seconds` (its rollback apart)."""
+        avg = self._average(width, self.seconds.get(width), seconds)
+        if avg is not None:
+            self.seconds[width] = avg
+
+    def observe_rewind(self, seconds: float) -> None:
+        """A rollback after a rejected verification took `seconds`."""
+        self.rewind_seconds = self._average(0, self.rewind_seconds, seconds)
 
     def ratio(self, width: int) -> float:
         """Cost of a verification of `width` tokens in plain decode steps."""
@@ -32,29 +50,35 @@ class VerifyCosts:
             return 1.0
         return w / one if one and w else 1.0 + self.prior * (width - 1)
 
+    def rewind_ratio(self) -> float:
+        """Cost of a rollback in plain decode steps."""
+        one = self.seconds.get(1)
+        return self.rewind_seconds / one if one and self.rewind_seconds is not None else self.rewind_prior
+
 
 class DraftLength:
     """Per request. `width(available)` is the ubatch width of the next step (1 = a plain decode step, no
-    verification); `observe(drafted, accepted)` feeds back a verification's outcome.
+    verification); `observe(drafted, accepted)` feeds back a verification's outcome, `shadow(hit)` a draft that
+    was not verified, checked against the token the plain step then gave.
 
-    Rule: each drafted token is taken to be accepted with probability a, estimated from this request's
-    verifications (accepted drafts against rejections, older ones decayed by `decay`, starting at 2 : 1). A
-    verification of width w then yields (1 - a^w) / (1 - a) tokens for `costs.ratio(w)` decode steps; the width
-    with the most tokens per step is chosen, and none (1) where no width beats a plain step. When no width pays,
-    or a verification accepted nothing, the next `backoff` steps do not speculate, then one probe of width 2
-    refreshes the estimate; `backoff` doubles each time (at most `max_backoff`) and any accepted draft resets
-    it. So a request whose drafts are never accepted verifies about once every `max_backoff` steps, and pays
-    about ratio(2) / max_backoff of a step for it (32: about 5% where ratio(2) is 1.5)."""
+    Rule: each drafted token is taken to be accepted with probability a, estimated from this request's drafts
+    (accepted drafts against rejections, older outcomes decayed by `decay`, starting at `prior` hits : misses).
+    A verification of width w yields (1 - a^w) / (1 - a) tokens and is rejected somewhere with probability
+    1 - a^(w-1), so it costs `costs.ratio(w)` + (1 - a^(w-1)) * `costs.rewind_ratio()` decode steps; the width
+    with the most tokens per step is chosen, and none (1) where no width beats a plain step.
 
-    def __init__(self, widths: Sequence[int], costs: VerifyCosts | None = None, max_backoff: int = 32,
-                 decay: float = 0.8) -> None:
+    While no width pays, the drafts are still made (an n-gram lookup: microseconds) and checked against the
+    tokens that follow (`shadow`), so the estimate keeps up without verifying: a request whose drafts are never
+    accepted pays a rejected verification or two at its start (at the prior), then nothing but the lookups;
+    drafts that start to match again (an edit reaching text it copies) raise the estimate until verifying
+    pays."""
+
+    def __init__(self, widths: Sequence[int], costs: VerifyCosts | None = None, decay: float = 0.8,
+                 prior: tuple[float, float] = (2.0, 1.0)) -> None:
         self.widths = sorted(w for w in widths if w >= 2)
         self.costs = costs if costs is not None else VerifyCosts()
-        self.max_backoff, self.decay = max_backoff, decay
-        self._hits, self._misses = 2.0, 1.0
-        self._wait = 0  # decode steps left before the next probe
-        self._probe = False  # the next step after the wait verifies at the narrowest width
-        self._backoff = 1
+        self.decay = decay
+        self._hits, self._misses = prior
 
     def acceptance(self) -> float:
         """The estimated probability that a drafted token is accepted."""
@@ -64,33 +88,23 @@ class DraftLength:
         """The width to use with `available` drafted tokens (the ubatch is the pending token + drafts)."""
         if not self.widths or available <= 0:
             return 1
-        if self._wait > 0:
-            self._wait -= 1
-            return 1
-        if self._probe:
-            self._probe = False
-            return self.widths[0]
         a = self.acceptance()
+        rewind = self.costs.rewind_ratio()
         best, rate = 1, 1.0  # tokens per plain-step time
         for w in self.widths:
             if w > available + 1:
                 break
             tokens = (1 - a ** w) / (1 - a) if a < 1 else float(w)
-            if tokens / self.costs.ratio(w) > rate:
-                best, rate = w, tokens / self.costs.ratio(w)
-        if best == 1:
-            self._back_off()
+            cost = self.costs.ratio(w) + (1 - a ** (w - 1)) * rewind
+            if tokens / cost > rate:
+                best, rate = w, tokens / cost
         return best
-
-    def _back_off(self) -> None:
-        self._wait, self._probe = self._backoff, True
-        self._backoff = min(self._backoff * 2, self.max_backoff)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verification of `drafted` drafts accepted `accepted` (0 <= accepted <= drafted) of them."""
         self._hits = self._hits * self.decay + accepted
         self._misses = self._misses * self.decay + (1 if accepted < drafted else 0)
-        if accepted == 0:
-            self._back_off()
-        else:
-            self._backoff = 1
+
+    def shadow(self, hit: bool) -> None:
+        """A draft's first token, not verified, was (`hit`) or was not the token decoded next."""
+        self.observe(1, 1 if hit else 0)

@@ -61,14 +61,16 @@ class RequestSpec:
     drafter: NgramDrafter
     length: DraftLength
     stats: SpecStats = field(default_factory=SpecStats)
+    shadow: tuple[int, int] | None = None  # (index in the answer, token) a draft not verified predicted there
 
 
 class Speculation:
     """Verification steps for the scheduler. `widths`: the exact verification widths (2..); empty = never.
 
     `step(task, sample)` runs one step for a task that decodes alone in its llama_decode call and returns True,
-    or returns False without touching anything (no usable draft, a grammar, backing off): the caller then runs
-    its plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`.
+    or returns False without touching the sequence (no usable draft, a grammar, no width pays: then the draft is
+    kept to be checked against the token the plain step gives, DraftLength.shadow): the caller then runs its
+    plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`.
     `costs`: seconds of verifications (timed here) and of plain decode steps (timed by the scheduler), which the
     requests' width policies weigh."""
 
@@ -94,9 +96,13 @@ class Speculation:
         drafter.extend(task.out[len(drafter.tokens) - len(task.tokens):])  # the last one is `pending`
         pos = task.n + len(task.out) - 1  # where `pending` goes
         room = min(self.engine.n_ctx - pos, task.job.max_tokens - len(task.out) + 1)
+        if spec.shadow is not None and len(task.out) > spec.shadow[0]:  # the token decoded where a draft was not
+            spec.length.shadow(task.out[spec.shadow[0]] == spec.shadow[1])  # verified: the estimate keeps up
+            spec.shadow = None
         draft = drafter.draft(min(self.widths[-1], room) - 1)
         width = spec.length.width(len(draft))
         if width < 2:
+            spec.shadow = (len(task.out), draft[0]) if draft else None
             return False
         tokens = [task.pending] + draft[:width - 1]
         seq = task.slot.seq
@@ -116,9 +122,9 @@ class Speculation:
             s.drafted += width - 1
             s.accepted += accepted
             s.verifications += 1
+        self.costs.observe(width, spent)  # against a plain step
         if task.pending is not None and i + 1 < width:  # still generating: keep ubatch[0..i]
             started = time.perf_counter()
             rewind(self.engine, seq, point, pos, tokens[:i + 1])
-            spent += time.perf_counter() - started
-        self.costs.observe(width, spent)  # the verification with its rollback, against a plain step
+            self.costs.observe_rewind(time.perf_counter() - started)
         return True
