@@ -17,6 +17,14 @@ where calibration measured exact widths: with --decode-rows 1, none on the CPUs 
 equals "off") or "ngram" (verifies anyway; answers may differ, and the report says whether they did). Decode
 tokens/s: completion tokens / the decode phase (first token to last). Writes bench/results/<date>/speculative.json.
 
+--peer none,ngram-simple,ngram-map-k,ngram-mod adds llama-server (bench/install_llama_server.sh's build of the
+llama.cpp this project vendors) with each --spec-type, one process per type and round, in the same rounds: the
+same prompt tokens (POST /completion with the token ids of the round's "off" run), greedy, cache_prompt off, one
+slot, OpenMP's default wait policy; decode tokens/s from its own timings, (predicted_n - 1) / predicted_ms, the
+definition used for orchestrator (the first token is sampled from the prompt's logits); acceptance from its
+draft_n / draft_n_accepted. Its answers are compared with its own "none" answer (and reported against
+orchestrator's "off", which runs another attention layout).
+
 --forced 0,25,50,75,100 replaces "on" by one mode per rate: the drafts are the model's own continuation (the "off"
 answer of the round) with that percentage of drafted tokens corrupted (`ForcedDrafter`), so acceptance is set
 from outside: the cost of verification and rollback against acceptance, on models whose text repeats nothing
@@ -68,6 +76,46 @@ def force(speculation, reference: list[int], corrupt: float) -> None:
 
     speculation.state = state
 
+PEER_TYPES = "none,ngram-simple,ngram-map-k,ngram-mod"
+
+
+def run_peer(model: Path, spec_type: str, prompts_: dict[str, list[int]], max_tokens: int, threads: int,
+             repack: bool, port: int, log_dir: Path) -> dict:
+    """One llama-server with `--spec-type spec_type` ("none": without speculation) over every generation:
+    {generation: {completion_tokens, decode_s, decode_tps, drafted, accepted, tokens}}. Its own defaults
+    otherwise (flash attention auto, the draft lengths of each type), weights repacked where orchestrator's
+    --use-extra-bufts auto repacked them. Raises RuntimeError where the server does not start or answer."""
+    import httpx
+
+    from bench.systems import System, launch
+
+    extra = ("-np", "1", "--spec-type", spec_type, "-fa", "auto") + (("--repack",) if repack else ())
+    server = launch(System(f"llama-server-{spec_type}", "llama-server", "chat", extra=extra), model, port, threads,
+                    8192, log_dir, omp_wait_policy=None)
+    out = {}
+    try:
+        with httpx.Client(timeout=900.0) as c:
+            for name, tokens in prompts_.items():
+                body = {"prompt": tokens, "n_predict": max_tokens, "temperature": 0.0, "cache_prompt": False,
+                        "return_tokens": True, "seed": 1234}
+                r = c.post(server.url + "/completion", json=body)
+                if r.status_code != 200:
+                    raise RuntimeError(f"llama-server {spec_type}: {r.status_code} {r.text[:300]}")
+                obj = r.json()
+                t = obj.get("timings") or {}
+                n, ms = int(t.get("predicted_n", 0)), float(t.get("predicted_ms", 0.0))
+                out[name] = {"completion_tokens": n, "decode_s": ms / 1000,
+                             "decode_tps": (n - 1) / (ms / 1000) if ms > 0 and n > 1 else None,
+                             "drafted": int(t.get("draft_n", 0)), "accepted": int(t.get("draft_n_accepted", 0)),
+                             "tokens": list(obj.get("tokens") or [])}
+                print(f"llama-server {spec_type:12} {name:5} {n:4} tokens, decode "
+                      f"{out[name]['decode_tps'] or 0:6.1f} tokens/s, drafted {out[name]['drafted']}, "
+                      f"accepted {out[name]['accepted']}", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
 TEMPLATES = {
     "gemma": ("<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n", True),
     "chatml": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", False),
@@ -98,7 +146,8 @@ def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_t
                               cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
                               decode_rows=decode_rows, calibration_file=CALIBRATION, flash_attn=flash_attn))
     fmt, bos = TEMPLATES[template]
-    out = {"widths": list(rt.scheduler.speculation.widths), "attention": rt.engine.attention.key()}
+    out = {"widths": list(rt.scheduler.speculation.widths), "attention": rt.engine.attention.key(),
+           "repack": rt.config.use_extra_bufts == "on"}
     try:
         for name, text in texts.items():
             tokens = rt.engine.tokenize(fmt.format(text), add_special=bos)
@@ -112,7 +161,7 @@ def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_t
                          "decode_s": decode_s, "wall_s": time.perf_counter() - started,
                          "decode_tps": (len(r.completion_tokens) - 1) / decode_s if decode_s > 0 else None,
                          "drafted": r.drafted_tokens, "accepted": r.accepted_tokens,
-                         "tokens": r.completion_tokens}
+                         "tokens": r.completion_tokens, "prompt": tokens}
             print(f"{mode:6} rows={decode_rows} {name:5} {len(r.completion_tokens):4} tokens, decode "
                   f"{out[name]['decode_tps'] or 0:6.1f} tokens/s, drafted {r.drafted_tokens}, "
                   f"accepted {r.accepted_tokens}", flush=True)
@@ -135,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the attention layout of off and on (auto: engine.VERIFYING where exact; default auto)")
     ap.add_argument("--forced", default="", metavar="P,P,...",
                     help="percentages of corrupted forced drafts, one 'on' mode each (module docstring)")
+    ap.add_argument("--peer", default="", metavar="TYPE,TYPE,...",
+                    help=f"llama-server --spec-type values to run beside, 'none' for without (e.g. {PEER_TYPES})")
+    ap.add_argument("--port", type=int, default=8431, help="llama-server's port with --peer")
     ap.add_argument("--only", default="", help="comma-separated generations (default: all)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of every mode (default 3)")
     ap.add_argument("--out", type=Path, default=None)
@@ -159,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         modes.append(("one_row_off", "off", 1, a.flash_attn))
     if a.flash_attn == "auto":
         modes.append(("fa_off_off", "off", 1, "off"))
-    runs: dict[str, list[dict]] = {name: [] for name, *_ in modes}
+    peers = [f"llama-server-{t}" for t in a.peer.split(",") if t]
+    runs: dict[str, list[dict]] = {name: [] for name in [m[0] for m in modes] + peers}
+    out_dir = a.out or results_dir()
     for _ in range(a.reps):
         for name, mode, rows, flash in modes:
             forced = None
@@ -168,10 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                 forced = (float(name[6:]) / 100, reference)
             runs[name].append(run_mode(model, mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rows,
                                        flash, forced))
+        for name in peers:
+            prompt_ids = {g: runs["off"][-1][g]["prompt"] for g in texts}
+            runs[name].append(run_peer(model, name[len("llama-server-"):], prompt_ids, a.max_tokens, a.threads,
+                                       runs["off"][-1]["repack"], a.port, out_dir / "logs"))
     spec = [name for name, *_ in modes[1:] if name not in ("one_row_off", "fa_off_off")]  # "on", or forcedP
     report = {"model": str(model), "mode": a.mode, "decode_rows": a.decode_rows, "reps": a.reps,
-              "widths": runs[spec[0]][0]["widths"], "attention": {n: r[0]["attention"] for n, r in runs.items()},
-              "generations": {}}
+              "widths": runs[spec[0]][0]["widths"], "repack": runs["off"][0]["repack"], "peers": peers,
+              "attention": {n: r[0]["attention"] for n, r in runs.items() if n not in peers}, "generations": {}}
     for gen in texts:
         row: dict = {}
         for name in runs:
@@ -185,14 +243,25 @@ def main(argv: list[str] | None = None) -> int:
                          "spread": (min(tps), max(tps))}
         ref = runs["off"][0][gen]["tokens"]
         row["identical"] = all(r[gen]["tokens"] == ref for name in ["off", *spec] for r in runs[name])
+        if peers:
+            peer_ref = runs[peers[0]][0][gen]["tokens"]
+            row["peer_identical"] = all(r[gen]["tokens"] == peer_ref for name in peers for r in runs[name])
+            row["peer_equals_off"] = peer_ref == ref
         for name in runs:
             for d in (r[gen] for r in runs[name]):
                 d.pop("tokens", None)
+                d.pop("prompt", None)
         base = row["off"]["decode_tps_sum"]
-        for name in spec:
+        for name in spec + peers:
             row[name]["speedup_vs_off"] = row[name]["decode_tps_sum"] / base
         line = ", ".join(f"{name} {row[name]['speedup_vs_off']:.2f}x ({row[name]['accepted']}/{row[name]['drafted']})"
-                         for name in spec)
+                         for name in spec + peers)
+        if peers:
+            best = max(peers, key=lambda n: row[n]["decode_tps_sum"])
+            for name in spec:
+                row[name]["vs_best_peer"] = row[name]["decode_tps_sum"] / row[best]["decode_tps_sum"]
+            row["best_peer"] = best
+            line += f", {spec[0]}/{best} {row[spec[0]]['vs_best_peer']:.2f}x"
         if "fa_off_off" in row:
             row["off_vs_fa_off"] = base / row["fa_off_off"]["decode_tps_sum"]
             line += f", off/fa-off-off {row['off_vs_fa_off']:.2f}x"
@@ -201,5 +270,5 @@ def main(argv: list[str] | None = None) -> int:
             line += f", two-row/one-row {row['two_row_cost']:.2f}x"
         report["generations"][gen] = row
         print(f"{gen:5} vs off: {line}, identical: {row['identical']}")
-    write_json((a.out or results_dir()) / "speculative.json", report)
+    write_json(out_dir / "speculative.json", report)
     return 0
