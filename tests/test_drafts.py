@@ -126,3 +126,12 @@ def test_verify_costs_are_measured_ratios_with_a_prior_until_then():
     assert abs(costs.ratio(5) - 3.0) < 1e-9
     costs.observe_rewind(0.01)
     assert abs(costs.rewind_ratio() - 0.5) < 1e-9
+
+
+def test_widths_not_measured_follow_the_rows_measured():
+    """One width measured (3 rows at 2 steps: half a step a row) prices the others the same way."""
+    costs = VerifyCosts(prior=0.25)
+    for _ in range(2):
+        costs.observe(1, 0.01)
+        costs.observe(3, 0.02)
+    assert costs.ratio(3) == 2.0 and abs(costs.ratio(7) - 4.0) < 1e-9 and abs(costs.ratio(2) - 1.5) < 1e-9

@@ -10,10 +10,12 @@ from typing import Sequence
 class VerifyCosts:
     """What a verification of each width, and the rollback after a rejected one, cost against a plain one-row
     decode step on this engine: exponential moving averages (weight `alpha`) of seconds, shared by the requests of
-    one scheduler (width 1: a plain decode step, timed by the scheduler). Until measured, width w is taken to cost
-    1 + prior * (w - 1) steps and a rollback `rewind_prior` steps: optimistic (memory-bound figures), so that a
-    width is tried and measured where the drafts would pay at that price; the first observation of each width and
-    of a rollback is dropped (a new ubatch shape builds llama.cpp's compute graph: a warm-up, not a cost).
+    one scheduler (width 1: a plain decode step, timed by the scheduler). A width not measured yet is taken to cost
+    1 + r * (w - 1) steps, r the moving average of the extra cost per row over every width measured (rows cost
+    alike: ggml-cpu runs each through the same one-row kernels), `prior` before any; a rollback `rewind_prior`
+    steps until measured. The prior is optimistic (memory-bound figures), so that verifying is tried and measured
+    where the drafts would pay at that price; the first observation of each width and of a rollback is dropped
+    (a new ubatch shape builds llama.cpp's compute graph: a warm-up, not a cost).
 
     Why measured: exactness keeps a verification of w < 8 rows on ggml-cpu's one-row matmul kernels, so how much
     w rows cost over one depends on whether the CPU is compute- or memory-bound: about 5x for w = 7 on the
@@ -21,10 +23,11 @@ class VerifyCosts:
     from memory. A rollback (verify.rewind) is a KV removal on attention-only models, and on a recurrent memory a
     checkpoint load plus the kept tokens decoded again: about one decode step more."""
 
-    def __init__(self, alpha: float = 0.2, prior: float = 0.25, rewind_prior: float = 0.5) -> None:
+    def __init__(self, alpha: float = 0.2, prior: float = 0.25, rewind_prior: float = 1.0) -> None:
         self.alpha, self.prior, self.rewind_prior = alpha, prior, rewind_prior
         self.seconds: dict[int, float] = {}
         self.rewind_seconds: float | None = None
+        self.per_row: float | None = None  # extra cost of a verified row, in plain steps
         self._warm: set[int] = set()  # widths (0: rollbacks) whose first observation was dropped
 
     def _average(self, key: int, old: float | None, new: float) -> float | None:
@@ -36,8 +39,13 @@ class VerifyCosts:
     def observe(self, width: int, seconds: float) -> None:
         """A decode step (width 1) or a verification of `width` tokens took `seconds` (its rollback apart)."""
         avg = self._average(width, self.seconds.get(width), seconds)
-        if avg is not None:
-            self.seconds[width] = avg
+        if avg is None:
+            return
+        self.seconds[width] = avg
+        one = self.seconds.get(1)
+        if width > 1 and one:
+            row = max(0.0, (seconds / one - 1) / (width - 1))
+            self.per_row = row if self.per_row is None else self.per_row + self.alpha * (row - self.per_row)
 
     def observe_rewind(self, seconds: float) -> None:
         """A rollback after a rejected verification took `seconds`."""
@@ -48,7 +56,9 @@ class VerifyCosts:
         one, w = self.seconds.get(1), self.seconds.get(width)
         if width == 1:
             return 1.0
-        return w / one if one and w else 1.0 + self.prior * (width - 1)
+        if one and w:
+            return w / one
+        return 1.0 + (self.prior if self.per_row is None else self.per_row) * (width - 1)
 
     def rewind_ratio(self) -> float:
         """Cost of a rollback in plain decode steps."""
