@@ -26,9 +26,10 @@ draft_n / draft_n_accepted. Its answers are compared with its own "none" answer 
 orchestrator's "off", which runs another attention layout).
 
 --forced 0,25,50,75,100 replaces "on" by one mode per rate: the drafts are the model's own continuation (the "off"
-answer of the round) with that percentage of drafted tokens corrupted (`ForcedDrafter`), so acceptance is set
-from outside: the cost of verification and rollback against acceptance, on models whose text repeats nothing
-(the random-weight presets). The width policy (speculative/policy.py) backs off as in serving.
+answer) with that percentage of drafted tokens corrupted (`ForcedDrafter`), so acceptance is set from outside: the
+cost of verification and rollback against acceptance, on models whose text repeats nothing (the random-weight
+presets). "off" and the rates run in one runtime per round (`run_forced`), the width policy
+(speculative/policy.py) deciding as in serving, its verification costs learned across the round's requests.
 """
 
 from __future__ import annotations
@@ -135,36 +136,73 @@ def prompts(lines: int) -> dict[str, str]:
     }
 
 
-def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
-             draft_max: int, decode_rows: int = 1, flash_attn: str = "auto",
-             forced: tuple[float, dict[str, list[int]]] | None = None) -> dict:
+def start_runtime(model: Path, mode: str, threads: int, draft_max: int, decode_rows: int = 1,
+                  flash_attn: str = "auto"):
+    """A Runtime with --speculative `mode`: one slot, cache off, so nothing but decoding differs between modes."""
     from orchestrator.config import Config
-    from orchestrator.request import Job, SamplingParams
     from orchestrator.runtime import Runtime
 
-    rt = Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,
-                              cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
-                              decode_rows=decode_rows, calibration_file=CALIBRATION, flash_attn=flash_attn))
+    return Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,
+                                cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
+                                decode_rows=decode_rows, calibration_file=CALIBRATION, flash_attn=flash_attn))
+
+
+def describe(rt) -> dict:
+    return {"widths": list(rt.scheduler.speculation.widths), "attention": rt.engine.attention.key(),
+            "repack": rt.config.use_extra_bufts == "on"}
+
+
+def generate(rt, label: str, name: str, text: str, template: str, max_tokens: int) -> dict:
+    """One greedy generation: its decode figures, drafts, and the prompt and answer token ids."""
+    from orchestrator.request import Job, SamplingParams
+
     fmt, bos = TEMPLATES[template]
-    out = {"widths": list(rt.scheduler.speculation.widths), "attention": rt.engine.attention.key(),
-           "repack": rt.config.use_extra_bufts == "on"}
+    tokens = rt.engine.tokenize(fmt.format(text), add_special=bos)
+    started = time.perf_counter()
+    r = rt.scheduler.run(Job(tokens, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
+                             use_cache=False))
+    decode_s = r.phases.get("decode", 0.0)
+    out = {"prompt_tokens": len(tokens), "completion_tokens": len(r.completion_tokens),
+           "decode_s": decode_s, "wall_s": time.perf_counter() - started,
+           "decode_tps": (len(r.completion_tokens) - 1) / decode_s if decode_s > 0 else None,
+           "drafted": r.drafted_tokens, "accepted": r.accepted_tokens,
+           "tokens": r.completion_tokens, "prompt": tokens}
+    print(f"{label:9} {name:5} {len(r.completion_tokens):4} tokens, decode {out['decode_tps'] or 0:6.1f} tokens/s, "
+          f"drafted {r.drafted_tokens}, accepted {r.accepted_tokens}", flush=True)
+    return out
+
+
+def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
+             draft_max: int, decode_rows: int = 1, flash_attn: str = "auto") -> dict:
+    """Every generation in one runtime of its own: {"widths", "attention", "repack", generation: figures}."""
+    rt = start_runtime(model, mode, threads, draft_max, decode_rows, flash_attn)
+    out = describe(rt)
     try:
         for name, text in texts.items():
-            tokens = rt.engine.tokenize(fmt.format(text), add_special=bos)
-            if forced is not None:
-                force(rt.scheduler.speculation, forced[1][name], forced[0])
-            started = time.perf_counter()
-            r = rt.scheduler.run(Job(tokens, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
-                                     use_cache=False))
-            decode_s = r.phases.get("decode", 0.0)
-            out[name] = {"prompt_tokens": len(tokens), "completion_tokens": len(r.completion_tokens),
-                         "decode_s": decode_s, "wall_s": time.perf_counter() - started,
-                         "decode_tps": (len(r.completion_tokens) - 1) / decode_s if decode_s > 0 else None,
-                         "drafted": r.drafted_tokens, "accepted": r.accepted_tokens,
-                         "tokens": r.completion_tokens, "prompt": tokens}
-            print(f"{mode:6} rows={decode_rows} {name:5} {len(r.completion_tokens):4} tokens, decode "
-                  f"{out[name]['decode_tps'] or 0:6.1f} tokens/s, drafted {r.drafted_tokens}, "
-                  f"accepted {r.accepted_tokens}", flush=True)
+            out[name] = generate(rt, f"{mode} r{decode_rows}", name, text, template, max_tokens)
+    finally:
+        rt.close()
+    return out
+
+
+def run_forced(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
+               draft_max: int, rates: list[tuple[str, float]], flash_attn: str = "auto") -> dict[str, dict]:
+    """One runtime for "off" and every forced rate, so that they share its weights' placement in memory (between
+    runtimes decode speed moved ±15% on the 2-core EPYC, more than the effects measured): per generation, "off"
+    (no verification widths) and then each (name, rate) drafting that answer. {mode name: run_mode's dict}."""
+    rt = start_runtime(model, mode, threads, draft_max, flash_attn=flash_attn)
+    spec = rt.scheduler.speculation
+    widths, state = spec.widths, spec.state
+    names = ["off"] + [name for name, _ in rates]
+    out = {name: describe(rt) for name in names}
+    try:
+        for gen, text in texts.items():
+            spec.widths = ()
+            out["off"][gen] = generate(rt, "off", gen, text, template, max_tokens)
+            for name, rate in rates:
+                spec.widths, spec.state = widths, state
+                force(spec, out["off"][gen]["tokens"], rate)
+                out[name][gen] = generate(rt, name, gen, text, template, max_tokens)
     finally:
         rt.close()
     return out
@@ -204,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     # off over F16 (the layout before auto chose engine.VERIFYING). Rounds interleave the modes, so machine drift
     # hits all alike.
     modes = [("off", "off", a.decode_rows, a.flash_attn), ("on", a.mode, a.decode_rows, a.flash_attn)]
-    rates = [float(p) / 100 for p in a.forced.split(",") if p]
+    rates = [(f"forced{p}", float(p) / 100) for p in a.forced.split(",") if p]
     if rates:
-        modes[1:] = [(f"forced{p:g}", a.mode, a.decode_rows, a.flash_attn) for p in (r * 100 for r in rates)]
+        modes[1:] = [(name, a.mode, a.decode_rows, a.flash_attn) for name, _ in rates]
     if a.decode_rows == 2:
         modes.append(("one_row_off", "off", 1, a.flash_attn))
     if a.flash_attn == "auto":
@@ -215,13 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in [m[0] for m in modes] + peers}
     out_dir = a.out or results_dir()
     for _ in range(a.reps):
+        if rates:
+            for name, r in run_forced(model, a.mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rates,
+                                      a.flash_attn).items():
+                runs[name].append(r)
         for name, mode, rows, flash in modes:
-            forced = None
-            if name.startswith("forced"):
-                reference = {g: runs["off"][-1][g]["tokens"] for g in texts}
-                forced = (float(name[6:]) / 100, reference)
+            if name == "off" and rates or name.startswith("forced"):
+                continue
             runs[name].append(run_mode(model, mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rows,
-                                       flash, forced))
+                                       flash))
         for name in peers:
             prompt_ids = {g: runs["off"][-1][g]["prompt"] for g in texts}
             runs[name].append(run_peer(model, name[len("llama-server-"):], prompt_ids, a.max_tokens, a.threads,
