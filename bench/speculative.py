@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             peer_ref = runs[peers[0]][0][gen]["tokens"]
             row["peer_identical"] = all(r[gen]["tokens"] == peer_ref for name in peers for r in runs[name])
             row["peer_equals_off"] = peer_ref == ref
+            for name in peers:
+                row[name]["identical_to_first_peer"] = all(r[gen]["tokens"] == peer_ref for r in runs[name])
         for name in runs:
             for d in (r[gen] for r in runs[name]):
                 d.pop("tokens", None)
