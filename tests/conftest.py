@@ -27,6 +27,7 @@ import uvicorn
 from orchestrator.config import Config
 from orchestrator.request import Event, Job, Result, SamplingParams
 from orchestrator.runtime import Runtime
+from orchestrator.speculative.policy import VerifyCosts
 from server.app import create_app
 
 
@@ -51,6 +52,24 @@ def ending_model() -> Path:
     from orchestrator.models.synth import ensure_model
 
     return ensure_model("tiny-ends")
+
+
+class FreeCosts(VerifyCosts):
+    """Verification costs for the tests of what speculation computes (not of when it pays: tests/test_drafts.py):
+    every width and rollback as cheap as a decode step, so every available draft is verified whatever the
+    acceptance and the machine's timings, and rejections and their rollbacks happen in every case."""
+
+    def ratio(self, width: int) -> float:
+        return 1.0
+
+    def rewind_ratio(self) -> float:
+        return 0.0
+
+
+def verify_every_draft(rt: Runtime) -> Runtime:
+    """`rt` with FreeCosts in its scheduler's speculation (read by each request at its first step)."""
+    rt.scheduler.speculation.costs = FreeCosts()
+    return rt
 
 
 def make_config(model: Path, **kw) -> Config:

@@ -16,7 +16,7 @@ from orchestrator.models.synth import ensure_model
 from orchestrator.request import Job
 from orchestrator.runtime import Runtime
 
-from .conftest import make_config
+from .conftest import make_config, verify_every_draft
 from .test_speculative_models import LOOP, Q4_CASES
 
 
@@ -79,7 +79,7 @@ def verifying_pair(tmp_path_factory):
     3 slots, one calibration file."""
     cal = tmp_path_factory.mktemp("cal") / "calibration.json"
     kw = dict(ctx_size=2048, parallel=3, calibration_file=cal, flash_attn="auto")
-    on = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw))
+    on = verify_every_draft(Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw)))
     off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
     yield on, off
     on.close()

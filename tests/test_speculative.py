@@ -14,8 +14,8 @@ from orchestrator.cache.tiers import RamTier
 from orchestrator.calibration import speculation_widths
 from orchestrator.request import Event, EventKind, Job, SamplingParams
 from orchestrator.scheduler import Scheduler
-from orchestrator.speculative.policy import VerifyCosts
 
+from .conftest import FreeCosts
 from .fake_engine import FakeEngine
 
 MS = 4
@@ -86,17 +86,6 @@ CASES = {
 }
 
 
-class FreeCosts(VerifyCosts):
-    """Verifications and rollbacks as cheap as a decode step: every available draft is verified, whatever the
-    acceptance, so rejections (and their rollbacks) happen in every case."""
-
-    def ratio(self, width: int) -> float:
-        return 1.0
-
-    def rewind_ratio(self) -> float:
-        return 0.0
-
-
 @pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "kv"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_speculation_changes_nothing(make, case, hybrid):
@@ -162,6 +151,7 @@ def test_counts_reach_metrics(make):
     from server.metrics import Metrics
 
     _, s = make()
+    s.speculation.costs = FreeCosts()
     r = s.run(Job(PROMPT, max_tokens=40, sampling=SamplingParams(temperature=0.0)))
     assert r.drafted_tokens >= r.accepted_tokens > 0
     m = Metrics(s.cache.stats)

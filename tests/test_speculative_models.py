@@ -14,7 +14,7 @@ from orchestrator.models.synth import ensure_model
 from orchestrator.request import Job
 from orchestrator.speculative.verify import rewind
 
-from .conftest import make_config
+from .conftest import make_config, verify_every_draft
 
 
 def greedy(tokens, n=40, **kw) -> Job:
@@ -81,7 +81,7 @@ def test_gemma_drafts_are_accepted_on_real_text_and_change_nothing(start, gemma,
     equal those without speculation."""
     text = "\n".join(f"def step_{i}(x):\n    return x * {i} + {i % 3}\n" for i in range(12))
     kw = dict(ctx_size=4096, batch_size=128, decode_rows=2, calibration_file=tmp_path / "cal.json")
-    on = start(gemma, speculative="auto", **kw)
+    on = verify_every_draft(start(gemma, speculative="auto", **kw))
     assert on.scheduler.speculation.widths
     prompt = on.engine.tokenize(f"<start_of_turn>user\nRepeat this code exactly:\n{text}<end_of_turn>\n"
                                 f"<start_of_turn>model\n", add_special=True)
@@ -104,7 +104,7 @@ def q4_pair(tmp_path_factory):
 
     cal = tmp_path_factory.mktemp("cal") / "calibration.json"
     kw = dict(ctx_size=2048, parallel=3, decode_rows=2, calibration_file=cal, decode_batching="off")
-    on = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw))
+    on = verify_every_draft(Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw)))
     off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
     yield on, off
     on.close()
