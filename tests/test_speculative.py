@@ -14,6 +14,8 @@ from orchestrator.cache.tiers import RamTier
 from orchestrator.calibration import speculation_widths
 from orchestrator.request import Event, EventKind, Job, SamplingParams
 from orchestrator.scheduler import Scheduler
+from orchestrator.speculative.ngram import NgramDrafter
+from orchestrator.speculative.policy import DraftLength, VerifyCosts
 
 from .conftest import FreeCosts
 from .fake_engine import FakeEngine
@@ -145,6 +147,31 @@ def test_a_request_that_never_matches_rarely_verifies(make):
     job = Job(list(range(1, 47)), max_tokens=400, sampling=SamplingParams(temperature=5.0, seed=5))
     r = s.run(job)
     assert len(eng.verify_calls) <= len(r.completion_tokens) / 8
+
+
+class NeverPays(VerifyCosts):
+    def ratio(self, width: int) -> float:
+        return 100.0
+
+
+def test_drafts_not_verified_are_checked_against_the_token_decoded_next(make, monkeypatch):
+    """Where no width pays, every decode step's draft is still checked: its first token against the token the step
+    then gave (DraftLength.shadow), exactly the outcomes a replay of the drafter over the answer gives."""
+    seen = []
+    shadow = DraftLength.shadow
+    monkeypatch.setattr(DraftLength, "shadow", lambda self, hit: (seen.append(hit), shadow(self, hit))[1])
+    _, s = make()
+    s.speculation.costs = NeverPays()
+    r = s.run(Job(PROMPT, max_tokens=60, sampling=SamplingParams(temperature=0.0)))
+    assert r.drafted_tokens == 0
+    out, expected = r.completion_tokens, []
+    drafter = NgramDrafter(PROMPT, s.speculation.min_n, s.speculation.max_n)
+    for j in range(len(out) - 2):  # out[j] decoded with a draft after it; checked when out[j + 1] is decoded
+        drafter.extend([out[j]])
+        draft = drafter.draft(1)
+        if draft:
+            expected.append(draft[0] == out[j + 1])
+    assert seen == expected and True in seen
 
 
 def test_counts_reach_metrics(make):
