@@ -77,6 +77,13 @@ def force(speculation, reference: list[int], corrupt: float) -> None:
 
     speculation.state = state
 
+
+def decode_tps(completion_tokens: int, decode_s: float) -> float | None:
+    """Decode tokens/s, orchestrator's and llama-server's alike: the first token is sampled from the prompt's logits,
+    so (completion_tokens - 1) / the seconds from the first token to the last; None where nothing was decoded."""
+    return (completion_tokens - 1) / decode_s if decode_s > 0 and completion_tokens > 1 else None
+
+
 PEER_TYPES = "none,ngram-simple,ngram-map-k,ngram-mod"
 
 
@@ -106,7 +113,7 @@ def run_peer(model: Path, spec_type: str, prompts_: dict[str, list[int]], max_to
                 t = obj.get("timings") or {}
                 n, ms = int(t.get("predicted_n", 0)), float(t.get("predicted_ms", 0.0))
                 out[name] = {"completion_tokens": n, "decode_s": ms / 1000,
-                             "decode_tps": (n - 1) / (ms / 1000) if ms > 0 and n > 1 else None,
+                             "decode_tps": decode_tps(n, ms / 1000),
                              "drafted": int(t.get("draft_n", 0)), "accepted": int(t.get("draft_n_accepted", 0)),
                              "tokens": list(obj.get("tokens") or [])}
                 print(f"llama-server {spec_type:12} {name:5} {n:4} tokens, decode "
@@ -148,6 +155,7 @@ def start_runtime(model: Path, mode: str, threads: int, draft_max: int, decode_r
 
 
 def describe(rt) -> dict:
+    """What a runtime serves that the report records: its verification widths, attention layout, repacking."""
     return {"widths": list(rt.scheduler.speculation.widths), "attention": rt.engine.attention.key(),
             "repack": rt.config.use_extra_bufts == "on"}
 
@@ -164,7 +172,7 @@ def generate(rt, label: str, name: str, text: str, template: str, max_tokens: in
     decode_s = r.phases.get("decode", 0.0)
     out = {"prompt_tokens": len(tokens), "completion_tokens": len(r.completion_tokens),
            "decode_s": decode_s, "wall_s": time.perf_counter() - started,
-           "decode_tps": (len(r.completion_tokens) - 1) / decode_s if decode_s > 0 else None,
+           "decode_tps": decode_tps(len(r.completion_tokens), decode_s),
            "drafted": r.drafted_tokens, "accepted": r.accepted_tokens,
            "tokens": r.completion_tokens, "prompt": tokens}
     print(f"{label:9} {name:5} {len(r.completion_tokens):4} tokens, decode {out['decode_tps'] or 0:6.1f} tokens/s, "
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                       a.flash_attn).items():
                 runs[name].append(r)
         for name, mode, rows, flash in modes:
-            if name == "off" and rates or name.startswith("forced"):
+            if name.startswith("forced") or (name == "off" and rates):  # run_forced ran them
                 continue
             runs[name].append(run_mode(model, mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rows,
                                        flash))
