@@ -122,3 +122,50 @@ class _Ranked(EvictionPolicy):
     @property
     def recency_only(self) -> bool:
         return False
+
+
+def test_recency_value_stops_reading_early_and_evicts_what_ranking_every_entry_evicts():
+    # EvictionPolicy.victim stops at the first candidate used no earlier than its best priority so far; the cache
+    # must keep exactly the entries a full ranking of every candidate keeps (min over all, first of equals).
+    rng = random.Random(23)
+    for _ in range(60):
+        bonus, reference = rng.choice((0.5, 4.0, 40.0)), rng.choice((1 / 65536, 0.3, 3.0))  # bonuses 0..many ticks
+        early = SnapshotCache([RamTier(600)], policy=EvictionPolicy(bonus_ticks=bonus, reference=reference))
+        full = SnapshotCache([RamTier(600)], policy=_RankAll(bonus, reference))
+        for step in range(80):
+            tokens = [rng.randint(1, 3) for _ in range(rng.randint(1, 14))]
+            if rng.random() < 0.3:
+                for c in (early, full):
+                    plan = c.plan(tokens, len(tokens), tokens)
+                    if plan.n_tokens:
+                        c.load(plan)
+                continue
+            kind, size = rng.choice(((CHECKPOINT, rng.randint(20, 120)), (KV, rng.randint(20, 200))))
+            for c in (early, full):
+                c.put(tokens, kind, b"x" * size)
+                c.check()
+            assert sorted(early.entries()) == sorted(full.entries()), step
+
+
+def test_recency_value_reads_only_the_oldest_entries():
+    t, _ = _chain()
+    seen = []
+
+    def candidates():
+        for e, used in zip(t.ids(), range(0, 7000, 1000)):
+            seen.append(e)
+            yield Candidate(e, t, 10**6, used)
+
+    assert EvictionPolicy(bonus_ticks=4.0).victim(candidates()) is not None
+    assert len(seen) < len(t)  # the bonus (a few dozen ticks) cannot lift the oldest over one 1,000 ticks newer
+
+
+class _RankAll(EvictionPolicy):
+    """EvictionPolicy ranking every candidate (the rule before the early stop)."""
+
+    def __init__(self, bonus, reference):
+        super().__init__(bonus_ticks=bonus, reference=reference)
+
+    def victim(self, candidates):
+        best = min(candidates, key=lambda c: self.priority(c.tree, c.eid, c.nbytes, c.last_used), default=None)
+        return best.eid if best is not None else None

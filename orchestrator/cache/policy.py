@@ -63,8 +63,22 @@ class EvictionPolicy:
         return 1, last_used + self.bonus_ticks * math.log2(1 + self.value(tree, eid, nbytes) / self.reference)
 
     def victim(self, candidates: Iterable[Candidate]) -> int | None:
-        """The id of the entry to evict first among `candidates` (the first of equals), or None if there is none."""
-        best = min(candidates, key=lambda c: self.priority(c.tree, c.eid, c.nbytes, c.last_used), default=None)
+        """The id of the entry to evict first among `candidates` (the first of equals), or None if there is none.
+
+        Candidates come as SnapshotCache._candidates gives them: covered KV entries first, then every entry in the
+        order of last use. A covered entry first is the victim; otherwise a priority is never below an entry's
+        last use (the bonus is >= 0), so reading stops at the first entry used no earlier than the best priority
+        so far: an eviction ranks the entries within a few bonus spans of the oldest, not the whole tier (each
+        value walks the entry's subtree, and a tier holds thousands). The answer is the full ranking's."""
+        best, best_key = None, None
+        for c in candidates:
+            if best is None and c.tree.covered(c.eid):
+                return c.eid
+            if best_key is not None and (1, c.last_used) >= best_key:
+                break
+            key = self.priority(c.tree, c.eid, c.nbytes, c.last_used)
+            if best_key is None or key < best_key:
+                best, best_key = c, key
         return best.eid if best is not None else None
 
 
