@@ -27,6 +27,7 @@ COMMANDS = {
     "soak": "soak",
     "speculative": "speculative",
     "trace": "trace",
+    "trace-live": "trace_live",
 }
 
 

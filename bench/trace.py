@@ -194,11 +194,14 @@ class TracePrompts:
             out += self.block_tokens(b)
         return out[: self.scale.sim_tokens(r.input_length)]
 
+    def message_ends(self, r: TraceRequest) -> list[int]:
+        """Indices j of the blocks that end a message inside the prompt (the last block always ends one): every
+        block in "block" mode; in "turn" mode those where two requests' block paths fork or a request ends."""
+        return [j for j, h in enumerate(r.hash_ids[:-1]) if self.mode == "block" or h in self.forks or h in self.ends]
+
     def boundaries(self, r: TraceRequest, n: int) -> list[int]:
         """Offsets 0 < b < n (simulated tokens) of the message ends inside the prompt."""
-        ends = [(j + 1) * self.per_block for j, h in enumerate(r.hash_ids[:-1])
-                if self.mode == "block" or h in self.forks or h in self.ends]
-        return [b for b in ends if b < n]
+        return [b for b in ((j + 1) * self.per_block for j in self.message_ends(r)) if b < n]
 
 
 # ---------------------------------------------------------------------------------------------------- engine

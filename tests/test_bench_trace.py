@@ -102,3 +102,28 @@ def test_the_budget_estimate_grows_to_the_ceiling_and_interval_checkpoints_cost_
     assert list(with_interval.values()) == sorted(with_interval.values()) and with_interval[1e6] == 1.0
     assert all(without[b] >= with_interval[b] for b in with_interval) and without[1] > with_interval[1]
     assert lru_budget_curve(requests, SHAPES["27b"], 512, (4,))[4] < with_interval[4]
+
+
+def test_live_bodies_keep_the_traces_shared_prefixes_as_shared_tokens(requests, tiny_model):
+    # bench trace-live turns blocks into words: the same block id must give the same text, and a prefix of
+    # blocks two requests share must render (real template and tokenizer) to a shared token prefix, so the
+    # slice's token ceiling is the trace's block ceiling (the excerpt's 80-82%) up to template tokens.
+    from bench.render import Renderer
+    from bench.trace_live import block_words, bodies, slice_ceiling
+
+    assert block_words(7, 20) == block_words(7, 20) and block_words(7, 20) != block_words(8, 20)
+    chats = bodies(requests, 32, 8)
+    assert len(chats) == len(requests) and all(c["messages"][0]["role"] == "system" for c in chats)
+    assert all(1 <= c["max_tokens"] <= 8 for c in chats)
+    renderer = Renderer(tiny_model)
+    tokens = [renderer.tokens(c) for c in chats]
+    ceilings = slice_ceiling(tokens)
+    assert ceilings[0] == 0
+    share = sum(ceilings) / sum(map(len, tokens))
+    hit, total = ceiling(requests)
+    assert abs(share - hit / total) < 0.05, (share, hit / total)
+    # A request that repeats an earlier one's first blocks shares at least those blocks' messages.
+    a, b = requests[0], requests[1]
+    assert a.hash_ids[0] == b.hash_ids[0]
+    assert chats[0]["messages"][0] == chats[1]["messages"][0]
+    assert ceilings[1] > len(renderer.tokenize(chats[0]["messages"][0]["content"]))
