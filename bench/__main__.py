@@ -28,6 +28,7 @@ COMMANDS = {
     "speculative": "speculative",
     "trace": "trace",
     "trace-live": "trace_live",
+    "layouts": "layouts",
 }
 
 

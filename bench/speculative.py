@@ -144,14 +144,16 @@ def prompts(lines: int) -> dict[str, str]:
 
 
 def start_runtime(model: Path, mode: str, threads: int, draft_max: int, decode_rows: int = 1,
-                  flash_attn: str = "auto"):
-    """A Runtime with --speculative `mode`: one slot, cache off, so nothing but decoding differs between modes."""
+                  flash_attn: str = "verifying"):
+    """A Runtime with --speculative `mode`: one slot, cache off, so nothing but decoding differs between modes.
+    flash_attn "verifying": engine.VERIFYING as `-ctk q8_0` asks for it; else --flash-attn's value."""
     from orchestrator.config import Config
     from orchestrator.runtime import Runtime
 
+    layout = {"cache_type_k": "q8_0"} if flash_attn == "verifying" else {"flash_attn": flash_attn}
     return Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,
                                 cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
-                                decode_rows=decode_rows, calibration_file=CALIBRATION, flash_attn=flash_attn))
+                                decode_rows=decode_rows, calibration_file=CALIBRATION, **layout))
 
 
 def describe(rt) -> dict:
@@ -181,7 +183,7 @@ def generate(rt, label: str, name: str, text: str, template: str, max_tokens: in
 
 
 def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
-             draft_max: int, decode_rows: int = 1, flash_attn: str = "auto") -> dict:
+             draft_max: int, decode_rows: int = 1, flash_attn: str = "verifying") -> dict:
     """Every generation in one runtime of its own: {"widths", "attention", "repack", generation: figures}."""
     rt = start_runtime(model, mode, threads, draft_max, decode_rows, flash_attn)
     out = describe(rt)
@@ -194,7 +196,7 @@ def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_t
 
 
 def run_forced(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
-               draft_max: int, rates: list[tuple[str, float]], flash_attn: str = "auto") -> dict[str, dict]:
+               draft_max: int, rates: list[tuple[str, float]], flash_attn: str = "verifying") -> dict[str, dict]:
     """One runtime for "off" and every forced rate, so that they share its weights' placement in memory (between
     runtimes decode speed moved ±15% on the 2-core EPYC, more than the effects measured): per generation, "off"
     (no verification widths) and then each (name, rate) drafting that answer. {mode name: run_mode's dict}."""
@@ -226,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-max", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-rows", type=int, choices=[1, 2], default=1)
-    ap.add_argument("--flash-attn", choices=["auto", "off"], default="auto",
-                    help="the attention layout of off and on (auto: engine.VERIFYING where exact; default auto)")
+    ap.add_argument("--flash-attn", choices=["verifying", "auto", "off"], default="verifying",
+                    help="the attention layout of off and on (verifying: engine.VERIFYING, as -ctk q8_0 serves it; "
+                         "auto, off: --flash-attn's; default verifying)")
     ap.add_argument("--forced", default="", metavar="P,P,...",
                     help="percentages of corrupted forced drafts, one 'on' mode each (module docstring)")
     ap.add_argument("--peer", default="", metavar="TYPE,TYPE,...",
@@ -246,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.only:
         texts = {k: v for k, v in texts.items() if k in a.only.split(",")}
     # (name, --speculative, decode rows, --flash-attn); with --decode-rows 2 also one-row decoding without
-    # speculation (what the second row costs); with --flash-attn auto also speculation off with flash attention
-    # off over F16 (the layout before auto chose engine.VERIFYING). Rounds interleave the modes, so machine drift
+    # speculation (what the second row costs); with --flash-attn verifying also speculation off with flash attention
+    # off over F16 (the default layout). Rounds interleave the modes, so machine drift
     # hits all alike.
     modes = [("off", "off", a.decode_rows, a.flash_attn), ("on", a.mode, a.decode_rows, a.flash_attn)]
     rates = [(f"forced{p}", float(p) / 100) for p in a.forced.split(",") if p]
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         modes[1:] = [(name, a.mode, a.decode_rows, a.flash_attn) for name, _ in rates]
     if a.decode_rows == 2:
         modes.append(("one_row_off", "off", 1, a.flash_attn))
-    if a.flash_attn == "auto":
+    if a.flash_attn == "verifying":
         modes.append(("fa_off_off", "off", 1, "off"))
     peers = [f"llama-server-{t}" for t in a.peer.split(",") if t]
     runs: dict[str, list[dict]] = {name: [] for name in [m[0] for m in modes] + peers}

@@ -157,9 +157,9 @@ def _serve_parser(sub) -> None:
                         "speculative verification, so that verification is exact by construction (answers differ "
                         "from 1; each step computes a second row; default 1)")
     p.add_argument("-fa", "--flash-attn", choices=["auto", "on", "off"], default=d.flash_attn,
-                   help="flash attention: auto = on with a Q8_0 K cache where speculative verification is then exact "
-                        "at one row per decode step (measured at first start; cold prefill about 0.8x), else off "
-                        "over F16; on with -ctk/-ctv other than f16/f32 (default auto)")
+                   help="flash attention: auto = off over F16 (exact prefill splits), on with -ctk/-ctv other than "
+                        "f16/f32: -ctk q8_0 is the layout where speculative verification is exact at one row per "
+                        "decode step, but prefill is about 3x slower at 12k tokens of context (default auto)")
     p.add_argument("-ctk", "--cache-type-k", choices=["auto", *KV_TYPES], default=d.cache_type_k,
                    help="KV cache type for K (default auto: see --flash-attn)")
     p.add_argument("-ctv", "--cache-type-v", choices=["auto", *KV_TYPES], default=d.cache_type_v,

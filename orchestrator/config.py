@@ -93,10 +93,10 @@ class Config:
     speculative: str = "auto"
     draft_max: int = 6  # most drafted tokens per verification (the ubatch is draft_max + 1 wide)
     # Flash attention ("on", "off", "auto") and the K / V cache types ("f16", "q8_0", ... engine.KV_TYPES, or
-    # "auto"), llama-server's -fa / -ctk / -ctv. All three "auto": with speculation on, on the CPU, the layout in
-    # which verification is exact at one row per decode step is tried first (engine.VERIFYING: flash attention, K
-    # cache Q8_0) and kept where calibration finds exact widths; otherwise flash attention off over F16, whose
-    # prefill splits are exact (Runtime._attention). Any of them set: that layout, the rest at those defaults.
+    # "auto"), llama-server's -fa / -ctk / -ctv. All three "auto": flash attention off over F16, whose prefill
+    # splits are exact (Runtime._attention). Any of them set: that layout, the rest at those defaults; -ctk q8_0
+    # alone is engine.VERIFYING, where verification is exact at one row per decode step but prefill is 3x slower
+    # at 12k tokens of context (bench/results/2026-12-04/layouts/).
     flash_attn: str = "auto"
     cache_type_k: str = "auto"
     cache_type_v: str = "auto"

@@ -180,11 +180,13 @@ class Runtime:
 
     @staticmethod
     def _attention(cfg: Config) -> tuple[Attention, ...]:
-        """The attention layouts to try, best first (Config.flash_attn, cache_type_k, cache_type_v). Any of the
-        three set: that one layout (flash attention "auto" is then on when a cache type is not F16/F32). All
-        "auto" with every layer on the CPU: VERIFYING (exact speculative verification at one row per decode step),
-        then the default; with layers offloaded, the default alone (VERIFYING is measured on ggml-cpu only).
-        Raises ModelLoadError for a layout llama.cpp refuses."""
+        """The attention layouts to try, best first (Config.flash_attn, cache_type_k, cache_type_v): all three
+        "auto", flash attention off over F16, whose prefill splits are exact; any of them set, that one layout
+        (flash attention "auto" is then on when a cache type is not F16/F32, so `-ctk q8_0` alone is
+        engine.VERIFYING, where speculative verification is exact at one row per decode step). VERIFYING is not
+        the default: its row-wise flash attention makes prefill 1.6-3.3x slower at agent-length contexts (4k-12k
+        tokens) and decoding slower too (bench/results/2026-12-04/layouts/). Raises ModelLoadError for a layout
+        llama.cpp refuses."""
         try:
             if (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v) != ("auto", "auto", "auto"):
                 k, v = (("f16" if t == "auto" else t) for t in (cfg.cache_type_k, cfg.cache_type_v))
@@ -192,8 +194,7 @@ class Runtime:
                 return (Attention(flash, k, v),)
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
-        offloaded = bool(select_devices(cfg.devices, cfg.main_gpu)) and cfg.n_gpu_layers != 0
-        return (Attention(),) if offloaded else (VERIFYING, Attention())
+        return (Attention(),)
 
     @classmethod
     def _verify_widths(cls, cfg: Config, path: Path, file_digest: bytes) -> tuple[Attention, tuple[int, ...]]:
@@ -231,9 +232,9 @@ class Runtime:
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
         attention, widths = cls._verify_widths(cfg, path, file_digest)
-        log.info("%s%s", attention.describe(), " (--flash-attn auto: the layout in which speculative verification "
-                 "is exact at one row per decode step on this model and CPU; cold prefill about 0.8x of -fa off)"
-                 if attention == VERIFYING and cfg.flash_attn == "auto" else "")
+        log.info("%s%s", attention.describe(), " (the layout in which speculative verification is exact at one "
+                 "row per decode step; prefill about 3x slower than -fa off at 12k tokens of context)"
+                 if attention == VERIFYING else "")
         # recurrent snapshots per slot: the cache's (--rs-snapshots), a decode row's (a verification rolls back
         # through a reloaded checkpoint instead: Engine.rewind)
         n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, cfg.decode_rows - 1)

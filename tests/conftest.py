@@ -76,8 +76,8 @@ def make_config(model: Path, **kw) -> Config:
     # speculative "off": no verification-width probe at every start (no width is exact on these CPUs anyway:
     # bench/results/2026-12-03/verification-widths); tests/test_speculative_models.py starts with it on.
     # use_extra_bufts "off": no repacking probe at every start; tests/test_repacking.py tests "auto", and
-    # test_correctness.py serves tiny-q4 repacked too. flash_attn "off": no attention-layout probe at every start
-    # (flash attention off over F16); tests/test_attention_layouts.py tests "auto" and serves the VERIFYING layout.
+    # test_correctness.py serves tiny-q4 repacked too. flash_attn "off": the default layout (flash attention off
+    # over F16) named outright; tests/test_attention_layouts.py tests "auto" and serves the VERIFYING layout.
     base = dict(model=model, ctx_size=16384, batch_size=256, threads=2, cache_ram_mib=2048, checkpoint_interval=0,
                 parallel=1, speculative="off", use_extra_bufts="off", flash_attn="off")
     base.update(kw)
