@@ -14,6 +14,7 @@ and /v1/cache/stats. The last turn is then sent to a fresh cold server (`--cache
 and its answer compared with the warm one (the streamed text, thinking signature included: w5 `_delta_text`).
 
     python -m bench w6 --out bench/results/<date>/w6 [--turns 40] [--min-tokens 65536] [--max-tokens 8]
+    python -m bench w6 --out bench/results/<date>/w6 --rescore    # the summary again, from requests.json
 """
 
 from __future__ import annotations
@@ -74,20 +75,37 @@ def turn_record(t: int, o: w5.Outcome, prev_prompt: int | None, rss_peak: int, r
 
 
 def flatness(rows: list[dict]) -> dict:
-    """Least squares TTFT = a + b new + c total over the warm turns (not the first, not the first after the
-    restart): b in s per 1k new tokens, c in s per 1k prompt tokens, and c's part of the last turn's TTFT."""
+    """Least squares over the warm turns (not the first, not a turn that restored nothing):
+    TTFT = a + b new + q new context + r context, with new the turn's new tokens and context the tokens restored
+    (all in thousands; b in s per 1k new tokens, q in s per 1k new tokens per 1k of context, r in s per 1k of
+    context). b + q context is the prefill of a new token at that context (its attention reads the whole context,
+    in any server, cold or warm); r is what the session's length costs by itself (a re-prefill would put about a
+    second per 1k tokens there on the 0.8b preset), and r_share_of_last_ttft its part of the last turn's TTFT."""
     import numpy as np
 
     warm = [r for r in rows[1:] if r["ok"] and r["cached_tokens"]]
-    x = np.array([[1.0, r["new_tokens"] / 1e3, r["prompt_tokens"] / 1e3] for r in warm])
+    new = np.array([r["new_tokens"] / 1e3 for r in warm])
+    ctx = np.array([r["cached_tokens"] / 1e3 for r in warm])
+    x = np.c_[np.ones_like(new), new, new * ctx, ctx]
     y = np.array([r["ttft_s"] for r in warm])
-    (a, b, c), *_ = np.linalg.lstsq(x, y, rcond=None)
-    (a1, b1), *_ = np.linalg.lstsq(x[:, :2], y, rcond=None)
-    resid = y - x[:, :2] @ np.array([a1, b1])
+    (a, b, q, c), *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ np.array([a, b, q, c])
     last = rows[-1]
-    return {"turns_fitted": len(warm), "a_s": a, "b_s_per_1k_new": b, "c_s_per_1k_total": c,
-            "new_only": {"a_s": a1, "b_s_per_1k_new": b1, "r2": 1 - float(resid @ resid) / float(((y - y.mean()) ** 2).sum())},
-            "c_share_of_last_ttft": c * last["prompt_tokens"] / 1e3 / last["ttft_s"] if last["ttft_s"] else None}
+    return {"turns_fitted": len(warm), "a_s": a, "b_s_per_1k_new": b, "q_s_per_1k_new_per_1k_context": q,
+            "r_s_per_1k_context": c, "r2": 1 - float(resid @ resid) / float(((y - y.mean()) ** 2).sum()),
+            "max_abs_residual_s": float(abs(resid).max()),
+            "r_share_of_last_ttft": c * last["cached_tokens"] / 1e3 / last["ttft_s"] if last["ttft_s"] else None}
+
+
+def write(out: Path, rows: list[dict], meta: dict) -> str:
+    """Scores the run (flatness, restored_95) into meta and writes requests.json and results.md under out."""
+    meta["flatness"] = flatness(rows)
+    meta["restored_95"] = all((r["restored_of_previous"] or 0) >= 0.95 for r in rows[1:])
+    (out / "requests.json").write_text(json.dumps({"meta": meta, "turns": rows}, indent=1, default=float))
+    text = markdown(rows, meta) + "\n" + json.dumps({k: meta[k] for k in ("cold_last", "flatness", "restored_95",
+                                                                          "stored_bytes")}, indent=1, default=float)
+    (out / "results.md").write_text(text)
+    return text
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -122,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=PORT, help="the first server's port (the next ones follow)")
     ap.add_argument("--omp", choices=("default", "passive"), default="default")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rescore", action="store_true",
+                    help="run nothing: score --out's requests.json again and rewrite its results.md")
     args = ap.parse_args(argv)
+    if args.rescore:
+        run = json.loads((args.out / "requests.json").read_text())
+        print(write(args.out, run["turns"], run["meta"]))
+        return 0
     from bench.render import Renderer
     from orchestrator.models.synth import PRESETS, ensure_model
 
@@ -192,12 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(disk, ignore_errors=True)
     meta["cold_last"] = {"ok": cold.ok, "ttft_s": cold.ttft_s, "prompt_tokens": cold.prompt_tokens,
                          "output": cold.output, "equal": cold.ok and bool(cold.output) and cold.output == rows[-1]["output"]}
-    meta["flatness"] = flatness(rows)
-    meta["restored_95"] = all((r["restored_of_previous"] or 0) >= 0.95 for r in rows[1:])
-    (args.out / "requests.json").write_text(json.dumps({"meta": meta, "turns": rows}, indent=1, default=float))
-    text = markdown(rows, meta) + "\n" + json.dumps({k: meta[k] for k in ("cold_last", "flatness", "restored_95",
-                                                                          "stored_bytes")}, indent=1, default=float)
-    (args.out / "results.md").write_text(text)
+    text = write(args.out, rows, meta)
     print(text)
     return 0
 

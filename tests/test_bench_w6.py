@@ -36,11 +36,12 @@ def test_flatness_separates_new_tokens_from_the_sessions_length():
                         "ttft_s": ttft(new, total)})
         return out
 
-    flat = w6.flatness(rows(lambda new, total: 0.2 + 0.005 * new))
-    assert abs(flat["b_s_per_1k_new"] - 5.0) < 1e-6 and abs(flat["c_s_per_1k_total"]) < 1e-6
-    assert flat["new_only"]["r2"] > 0.999 and abs(flat["c_share_of_last_ttft"]) < 1e-6
-    grows = w6.flatness(rows(lambda new, total: 0.2 + 0.005 * new + 0.0001 * total))
-    assert abs(grows["c_s_per_1k_total"] - 0.1) < 1e-6 and grows["c_share_of_last_ttft"] > 0.2
+    # a new token's prefill grows with the context it attends to; the session's length costs nothing by itself
+    flat = w6.flatness(rows(lambda new, total: 0.2 + 0.005 * new + 4e-7 * new * (total - new)))
+    assert abs(flat["b_s_per_1k_new"] - 5.0) < 1e-6 and abs(flat["q_s_per_1k_new_per_1k_context"] - 0.4) < 1e-6
+    assert abs(flat["r_s_per_1k_context"]) < 1e-6 and abs(flat["r_share_of_last_ttft"]) < 1e-6 and flat["r2"] > 0.999
+    grows = w6.flatness(rows(lambda new, total: 0.2 + 0.005 * new + 4e-7 * new * (total - new) + 1e-4 * total))
+    assert abs(grows["r_s_per_1k_context"] - 0.1) < 1e-6 and grows["r_share_of_last_ttft"] > 0.2
 
 
 def test_the_ram_budget_is_a_quarter_of_what_the_session_is_expected_to_store():
