@@ -124,6 +124,8 @@ def test_auto_is_measured_once_per_model_and_cpu_then_read_back(tmp_path, monkey
     measured = Choice(True, "repacked kernels are exact and faster (0.50x the time)", EXACT, Measured(8, True, 0.5, 0.0))
     calls = []
     monkeypatch.setattr(repacking, "probe", lambda *a, **k: calls.append(a) or measured)
+    # a CPU without AMX (with AMX auto is off before any probe: test_auto_is_off_without_a_probe_on_amx_cpus)
+    monkeypatch.setattr(calibration, "cpu_flags", lambda: "flags\t\t: fpu avx2 avx512f avx512_vnni")
     cfg = make_config(model, calibration_file=file, use_extra_bufts="auto", parallel=2)
     with caplog.at_level(logging.INFO, logger="orchestrator"):
         resolved = Runtime._repacking(cfg, model, b"digest")
