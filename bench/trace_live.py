@@ -8,8 +8,9 @@ this one sends a slice that fits one 2-core machine to the real servers (orchest
 
 A request becomes a chat body: its blocks grouped into messages as the simulated replay groups them
 (`TracePrompts.message_ends`, "turn" mode: a message ends where two requests' block paths fork or a request
-ends), the first message a system message and the others user messages (a role that depends only on the
-message's place, so a shared prefix renders to the same tokens in every request). A block is `--block-tokens`
+ends), every message a user message (a role that depends on nothing, so a shared prefix renders to the same
+tokens in every request; a system message first would leave a one-message request without the user query
+Qwen3.5's template requires). A block is `--block-tokens`
 tokens' worth of words drawn from a generator seeded by its id (so the same id is the same text in every request;
 the trace's 512-token blocks shrink so that a 12k-token request is about 750 tokens here), the last block cut in
 proportion to the request's input length. Answers are greedy, `min(--max-output, output_length / scale)` tokens.
@@ -59,7 +60,7 @@ def bodies(requests: list[TraceRequest], block_tokens: int, max_output: int) -> 
             n = words if j < len(r.hash_ids) - 1 else max(1, round(words * last_share))
             text += block_words(h, n)
             if j in ends:
-                messages.append({"role": "system" if not messages else "user", "content": " ".join(text)})
+                messages.append({"role": "user", "content": " ".join(text)})
                 text = []
         scaled_output = r.output_length * block_tokens // BLOCK
         out.append({"messages": messages, "max_tokens": max(1, min(max_output, scaled_output))})

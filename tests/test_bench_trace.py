@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from bench.trace import (BLOCK, GiB, SHAPES, ReplayConfig, Scale, TracePrompts, ceiling, load_trace, main,
-                         qwen35_shape, replay)
+                         TraceRequest, qwen35_shape, replay)
 
 EXCERPT = Path(__file__).parent / "fixtures" / "mooncake_conversation_excerpt.jsonl"
 
@@ -113,7 +113,7 @@ def test_live_bodies_keep_the_traces_shared_prefixes_as_shared_tokens(requests, 
 
     assert block_words(7, 20) == block_words(7, 20) and block_words(7, 20) != block_words(8, 20)
     chats = bodies(requests, 32, 8)
-    assert len(chats) == len(requests) and all(c["messages"][0]["role"] == "system" for c in chats)
+    assert len(chats) == len(requests) and all(m["role"] == "user" for c in chats for m in c["messages"])
     assert all(1 <= c["max_tokens"] <= 8 for c in chats)
     renderer = Renderer(tiny_model)
     tokens = [renderer.tokens(c) for c in chats]
@@ -127,3 +127,14 @@ def test_live_bodies_keep_the_traces_shared_prefixes_as_shared_tokens(requests, 
     assert a.hash_ids[0] == b.hash_ids[0]
     assert chats[0]["messages"][0] == chats[1]["messages"][0]
     assert ceilings[1] > len(renderer.tokenize(chats[0]["messages"][0]["content"]))
+
+
+def test_a_request_of_one_message_renders(tiny_model):
+    # a request whose blocks make one message (the synthetic trace's first turns): Qwen3.5's template raises
+    # "No user query found" for a conversation of a system message alone
+    from bench.render import Renderer
+    from bench.trace_live import bodies
+
+    one = TraceRequest(0, 700, 10, (1, 2))
+    chats = bodies([one], 32, 8)
+    assert len(chats[0]["messages"]) == 1 and Renderer(tiny_model).tokens(chats[0])
