@@ -93,24 +93,30 @@ def test_the_cache_keeps_the_restore_points_under_the_value_policy_and_loses_the
         assert c.plan(a[:2048] + [7] * 300, 2300).n_tokens == (2048 if kept else 0)
 
 
+def same_entries_under_random_traffic(rng: random.Random, steps: int, longest: int, make) -> None:
+    """Two caches from `make()` (a pair) take the same random puts and restores; after every put they hold the
+    same entries."""
+    a, b = make()
+    for step in range(steps):
+        tokens = [rng.randint(1, 3) for _ in range(rng.randint(1, longest))]
+        if rng.random() < 0.3:
+            for c in (a, b):
+                plan = c.plan(tokens, len(tokens), tokens)
+                if plan.n_tokens:
+                    c.load(plan)
+            continue
+        kind, size = rng.choice(((CHECKPOINT, rng.randint(20, 120)), (KV, rng.randint(20, 200))))
+        for c in (a, b):
+            c.put(tokens, kind, b"x" * size)
+            c.check()
+        assert sorted(a.entries()) == sorted(b.entries()), step
+
+
 def test_lru_fast_path_picks_what_ranking_every_entry_picks():
     rng = random.Random(11)
     for _ in range(30):
-        fast = SnapshotCache([RamTier(500)], policy=POLICIES["lru"]())
-        slow = SnapshotCache([RamTier(500)], policy=_Ranked())
-        for step in range(60):
-            tokens = [rng.randint(1, 3) for _ in range(rng.randint(1, 12))]
-            if rng.random() < 0.3:
-                for c in (fast, slow):
-                    plan = c.plan(tokens, len(tokens), tokens)
-                    if plan.n_tokens:
-                        c.load(plan)
-                continue
-            kind, size = rng.choice(((CHECKPOINT, rng.randint(20, 120)), (KV, rng.randint(20, 200))))
-            for c in (fast, slow):
-                c.put(tokens, kind, b"x" * size)
-                c.check()
-            assert sorted(fast.entries()) == sorted(slow.entries()), step
+        same_entries_under_random_traffic(rng, 60, 12, lambda: (
+            SnapshotCache([RamTier(500)], policy=POLICIES["lru"]()), SnapshotCache([RamTier(500)], policy=_Ranked())))
 
 
 class _Ranked(EvictionPolicy):
@@ -130,21 +136,9 @@ def test_recency_value_stops_reading_early_and_evicts_what_ranking_every_entry_e
     rng = random.Random(23)
     for _ in range(60):
         bonus, reference = rng.choice((0.5, 4.0, 40.0)), rng.choice((1 / 65536, 0.3, 3.0))  # bonuses 0..many ticks
-        early = SnapshotCache([RamTier(600)], policy=EvictionPolicy(bonus_ticks=bonus, reference=reference))
-        full = SnapshotCache([RamTier(600)], policy=_RankAll(bonus, reference))
-        for step in range(80):
-            tokens = [rng.randint(1, 3) for _ in range(rng.randint(1, 14))]
-            if rng.random() < 0.3:
-                for c in (early, full):
-                    plan = c.plan(tokens, len(tokens), tokens)
-                    if plan.n_tokens:
-                        c.load(plan)
-                continue
-            kind, size = rng.choice(((CHECKPOINT, rng.randint(20, 120)), (KV, rng.randint(20, 200))))
-            for c in (early, full):
-                c.put(tokens, kind, b"x" * size)
-                c.check()
-            assert sorted(early.entries()) == sorted(full.entries()), step
+        same_entries_under_random_traffic(rng, 80, 14, lambda: (
+            SnapshotCache([RamTier(600)], policy=EvictionPolicy(bonus_ticks=bonus, reference=reference)),
+            SnapshotCache([RamTier(600)], policy=_RankAll(bonus, reference))))
 
 
 def test_recency_value_reads_only_the_oldest_entries():
