@@ -20,6 +20,7 @@ and its answer compared with the warm one (the streamed text, thinking signature
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import httpx
 
 from bench import w5
 from bench.common import add_model_args
-from bench.systems import RssSampler, System, launch, omp_policy
+from bench.systems import SYSTEMS, RssSampler, System, launch, omp_policy
 
 PORT = 18700
 
@@ -84,6 +85,8 @@ def flatness(rows: list[dict]) -> dict:
     import numpy as np
 
     warm = [r for r in rows[1:] if r["ok"] and r["cached_tokens"]]
+    if len(warm) < 5:
+        return {"turns_fitted": len(warm)}
     new = np.array([r["new_tokens"] / 1e3 for r in warm])
     ctx = np.array([r["cached_tokens"] / 1e3 for r in warm])
     x = np.c_[np.ones_like(new), new, new * ctx, ctx]
@@ -109,7 +112,8 @@ def write(out: Path, rows: list[dict], meta: dict) -> str:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    out = [f"# W6: one Claude Code session, {len(rows)} turns, restart after turn {meta['restart_at']}", "",
+    out = [f"# W6 ({meta.get('system', 'orchestrator')}): one Claude Code session, {len(rows)} turns, restart after turn "
+           f"{meta['restart_at']}", "",
            f"Command: `{meta['command']}`  ", f"Model: {meta['model']}; CPU: {meta['cpu']}; load before: {meta['load']}; "
            f"--cache-ram {meta['cache_ram_mib']} MiB (estimate of stored bytes {meta['stored_estimate_mib']} MiB)", "",
            "| turn | server | TTFT s | prompt | cached | new | cached share | of previous | RSS peak MiB | RSS idle MiB | "
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-ram", type=int, default=None, help="MiB (default: a quarter of stored_estimate)")
     ap.add_argument("--port", type=int, default=PORT, help="the first server's port (the next ones follow)")
     ap.add_argument("--omp", choices=("default", "passive"), default="default")
+    ap.add_argument("--system", choices=("orchestrator", "llama-server", "llama-server-tuned"), default="orchestrator",
+                    help="the server (a peer runs with one slot, its own cache flags, no cold comparison)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rescore", action="store_true",
                     help="run nothing: score --out's requests.json again and rewrite its results.md")
@@ -163,8 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     flags = ("-np", "1", "--timeout", "0", "--cache-disk-dir", str(disk), "--cache-disk", "65536")
     warm_sys, cold_sys = System("orchestrator", "orchestrator", "chat", extra=flags), \
         System("orchestrator", "orchestrator", "chat", cold=True, extra=("-np", "1", "--timeout", "0"))
+    ours = args.system == "orchestrator"
+    if not ours:  # the peer as bench/systems.py starts it, one slot, sent the shape its template takes (w5.moved:
+        # the system text moved to the front); no disk tier, no cache stats, no cold run
+        peer = SYSTEMS[args.system]
+        warm_sys = dataclasses.replace(peer, extra=peer.extra + ("-np", "1"), workload_extra=())
     meta = {"model": model.name, "cpu": w5._cpu_name() or platform.processor(), "load": os.getloadavg(),
-            "restart_at": args.restart_at, "cache_ram_mib": cache_ram, "stored_estimate_mib": est // 2**20,
+            "system": args.system, "restart_at": args.restart_at, "cache_ram_mib": cache_ram, "stored_estimate_mib": est // 2**20,
             "command": "python -m bench w6 " + " ".join(sys.argv[1:] if argv is None else argv)}
     omp = omp_policy(args.omp)
 
@@ -180,13 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with httpx.Client() as client:
             for t, body in enumerate(plan, 1):
-                q = w5.W5Req(w5.CLAUDE, "cli", t, "/v1/messages", body, args.max_tokens)
+                q = w5.W5Req(w5.CLAUDE, "cli", t, "/v1/messages", body, args.max_tokens) if ours else \
+                    w5.W5Req(w5.CLAUDE, "moved", t, "/v1/messages", w5.moved(w5.CLAUDE, body), args.max_tokens)
                 sampler.add("o", running)
                 sampler.window_start("o")
                 o = w5.send(client, running.url, q, False, 1800.0)
                 peak = sampler.window_peak("o")
                 running.wait_idle()
-                stats = client.get(running.url + "/v1/cache/stats", timeout=30).json()
+                stats = client.get(running.url + "/v1/cache/stats", timeout=30).json() if ours else {}
                 prev = rows[-1]["prompt_tokens"] if rows else None
                 rows.append(turn_record(t, o, prev, max(peak, running.rss()), running.rss(), dir_bytes(disk), stats, server))
                 r = rows[-1]
@@ -204,18 +216,20 @@ def main(argv: list[str] | None = None) -> int:
         last = w5.W5Req(w5.CLAUDE, "cli", len(rows), "/v1/messages", plan[len(rows) - 1], args.max_tokens)
         meta["stored_bytes"] = (rows[-1]["cache"]["ram_bytes"] or 0) + (rows[-1]["cache"]["disk_bytes"] or 0)
         running.stop()
-        cold_run = start(cold_sys, args.port + 50)
-        try:
-            with httpx.Client() as client:
-                cold = w5.send(client, cold_run.url, last, True, 7200.0)
-        finally:
-            cold_run.stop()
+        if ours:
+            cold_run = start(cold_sys, args.port + 50)
+            try:
+                with httpx.Client() as client:
+                    cold = w5.send(client, cold_run.url, last, True, 7200.0)
+            finally:
+                cold_run.stop()
     finally:
         sampler.close()
         running.stop()
         shutil.rmtree(disk, ignore_errors=True)
     meta["cold_last"] = {"ok": cold.ok, "ttft_s": cold.ttft_s, "prompt_tokens": cold.prompt_tokens,
-                         "output": cold.output, "equal": cold.ok and bool(cold.output) and cold.output == rows[-1]["output"]}
+                         "output": cold.output, "equal": cold.ok and bool(cold.output) and
+                         cold.output == rows[-1]["output"]} if ours else None
     text = write(args.out, rows, meta)
     print(text)
     return 0
