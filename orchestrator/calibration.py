@@ -2,6 +2,8 @@
 
     min_segment      the fewest tokens a prefill ubatch may have for its result to be bit-identical to the same
                      tokens inside a larger ubatch (the rule of reuse.py rests on it)
+    odd              whether prefill ubatches are kept at odd lengths to get there (chunks.py: CPUs whose kernels
+                     pair rows in even ubatches, ARM i8mm); min_segment is then twice the odd size found
     batch_invariant  whether one decode step batched over sequences equals decoding each alone
     rollback         whether a checkpoint taken back inside a prefill call (Engine.checkpoint_back, llama.cpp's
                      n_rs_seq snapshots) is bit-identical to one of a prefill that stopped there (reuse.py then
@@ -17,6 +19,7 @@ small JSON file (`CalibrationFile`) so that a restart does not measure again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -95,6 +98,71 @@ def measure_min_segment(engine: Engine, sizes: Sequence[int] = tuple(range(2, 25
         return found
     finally:
         engine.clear(0)
+
+
+ODD_SIZES = tuple(range(3, 24, 2))  # the odd ubatch lengths measure_odd_segment tests
+
+
+def measure_odd_segment(engine: Engine, sizes: Sequence[int] = ODD_SIZES) -> int:
+    """The fewest tokens, an odd number, a prefill ubatch of odd length may have for its result to be
+    bit-identical to the same tokens inside one larger odd ubatch: the smallest tested size above every size that
+    differed. For CPUs where measure_min_segment finds no size because kernels take rows two at a time in even
+    ubatches and one at a time in odd ones (ARM i8mm; chunks.py), so that only same-parity splits can agree.
+
+    Prefills a 71-token prompt whole (odd: every row alone), then as m + (71 - 2m) + m tokens for each odd size m
+    (three odd ubatches: m at the start and at the end, and the middle sizes 25..65 on the way), and compares the
+    last logits. Uses and clears sequence 0; raises EngineError if even the largest size differs or the reference
+    does not fit n_batch.
+    """
+    n = 3 * max(sizes) + 2
+    if n % 2 == 0 or n > engine.n_batch:
+        raise EngineError(f"the odd-ubatch probe needs an odd reference of {n} tokens in one ubatch (n_batch "
+                          f"{engine.n_batch}); prefix reuse cannot be checked exact here (run with --no-cache)")
+    tokens = [1000 + (37 * i) % 5000 for i in range(n)]
+    try:
+        engine.clear(0)
+        engine.decode(0, tokens, 0)
+        ref = engine.logits()
+        worst = 0
+        for m in sizes:
+            engine.clear(0)
+            engine.decode(0, tokens[:m], 0, want_logits=False)
+            engine.decode(0, tokens[m:n - m], m, want_logits=False)
+            engine.decode(0, tokens[n - m:], n - m)
+            if _delta(engine.logits(), ref) > 0:
+                worst = m
+        above = [m for m in sizes if m > worst]
+        if not above:
+            raise EngineError(f"prefill splits into odd segments of up to {max(sizes)} tokens change the logits on "
+                              f"this model and CPU; prefix reuse cannot be exact here (run with --no-cache)")
+        return min(above)
+    finally:
+        engine.clear(0)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How prefills are cut so that a cached state equals a cold one (chunks.py): every ubatch at least
+    `min_segment` tokens, and with `odd` of odd length (min_segment is then twice the odd size found exact)."""
+    min_segment: int
+    odd: bool = False
+
+
+def measure_segments(engine: Engine) -> Segments:
+    """measure_min_segment; where it finds no exact size, measure_odd_segment (kept at odd lengths, logged why).
+    Raises measure_min_segment's EngineError where neither finds one."""
+    try:
+        return Segments(measure_min_segment(engine))
+    except EngineError as e:
+        first = e
+    try:
+        m = measure_odd_segment(engine)
+    except EngineError:
+        raise first from None
+    log.info("%s; in odd-length ubatches %d tokens or more are exact (kernels that take rows two at a time in even "
+             "ubatches, as ggml-cpu does with ARM i8mm): prefills are cut into odd ubatches, min_segment %d",
+             first.message, m, 2 * m)
+    return Segments(2 * m, odd=True)
 
 
 def split_delta(engine: Engine, tokens: Sequence[int], ref: np.ndarray, m: int) -> float:
@@ -400,30 +468,34 @@ class Calibration:
     min_segment: int
     batch_invariant: bool
     rollback: bool = False
+    odd: bool = False  # prefill ubatches kept at odd lengths (Segments)
 
 
 def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "auto") -> Calibration:
     """Measure (or read back) the facts above, pass them to the engine (`Engine.calibrate`) and return them.
     Batch invariance is measured only where it matters: more than one sequence, and decode batching not off."""
-    min_segment = file.get()
+    min_segment, odd = file.get(), file.get_value(":odd") is True
     if min_segment is None:
         log.info("measuring the smallest exact prefill ubatch (first start of this model on this CPU; a few "
                  "seconds, kept in %s)", file.file or "memory only: --calibration-file keeps it")
         started = time.perf_counter()
         try:
-            min_segment = measure_min_segment(engine)
+            min_segment, odd = dataclasses.astuple(measure_segments(engine))
         except EngineError as e:
             if not engine.offload.devices:
                 raise
             # A device backend whose kernels differ at every split (lavapipe: bench/results/2026-12-01/vulkan/):
             # serve anyway, as llama-server would, at the largest size tested, and say that cached != cold.
-            min_segment = UNEXACT_MIN_SEGMENT
+            min_segment, odd = UNEXACT_MIN_SEGMENT, False
             log.warning("%s on %s; serving anyway with min_segment %d: with the cache on, outputs may differ "
                         "from cache off (deviation measured in bench/results/2026-12-01/vulkan/README.md)",
                         e.message, engine.offload.backend, min_segment)
+        if odd:
+            file.put(True, ":odd")
         file.put(min_segment)
-        log.info("measured min_segment %d in %.1f s", min_segment, time.perf_counter() - started)
-    engine.calibrate(min_segment)
+        log.info("measured min_segment %d%s in %.1f s", min_segment, " (odd ubatches)" if odd else "",
+                 time.perf_counter() - started)
+    engine.calibrate(min_segment, odd=odd)
     started = time.perf_counter()
     invariant = engine.n_seq_max >= 2 and decode_batching != "off" and check_batch_invariance(engine)
     seconds = time.perf_counter() - started
@@ -442,8 +514,8 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
         else:
             log.warning("a checkpoint taken back inside a prefill call (llama.cpp n_rs_seq) is NOT bit-identical "
                         "to a stopped prefill on this model and CPU: turned off, every snapshot is a stop")
-    engine.calibrate(min_segment, invariant, rollback)
-    return Calibration(min_segment, invariant, rollback)
+    engine.calibrate(min_segment, invariant, rollback, odd=odd)
+    return Calibration(min_segment, invariant, rollback, odd)
 
 
 def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int) -> tuple[int, ...]:

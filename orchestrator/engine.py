@@ -259,20 +259,28 @@ class Engine:
         self.info = self._read_info(model_path)
         self.use_extra_bufts = use_extra_bufts
         self.min_segment = 2  # until calibrated: chunk_sizes never makes one-token chunks
+        self.odd_ubatches = False  # until calibrated: ubatches of any length (chunks.py)
         self.batch_invariant = False
         self.rollback = False  # until calibrated: no checkpoint is taken back inside a prefill call
         self.state.probe(self, max(self.bos_id, 0))
         self._grammars = grammars
 
-    def calibrate(self, min_segment: int, batch_invariant: bool = False, rollback: bool = False) -> None:
+    def calibrate(self, min_segment: int, batch_invariant: bool = False, rollback: bool = False,
+                  odd: bool = False) -> None:
         """Set the measured facts of this model on this CPU (calibration.py): the fewest tokens a prefill ubatch
-        may have to be bit-identical to the same tokens in a larger one, whether a decode step batched over
-        sequences equals decoding each alone, and whether `checkpoint_back` is bit-identical to a stopped
-        prefill (`rollback`, kept only with n_rs_seq snapshots)."""
+        may have to be bit-identical to the same tokens in a larger one, whether prefill ubatches are kept at odd
+        lengths for it (`odd`, chunks.py), whether a decode step batched over sequences equals decoding each
+        alone, and whether `checkpoint_back` is bit-identical to a stopped prefill (`rollback`, kept only with
+        n_rs_seq snapshots)."""
         if min_segment < 2 or self.n_batch < 2 * min_segment - 1:
             raise ModelLoadError(f"min_segment {min_segment} does not fit n_batch {self.n_batch} (--batch-size must "
                                  f"be at least {2 * min_segment - 1} on this model and CPU)")
+        try:
+            chunk_sizes(0, self.n_batch, min_segment, odd)  # an odd rule needs min_segment twice an odd number
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
         self.min_segment = min_segment
+        self.odd_ubatches = odd
         self.batch_invariant = batch_invariant
         self.rollback = rollback and self.n_rs_seq > 0
 
@@ -363,7 +371,8 @@ class Engine:
 
     def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
         """Decode `tokens` at positions pos.. for sequence `seq`, in chunks of at most n_batch tokens and, unless
-        `tokens` is shorter, at least `min_segment` (see "Numerics").
+        `tokens` is shorter, at least `min_segment` (see "Numerics"), of odd length where calibrated so
+        (`odd_ubatches`, chunks.py).
 
         Logits are kept for the last token only (when want_logits). Raises EngineError when llama_decode fails
         (e.g. no KV slot); the sequence's state is then unspecified and the caller must clear it.
@@ -372,7 +381,7 @@ class Engine:
             self.decode_step([(seq, tokens[0], pos)])
             return
         b = self._batch
-        for start, n in chunk_sizes(len(tokens), self.n_batch, self.min_segment):
+        for start, n in chunk_sizes(len(tokens), self.n_batch, self.min_segment, self.odd_ubatches):
             chunk = tokens[start:start + n]
             for i, tok in enumerate(chunk):
                 b.token[i] = tok

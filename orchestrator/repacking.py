@@ -34,7 +34,7 @@ import logging
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 log = logging.getLogger("orchestrator.repacking")
@@ -47,8 +47,9 @@ DECODE_STEPS = 16
 
 @dataclass(frozen=True)
 class Measured:
-    """One way of loading the model, measured in the child. min_segment: calibration.measure_min_segment, None
-    where it finds no exact size (then nothing else is measured unless asked: the times are 0); batch_invariant: calibration.check_batch_invariance at `slots` (False at 1 slot);
+    """One way of loading the model, measured in the child. min_segment and odd: calibration.measure_segments,
+    None where it finds no exact size (then nothing else is measured unless asked: the times are 0);
+    batch_invariant: calibration.check_batch_invariance at `slots` (False at 1 slot);
     prefill_s: one prefill of PREFILL_TOKENS tokens, decode_s: DECODE_STEPS one-token steps after it, in
     seconds, each the best of three runs."""
 
@@ -56,7 +57,8 @@ class Measured:
     batch_invariant: bool
     prefill_s: float
     decode_s: float
-    inexact: str = ""  # why min_segment is None: calibration.measure_min_segment's error
+    inexact: str = ""  # why min_segment is None: calibration.measure_segments's error
+    odd: bool = False  # exact in odd-length ubatches only (calibration.Segments)
 
     @property
     def seconds(self) -> float:
@@ -151,14 +153,14 @@ def _measure(model: Path, threads: int, n_batch: int, slots: int, extra_bufts: b
     engine = Engine(model, n_ctx=1024, n_batch=n_batch, n_threads=threads, use_extra_bufts=extra_bufts,
                     n_seq_max=slots, devices=["none"])
     try:
-        inexact = ""
+        inexact, odd = "", False
         try:
-            min_segment = calibration.measure_min_segment(engine)
+            min_segment, odd = astuple(calibration.measure_segments(engine))
         except EngineError as e:
             min_segment, inexact = None, e.message
             if not always:
                 return Measured(None, False, 0.0, 0.0, inexact)
-        engine.calibrate(min_segment or calibration.UNEXACT_MIN_SEGMENT)
+        engine.calibrate(min_segment or calibration.UNEXACT_MIN_SEGMENT, odd=odd)
         invariant = calibration.check_batch_invariance(engine)
         tokens = [1000 + (37 * i) % 5000 for i in range(min(PREFILL_TOKENS, n_batch))]
         prefill = decode = float("inf")
@@ -171,7 +173,7 @@ def _measure(model: Path, threads: int, n_batch: int, slots: int, extra_bufts: b
                 engine.decode(0, [2000 + i], len(tokens) + i)
             prefill, decode = min(prefill, middle - start), min(decode, time.perf_counter() - middle)
         engine.clear(0)
-        return Measured(min_segment, invariant, prefill, decode, inexact)
+        return Measured(min_segment, invariant, prefill, decode, inexact, odd)
     finally:
         engine.close()
 

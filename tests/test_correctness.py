@@ -149,6 +149,56 @@ def q4_runtime():
     rt.close()
 
 
+@pytest.fixture(scope="module")
+def odd_runtime():
+    """tiny-q4 served as on a CPU whose kernels pair rows in even ubatches (ARM i8mm: chunks.py): the plain
+    probe made to fail, so calibration falls back to odd ubatches (measured exact here too, and stricter)."""
+    from orchestrator import calibration
+    from orchestrator.errors import EngineError
+
+    def paired(engine, *a, **k):
+        raise EngineError("prefill splits change the logits (as with ARM i8mm's two-row dot products)")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibration, "measure_min_segment", paired)
+        rt = Runtime.start(make_config(ensure_model("tiny-q4"), ctx_size=4096))
+    yield rt
+    rt.close()
+
+
+def test_odd_ubatches_are_chosen_where_only_they_are_exact(odd_runtime):
+    """Calibration's fallback: min_segment twice the odd size measured exact, and every prefill ubatch a
+    request makes of odd length, whatever its stops, chunk size and restore."""
+    import llama_cpp
+
+    from orchestrator import calibration
+
+    eng = odd_runtime.engine
+    m = calibration.measure_odd_segment(eng)
+    assert m % 2 == 1 and eng.odd_ubatches and eng.min_segment == 2 * m
+    sizes = []
+    real = llama_cpp.llama_decode
+
+    def recording(ctx, batch):
+        sizes.append(batch.n_tokens)
+        return real(ctx, batch)
+
+    rng = random.Random(5)
+    tokens = eng.tokenize(" ".join(rng.choice(["gamma", "delta", "[1, 2]", "\n"]) for _ in range(400)))
+    n = len(tokens)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama_cpp, "llama_decode", recording)
+        odd_runtime.scheduler.drain()
+        odd_runtime.cache.clear()
+        for cuts in ([40, 41, 130, 131, 300], [2 * m, 4 * m + 1, n - 2 * m]):
+            for k in (n - 1, n):
+                odd_runtime.scheduler.run(Job(tokens[:k], boundaries=cuts, max_tokens=2, want_logits=True))
+                odd_runtime.scheduler.drain()
+    prefills = [k for k in sizes if k > 2]
+    assert prefills and all(k % 2 == 1 for k in prefills), sizes
+    assert any(k == m for k in prefills)  # even stretches were cut in two (the second m long)
+
+
 def test_min_segment_is_measured_per_model(runtime, q4_runtime):
     """F16 weights are split-invariant down to 2-token ubatches; Q4_K_M weights only from 8 tokens on this CPU
     class (a shorter ubatch takes other matmul kernels). Measured at start, not assumed."""
@@ -168,11 +218,12 @@ def test_min_segment_is_measured_per_model(runtime, q4_runtime):
     assert differs  # so the measured minimum is needed, not just safe
 
 
-@pytest.mark.parametrize("which", ["tiny", "tiny-q4"])
-def test_random_prefill_splits_are_bit_identical(which, runtime, q4_runtime):
+@pytest.mark.parametrize("which", ["tiny", "tiny-q4", "tiny-q4-odd"])
+def test_random_prefill_splits_are_bit_identical(which, runtime, q4_runtime, odd_runtime):
     """The property the cache rests on: any split into segments of >= min_segment tokens, with a restore at
-    any segment end, gives the logits of one cold prefill. Cuts closer than that are skipped by the scheduler."""
-    runtime = runtime if which == "tiny" else q4_runtime
+    any segment end, gives the logits of one cold prefill. Cuts closer than that are skipped by the scheduler.
+    tiny-q4-odd: the same with prefill ubatches kept odd (chunks.py)."""
+    runtime = {"tiny": runtime, "tiny-q4": q4_runtime, "tiny-q4-odd": odd_runtime}[which]
     m = runtime.scheduler.min_segment
     rng = random.Random(3)
     text = " ".join(rng.choice(["alpha", "beta", "{\"k\": 1}", "数据", "🙂", "def f(x):", "\n\n"]) for _ in range(300))

@@ -5,6 +5,8 @@
   and cached_tokens never exceeds the longest prefix shared with an earlier request (its prompt and output).
 * Random cache operations with salts against a brute-force model: a plan is the deepest restorable prefix of
   its own salt, and the tree and tiers stay consistent within the budget.
+* Prefill chunking (chunks.py): chunks cover the tokens in order within n_batch, none shorter than min_segment
+  unless the whole is, and with odd ubatches every chunk of a long enough stretch is odd.
 
 Bounded: few examples, no deadline (the model runs on shared CPUs).
 """
@@ -21,6 +23,7 @@ from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.cache.disk import DiskTier
 from orchestrator.cache.radix import CHECKPOINT, KV, common_len
 from orchestrator.cache.tiers import RamTier
+from orchestrator.chunks import chunk_sizes
 
 from .conftest import run_chat
 
@@ -189,3 +192,21 @@ def test_cache_under_a_small_budget_stays_consistent_and_never_crosses_salts(ope
             assert s.ram_bytes <= budget and s.disk_bytes <= disk_budget
             assert len(cache.entries()) <= s.ram_entries + s.disk_entries  # nothing indexed that no tier holds
             cache.check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 2000), n_batch=st.integers(8, 600), half=st.integers(1, 11), odd=st.booleans())
+def test_chunks_cover_in_order_and_keep_the_segment_rule(n, n_batch, half, odd):
+    half = half | 1 if odd else half  # odd ubatches: min_segment twice an odd number
+    m = 2 * half
+    if n_batch < 2 * m - 1:
+        return
+    chunks = chunk_sizes(n, n_batch, m, odd)
+    assert [s for s, _ in chunks] == [0] + [s + k for s, k in chunks[:-1]]
+    assert sum(k for _, k in chunks) == n and all(0 < k <= n_batch for _, k in chunks)
+    if n < m:
+        assert chunks == [(0, n)]
+    elif odd:
+        assert all(k % 2 == 1 and k >= half for _, k in chunks)
+    else:
+        assert all(k >= m for _, k in chunks)

@@ -14,8 +14,9 @@ Two halves, one file (no import from the host side into the emulated side):
       EMULATED (aarch64 Python with LLAMA_CPP_LIB_PATH set): the checks on one model, through the project's own
       code (orchestrator.calibration, Engine, Runtime), into FILE (JSON):
         system            llama_print_system_info, the HWCAP bits the kernel (qemu) reports, the library build
-        min_segment       calibration.measure_min_segment; and for each smaller tested size the max |Δlogit| of
-                          a split prefill against the whole one (where exactness fails, by how much)
+        min_segment       calibration.measure_segments (measure_min_segment, else measure_odd_segment:
+                          odd_ubatches, chunks.py); and for the size below it the max |Δlogit| of a split
+                          prefill against the whole one (where exactness fails, by how much)
         batch_invariant   calibration.check_batch_invariance at widths 2..N_SEQ (n_seq_max N_SEQ); max |Δlogit|
                           per width
         rollback          calibration.check_rollback (n_rs_seq N_RS)
@@ -35,6 +36,7 @@ Units: logits are float32; |Δ| in logit units; seconds are wall-clock under emu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -251,7 +253,8 @@ def _cached_vs_cold(model: Path, bufts: bool, calibration_file: Path, quick: boo
             cuts = sorted(rng.sample(range(2, n - 2), 5)) + [n - rng.randint(2, 9)]
             compare(f"random stops {trial} (cold store)", tokens, cuts, max_tokens=1)
             compare(f"random stops {trial} (one token shorter)", tokens[:-1], cuts, max_tokens=1)
-        return {"min_segment": rt.engine.min_segment, "batch_invariant": rt.engine.batch_invariant,
+        return {"min_segment": rt.engine.min_segment, "odd_ubatches": rt.engine.odd_ubatches,
+                "batch_invariant": rt.engine.batch_invariant,
                 "cases": cases, "ok": all(c["tokens_equal"] and c["logits_equal"] for c in cases),
                 "restored_any": any(c["cached_tokens"] > 0 for c in cases),
                 "seconds": round(time.perf_counter() - started, 1)}
@@ -302,17 +305,24 @@ def run_checks(model: Path, bufts: bool, quick: bool = False) -> dict:
     out["model_buffers"] = buffers.lines
     out["repacked"] = any("REPACK" in line for line in buffers.lines)
     try:
+        odd = False
         try:
-            m = calibration.measure_min_segment(engine)
+            m, odd = dataclasses.astuple(calibration.measure_segments(engine))
         except EngineError as e:
             m = None
             out["min_segment_error"] = e.message
-        out["min_segment"] = m
-        # by how much the largest inexact size differs (the calibration keeps only the verdict)
-        out["split_max_abs_delta"] = _split_deltas(engine, m - 1) if m and m > 2 else {}
+        out["min_segment"], out["odd_ubatches"] = m, odd
+        # by how much the largest inexact size differs (the calibration keeps only the verdict); with odd
+        # ubatches, why the plain probe failed
+        out["split_max_abs_delta"] = _split_deltas(engine, m - 1) if m and m > 2 and not odd else {}
+        if odd:
+            try:
+                calibration.measure_min_segment(engine)
+            except EngineError as e:
+                out["min_segment_error"] = e.message
         timings["min_segment"] = round(time.perf_counter() - t, 1)
         t = time.perf_counter()
-        engine.calibrate(m or 24)
+        engine.calibrate(m or 24, odd=odd)
         out["batch_invariant"] = calibration.check_batch_invariance(engine)
         # per width only where some width differs (all zero otherwise: the same comparison)
         out["batch_max_abs_delta"] = ({str(w): 0.0 for w in range(2, N_SEQ + 1)} if out["batch_invariant"]
@@ -348,7 +358,10 @@ def run_checks(model: Path, bufts: bool, quick: bool = False) -> dict:
         # under qemu-user /proc/cpuinfo is the host's and would not tell one emulated CPU from another.
         file = Path(tmp) / "calibration.json"
         if m:
-            calibration.CalibrationFile(file, model_file_digest(model), N_BATCH, bufts, digest_offload).put(m)
+            stored = calibration.CalibrationFile(file, model_file_digest(model), N_BATCH, bufts, digest_offload)
+            if odd:
+                stored.put(True, ":odd")
+            stored.put(m)
             out["cached_vs_cold"] = _cached_vs_cold(model, bufts, file, quick)
         else:
             out["cached_vs_cold"] = {"ok": False, "skipped": "no exact min_segment: the runtime refuses the cache"}
@@ -433,8 +446,8 @@ def summarize(cell: dict) -> dict:
         if cell["batch_max_abs_delta"][w] != 0.0:
             break
         exact_upto = int(w)
-    return {"min_segment": cell["min_segment"], "batch_invariant": cell["batch_invariant"],
-            "batch_exact_upto": exact_upto,
+    return {"min_segment": cell["min_segment"], "odd_ubatches": cell.get("odd_ubatches", False),
+            "batch_invariant": cell["batch_invariant"], "batch_exact_upto": exact_upto,
             "rollback": cell["rollback"], "verify_widths_rows1": cell["verify_widths"]["decode_rows_1"],
             "verify_widths_rows2": cell["verify_widths"]["decode_rows_2"],
             "save_restore": save_restore_ok(cell["save_restore"]), "cached_equals_cold": cc.get("ok", False),
@@ -523,7 +536,8 @@ def table(out: Path) -> str:
         rb = "not run" if s["rollback"] is None else ("yes" if s["rollback"] else "no")
         cc = "yes" if s["cached_equals_cold"] else f"NO (max Δ {s['cached_max_abs_delta']:.2g})"
         rows.append(f"| {variant} ({data['qemu_cpu']}) | {model} | {bufts} ({'yes' if s['repacked'] else 'no'}) | "
-                    f"{s['min_segment']}{f' ({below})' if below else ''} | {bi} | {rb} | "
+                    f"{s['min_segment']}{' in odd ubatches' if s['odd_ubatches'] else ''}"
+                    f"{f' ({below})' if below else ''} | {bi} | {rb} | "
                     f"{widths(s['verify_widths_rows1'])} / {widths(s['verify_widths_rows2'])} | "
                     f"{'yes' if s['save_restore'] else 'NO'} | {cc} |")
     return "\n".join(rows)
