@@ -78,7 +78,7 @@ def run_all(sched: Scheduler, jobs: list[Job]) -> list:
 
 
 def throughput(engine: Engine, n: int, batched: bool, gen: int) -> dict:
-    sched = Scheduler(engine, SnapshotCache([RamTier(0)]), n_slots=n, batch_decode=batched)
+    sched = Scheduler(engine, SnapshotCache([RamTier(0)]), n_slots=n, batch_widths=tuple(range(2, n + 1)) if batched else ())
     try:
         jobs = [Job(prompt(engine, i, 12), max_tokens=gen, use_cache=False) for i in range(n)]
         t0 = time.perf_counter()
@@ -93,7 +93,7 @@ def throughput(engine: Engine, n: int, batched: bool, gen: int) -> dict:
 
 
 def ttft_next_to_prefill(engine: Engine, slots: int, chunk: int, long_tokens: int, shorts: int) -> dict:
-    sched = Scheduler(engine, SnapshotCache([RamTier(0)]), n_slots=slots, prefill_chunk=chunk, batch_decode=False)
+    sched = Scheduler(engine, SnapshotCache([RamTier(0)]), n_slots=slots, prefill_chunk=chunk)
     try:
         words = max(1, long_tokens // 4)
         long_job = Job(prompt(engine, 999, words)[:long_tokens], max_tokens=1, use_cache=False)

@@ -529,7 +529,8 @@ def replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, prompts: TracePr
         policy = replace(policy, near_end=policy.near_end // sc.tokens)
     cache = SnapshotCache(tiers, policy=policy, state=engine.state)
     sched = Scheduler(engine, cache, checkpoint_interval=st(cfg.checkpoint_interval), n_slots=cfg.n_slots,
-                      queue_size=4, timeout_s=0, prefill_chunk=st(cfg.prefill_chunk), batch_decode=True,
+                      queue_size=4, timeout_s=0, prefill_chunk=st(cfg.prefill_chunk),
+                      batch_widths=tuple(range(2, cfg.n_slots + 1)),
                       snapshot_min_gap=st(cfg.snapshot_min_gap))
     sched.reuse.REPEAT_TAIL = max(1, Reuse.REPEAT_TAIL // sc.tokens)
     speed = shape.prefill_tps

@@ -5,6 +5,7 @@
     odd              whether prefill ubatches are kept at odd lengths to get there (chunks.py: CPUs whose kernels
                      pair rows in even ubatches, ARM i8mm); min_segment is then twice the odd size found
     batch_invariant  whether one decode step batched over sequences equals decoding each alone
+    batch_widths     the batch widths at which it does (ARM i8mm: odd ones only, two rows at a time otherwise)
     rollback         whether a checkpoint taken back inside a prefill call (Engine.checkpoint_back, llama.cpp's
                      n_rs_seq snapshots) is bit-identical to one of a prefill that stopped there (reuse.py then
                      takes a prompt's last stop, where within n_rs_seq of its end, without a llama_decode call of
@@ -195,6 +196,14 @@ def check_batch_invariance(engine: Engine) -> bool:
     one row: 8e-4). So it is measured on the served model, for the configured number of slots.
     """
     return engine.n_seq_max >= 2 and not any(batch_deltas(engine, first_only=True).values())
+
+
+def exact_batch_widths(engine: Engine) -> tuple[int, ...]:
+    """The batch widths, 2..n_seq_max, at which a decode step batched over sequences gives each sequence
+    bit-identical logits to decoding it alone (`batch_deltas`): all of them where check_batch_invariance holds;
+    on x86 K-quant models 2..7 (8 rows switch kernels); with ARM i8mm the odd ones (an even width pairs rows,
+    chunks.py). Clears the sequences it uses."""
+    return tuple(w for w, d in batch_deltas(engine).items() if d == 0.0)
 
 
 def batch_deltas(engine: Engine, first_only: bool = False) -> dict[int, float]:
@@ -469,6 +478,7 @@ class Calibration:
     batch_invariant: bool
     rollback: bool = False
     odd: bool = False  # prefill ubatches kept at odd lengths (Segments)
+    batch_widths: tuple[int, ...] = ()  # exact_batch_widths (measured where decode batching is not off)
 
 
 def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "auto") -> Calibration:
@@ -497,7 +507,8 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
                  time.perf_counter() - started)
     engine.calibrate(min_segment, odd=odd)
     started = time.perf_counter()
-    invariant = engine.n_seq_max >= 2 and decode_batching != "off" and check_batch_invariance(engine)
+    widths = exact_batch_widths(engine) if engine.n_seq_max >= 2 and decode_batching != "off" else ()
+    invariant = engine.n_seq_max >= 2 and widths == tuple(range(2, engine.n_seq_max + 1))
     seconds = time.perf_counter() - started
     if seconds > 2.0:  # a start-up step longer than 2 s says what it did (issue 12, item 7)
         log.info("checked batched decoding against decoding alone in %.1f s", seconds)
@@ -515,7 +526,7 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
             log.warning("a checkpoint taken back inside a prefill call (llama.cpp n_rs_seq) is NOT bit-identical "
                         "to a stopped prefill on this model and CPU: turned off, every snapshot is a stop")
     engine.calibrate(min_segment, invariant, rollback, odd=odd)
-    return Calibration(min_segment, invariant, rollback, odd)
+    return Calibration(min_segment, invariant, rollback, odd, widths)
 
 
 def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int) -> tuple[int, ...]:
@@ -543,19 +554,25 @@ def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int) -> 
     return ()
 
 
-def decode_batching(calibration: Calibration, n_seq_max: int, mode: str) -> bool:
-    """Whether the slots' decode steps share one llama_decode call. "auto": only when measured bit-identical to
-    decoding alone; "on" trades that for throughput; "off" never."""
+def decode_batching(calibration: Calibration, n_seq_max: int, mode: str) -> tuple[int, ...]:
+    """The batch widths at which the slots' decode steps share one llama_decode call (empty: each slot decodes
+    alone). "auto": the widths measured bit-identical to decoding alone (`exact_batch_widths`); "on": every width,
+    trading that for throughput; "off": none."""
     if n_seq_max < 2 or mode == "off":
-        return False
+        return ()
+    every = tuple(range(2, n_seq_max + 1))
     if mode == "on":
         if not calibration.batch_invariant:
             log.warning("--decode-batching on: batched decoding is NOT bit-identical to decoding alone on this "
                         "model; outputs may depend on concurrent requests")
-        return True
-    if calibration.batch_invariant:
+        return every
+    widths = calibration.batch_widths
+    if widths == every:
         log.info("decode steps of all slots are batched (measured bit-identical to decoding alone)")
+    elif widths:
+        log.info("decode steps are batched %s slots at a time (the widths measured bit-identical to decoding "
+                 "alone on this model and CPU; others differ); the rest decode alone", ", ".join(map(str, widths)))
     else:
         log.warning("batched decoding is not bit-identical to decoding alone on this model (weight types); slots "
                     "decode one at a time. --decode-batching on trades exactness for throughput")
-    return calibration.batch_invariant
+    return widths

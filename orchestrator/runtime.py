@@ -260,7 +260,7 @@ class Runtime:
         log.info("%d slots; memory per slot %.1f MiB (recurrent state %.1f MiB x (1 + %d snapshots) + KV %.1f "
                  "KiB/token x %d tokens), %.0f MiB for all", cfg.parallel, per_slot / MiB, recurrent / MiB,
                  engine.n_rs_seq, kv_token / 1024, engine.n_ctx, cfg.parallel * per_slot / MiB)
-        batch_decode = calibration.decode_batching(facts, engine.n_seq_max, cfg.decode_batching)
+        batch_widths = calibration.decode_batching(facts, engine.n_seq_max, cfg.decode_batching)
         if "random" in info.name.lower():
             log.warning("model %r has RANDOM weights: output text is meaningless", info.name)
         spare_bytes = 0
@@ -299,7 +299,7 @@ class Runtime:
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval, n_slots=cfg.parallel,
                                        queue_size=cfg.queue_size, timeout_s=cfg.timeout,
                                        prefill_chunk=cfg.prefill_chunk,
-                                       prefill_chunk_alone=cfg.prefill_chunk_alone, batch_decode=batch_decode,
+                                       prefill_chunk_alone=cfg.prefill_chunk_alone, batch_widths=batch_widths,
                                        prefill_tps=prefill_tps, driver=driver,
                                        snapshot_min_gap=cfg.snapshot_min_gap, verify_widths=widths),
                    model_id=cfg.model_alias or path.stem)

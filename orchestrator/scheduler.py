@@ -83,6 +83,20 @@ class _Condition(threading.Condition):
                 os.close(fd)
 
 
+def decode_groups(n: int, widths: tuple[int, ...]) -> list[int]:
+    """How `n` generating slots (in sequence order) share decode steps: the largest allowed width that fits, then
+    again, a slot alone where none does (`widths`: batch widths measured exact, 2..; empty: all alone).
+
+    >>> decode_groups(4, (2, 3, 4)), decode_groups(4, (3, 5, 7)), decode_groups(9, (2, 3, 4, 5, 6, 7)), decode_groups(2, ())
+    ([4], [3, 1], [7, 2], [1, 1])
+    """
+    groups = []
+    while n:
+        width = max((w for w in widths if w <= n), default=1)
+        groups.append(width)
+        n -= width
+    return groups
+
 class Scheduler:
     """Bounded queue + worker thread over `n_slots` engine sequences and one snapshot cache.
 
@@ -95,8 +109,9 @@ class Scheduler:
         timeout_s: default per-request limit in seconds from submission (0 = none).
         prefill_chunk: most prompt tokens in one step while others wait or compute (an arrival waits for it);
             prefill_chunk_alone: the same while no request decodes or waits (0: n_batch; fewer weight passes).
-        batch_decode: one llama_decode for all generating slots; only where that is bit-identical to decoding
-            alone (calibration.check_batch_invariance), or cached and concurrent outputs may differ from cold.
+        batch_widths: how many generating slots may share one llama_decode call (`decode_groups`); only widths
+            where that is bit-identical to decoding alone (calibration.exact_batch_widths), or cached and
+            concurrent outputs may differ from cold. Empty: every slot decodes alone.
         prefill_tps: measured prompt tokens/s (calibration.prefill_rate; None: from the first chunk on), refined
             by every chunk: a shared tier's fetch-or-recompute choice reads it.
         driver: the thread to run the worker loop on, shut down on close: the one that made the engine's earlier
@@ -113,7 +128,7 @@ class Scheduler:
 
     def __init__(self, engine: Engine, cache: SnapshotCache, checkpoint_interval: int = 0, n_slots: int = 1,
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
-                 batch_decode: bool = False, prefill_tps: float | None = None,
+                 batch_widths: tuple[int, ...] = (), prefill_tps: float | None = None,
                  driver: EngineThread | None = None, snapshot_min_gap: int = 0,
                  verify_widths: tuple[int, ...] = ()) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
@@ -129,7 +144,7 @@ class Scheduler:
         self.timeout_s = timeout_s
         self.prefill_chunk = self.reuse.chunk_size(prefill_chunk)
         self.prefill_chunk_alone = max(self.reuse.chunk_size(prefill_chunk_alone or engine.n_batch), self.prefill_chunk)
-        self.batch_decode = batch_decode
+        self.batch_widths = batch_widths
         self.speculation = Speculation(engine, verify_widths)
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = _Condition()
@@ -409,20 +424,23 @@ class Scheduler:
             self._fail(task, EngineError(f"internal error: {e}"))
 
     def _decode(self, tasks: list[Task]) -> None:
-        """One decode step for the generating slots (one llama_decode if batching, else one each), then sample."""
+        """One decode step for the generating slots, in groups of `decode_groups` (one llama_decode each; a slot
+        alone may verify drafts: `_decode_one`), then sample."""
         tasks.sort(key=lambda t: t.slot.seq)
-        if self.batch_decode and len(tasks) > 1:
+        start = 0
+        for width in decode_groups(len(tasks), self.batch_widths):
+            group, start = tasks[start:start + width], start + width
+            if width == 1:
+                self._guard(group[0], self._decode_one, group[0])
+                continue
             try:
-                self.engine.decode_step([(t.slot.seq, t.pending, t.n + len(t.out) - 1) for t in tasks])
+                self.engine.decode_step([(t.slot.seq, t.pending, t.n + len(t.out) - 1) for t in group])
             except EngineError as e:
-                for t in tasks:
+                for t in group:
                     self._fail(t, e)
-                return
-            for i, t in enumerate(tasks):
+                continue
+            for i, t in enumerate(group):
                 self._guard(t, self._sample, t, i)
-            return
-        for t in tasks:
-            self._guard(t, self._decode_one, t)
 
     def _decode_one(self, t: Task) -> None:
         if self.speculation.step(t, self._sample):  # drafts verified in one ubatch, or False: nothing done

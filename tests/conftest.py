@@ -72,6 +72,11 @@ def verify_every_draft(rt: Runtime) -> Runtime:
     return rt
 
 
+def every_width(n_slots: int, batched: bool = True) -> tuple[int, ...]:
+    """Scheduler batch_widths for "all generating slots in one decode step" (batched) or "each alone"."""
+    return tuple(range(2, n_slots + 1)) if batched else ()
+
+
 def make_config(model: Path, **kw) -> Config:
     # speculative "off": no verification-width probe at every start (no width is exact on these CPUs anyway:
     # bench/results/2026-12-03/verification-widths); tests/test_speculative_models.py starts with it on.

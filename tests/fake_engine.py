@@ -14,7 +14,9 @@ What it models, so that the tests can catch what the real numerics would punish:
     ubatch takes other kernels; a decode step is such a ubatch of one row. So a cached run equals its cold run
     only if every stored state came from a prefill of long enough chunks, as the rules promise.
   * Batch invariance: a decode step of several rows marks its tokens alike to decoding alone only when
-    `batch_invariant` (the hardware's answer, which calibration.check_batch_invariance finds).
+    `batch_invariant` (the hardware's answer, which calibration.check_batch_invariance finds): True, False, or
+    the widths at which it holds (ARM i8mm: the odd ones; calibration.exact_batch_widths). `step_widths` records
+    every decode step's width.
   * The recurrent state cannot be cut back: `truncate` fails unless the recurrent history is at most that long
     (llama_memory_seq_rm on a recurrent memory), and the sequence must then end exactly there.
   * Speculative verification (`verify`): a ubatch of w tokens of one sequence marks its tokens like one-token
@@ -125,11 +127,12 @@ class FakeEngine:
     """See the module docstring. hybrid: a recurrent + attention state (HybridState), else KV only (KVState)."""
 
     def __init__(self, n_seq_max: int = 2, n_ctx: int = 4096, n_batch: int = 64, hybrid: bool = True,
-                 exact_from: int = 4, batch_invariant: bool = True, n_vocab: int = 64,
+                 exact_from: int = 4, batch_invariant: bool | tuple[int, ...] = True, n_vocab: int = 64,
                  checkpoint_bytes: int = 316_000, kv_bytes_per_token: int = 192,
                  exact_widths: Sequence[int] = (), n_rs_seq: int = 0, markov: bool = False) -> None:
         self.n_seq_max, self.n_ctx, self.n_batch, self.n_vocab = n_seq_max, n_ctx, n_batch, n_vocab
         self.exact_from, self.hw_batch_invariant = exact_from, batch_invariant
+        self.step_widths: list[int] = []
         self.checkpoint_nbytes, self.kv_bytes_per_token = checkpoint_bytes, kv_bytes_per_token
         self.hybrid = hybrid
         self.state = HybridState() if hybrid else KVState()
@@ -241,7 +244,10 @@ class FakeEngine:
         self._running.wait()
         if not 0 < len(items) <= self.n_batch:
             raise ValueError("bad decode step")
-        mark = 1 if (len(items) == 1 or self.hw_batch_invariant) else 100 + len(items)
+        self.step_widths.append(len(items))
+        exact = self.hw_batch_invariant
+        exact = len(items) in exact if isinstance(exact, tuple) else exact
+        mark = 1 if (len(items) == 1 or exact) else 100 + len(items)
         out = []
         for seq, tok, pos in items:
             s = self._seqs[seq]

@@ -30,7 +30,7 @@ from orchestrator.grammar_guard import GrammarFailed
 from orchestrator.request import Collector, Event, EventKind, Job, Result, SamplingParams
 from orchestrator.scheduler import Scheduler
 
-from .conftest import serve_process
+from .conftest import every_width, serve_process
 from .fake_engine import FakeEngine
 
 MS = 4
@@ -49,7 +49,7 @@ def make():
         eng = FakeEngine(n_seq_max=n_slots, exact_from=MS, batch_invariant=True)
         eng.calibrate(MS, True)
         s = Scheduler(eng, SnapshotCache([RamTier(64 << 20)], state=eng.state), n_slots=n_slots,
-                      batch_decode=batch_decode, prefill_chunk=16, **kw)
+                      batch_widths=every_width(n_slots, batch_decode), prefill_chunk=16, **kw)
         made.append(s)
         return eng, s
 

@@ -28,6 +28,7 @@ from orchestrator.reuse import Reuse
 from orchestrator.scheduler import Scheduler
 from orchestrator.cache.tiers import RamTier
 
+from .conftest import every_width
 from .fake_engine import FakeEngine
 
 MS = 4  # min_segment of these tests (the fake's exact_from)
@@ -42,11 +43,11 @@ def make():
 
     def _make(n_slots=2, hybrid=True, ram=64 << 20, hw_invariant=True, batch_decode=False, n_ctx=4096, **kw):
         eng = FakeEngine(n_seq_max=n_slots, hybrid=hybrid, exact_from=MS, batch_invariant=hw_invariant, n_ctx=n_ctx)
-        eng.calibrate(MS, hw_invariant)
+        eng.calibrate(MS, hw_invariant is True)
         cache = SnapshotCache([RamTier(ram)], state=eng.state)
         kw.setdefault("prefill_chunk", 16)
         kw.setdefault("prefill_chunk_alone", kw["prefill_chunk"])
-        s = Scheduler(eng, cache, n_slots=n_slots, batch_decode=batch_decode, **kw)
+        s = Scheduler(eng, cache, n_slots=n_slots, batch_widths=every_width(n_slots, batch_decode), **kw)
         made.append(s)
         return eng, cache, s
 
@@ -785,6 +786,19 @@ def test_a_restore_llama_cpp_refuses_drops_the_entries_and_the_request_continues
     cache.check()
     cold = s.run(job(SYSTEM + TAILS[1], use_cache=False))
     assert miss.completion_tokens == cold.completion_tokens and np.array_equal(miss.first_logits, cold.first_logits)
+
+
+def test_slots_decode_together_only_at_the_widths_measured_exact(make):
+    """Where batching is exact at some widths only (ARM i8mm: odd ones), four generating slots decode as three
+    together and one alone, and every answer equals the one decoded alone."""
+    eng, cache, s = make(n_slots=4, hw_invariant=(3,), batch_decode=False)
+    assert calibration.exact_batch_widths(eng) == (3,)
+    s.batch_widths = (3,)
+    jobs = [job([40 + i] + SYSTEM[i:] + TAILS[i % len(TAILS)], max_tokens=10, use_cache=False) for i in range(4)]
+    eng.step_widths.clear()
+    together = submit_all(s, eng, jobs)
+    assert 3 in eng.step_widths and not {2, 4} & set(eng.step_widths)
+    assert all(r.completion_tokens == s.run(j).completion_tokens for j, r in zip(jobs, together))
 
 
 @pytest.mark.parametrize("hw_invariant,batch_decode", [(True, True), (False, False), (False, True)])

@@ -17,7 +17,7 @@ from orchestrator.scheduler import Scheduler
 from orchestrator.speculative.ngram import NgramDrafter
 from orchestrator.speculative.policy import DraftLength, VerifyCosts
 
-from .conftest import FreeCosts
+from .conftest import FreeCosts, every_width
 from .fake_engine import FakeEngine
 
 MS = 4
@@ -44,7 +44,7 @@ def make():
                          n_rs_seq=0, markov=True, n_vocab=48)  # no n_rs_seq: verifications rewind
         eng.calibrate(MS, True)
         s = Scheduler(eng, SnapshotCache([RamTier(64 << 20)], state=eng.state), n_slots=n_slots,
-                      batch_decode=batch_decode, prefill_chunk=16, prefill_chunk_alone=16, verify_widths=widths)
+                      batch_widths=every_width(n_slots, batch_decode), prefill_chunk=16, prefill_chunk_alone=16, verify_widths=widths)
         made.append(s)
         return eng, s
 
