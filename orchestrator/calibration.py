@@ -239,9 +239,9 @@ def batch_deltas(engine: Engine, first_only: bool = False) -> dict[int, float]:
 
 def check_rollback(engine: Engine, seq: int | None = None) -> bool:
     """Whether `Engine.checkpoint_back` gives, on this model and CPU, the bytes of a checkpoint saved by a prefill
-    that stopped there, at every distance from 1 to min(n_rs_seq, min_segment + 1) back from the end of a call
-    that starts from a restored state as a cached prefill does, and whether the sequence then goes on exactly:
-    the logits of a decode step after it, and the logits of the tail prefilled from the taken-back checkpoint,
+    that stopped there, at every distance from 1 to min(rollback_reach, min_segment + 1) back from the end of a
+    call that starts from a restored state as a cached prefill does, and whether the sequence then goes on
+    exactly: the logits of a decode step after it, and the logits of the tail prefilled from the taken-back checkpoint,
     equal those of the plain prefill. False without n_rs_seq snapshots. Uses and clears sequence `seq` (default:
     the last, so that the other cells are in use as when serving) and sequence 0.
 
@@ -262,7 +262,7 @@ def check_rollback(engine: Engine, seq: int | None = None) -> bool:
         engine.clear(seq)
         engine.decode(seq, head, 0, want_logits=False)
         start = engine.save_state(seq)
-        for back in range(1, min(k, m + 1) + 1):
+        for back in range(1, min(engine.rollback_reach, m + 1) + 1):
             p = n - back
             engine.load_state(seq, start)
             engine.decode(seq, tokens[h:p], h, want_logits=False)

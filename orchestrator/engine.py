@@ -517,6 +517,14 @@ class Engine:
         self._last_call.pop(seq, None)
         llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
+    @property
+    def rollback_reach(self) -> int:
+        """How far back from the end of a prefill that `decode` was given `checkpoint_back` can always reach:
+        n_rs_seq, but with odd ubatches less than min_segment // 2, the shortest last call `decode` makes of a
+        chunk of at least min_segment tokens (chunks.py: an even chunk's second half; the call's first position
+        is the previous call's end, not inside it)."""
+        return min(self.n_rs_seq, self.min_segment // 2 - 1) if self.odd_ubatches else self.n_rs_seq
+
     def can_roll_back(self, seq: int, pos: int) -> bool:
         """Whether `checkpoint_back(seq, pos)` can give the checkpoint of `seq` at `pos` now: the sequence's last
         llama_decode call was a prefill of positions [lo, hi), nothing changed the sequence since, and

@@ -277,7 +277,7 @@ class Reuse:
 
     def taken_back(self, task: Task) -> bool:
         """Whether the task's next snapshot position is not a stop: it is its last one, within the engine's
-        n_rs_seq of the end of the work, and the engine can take its checkpoint back
+        reach (`rollback_reach`: n_rs_seq) of the end of the work, and the engine can take its checkpoint back
         after the final prefill call (Engine.checkpoint_back; calibrated exact: `rollback`). A stop is a
         llama_decode call of its own, with a cost that does not shrink with its tokens (an 8-token call took
         58 ms against 1.46 s for 512 tokens on the 0.8b on a 2-core EPYC: bench/results/2026-12-01/stops); the
@@ -285,7 +285,7 @@ class Reuse:
         call (the snapshots are those of the sequence's cell, which a second load might move)."""
         r = task.reuse
         return (self.rollback and task.phase == Phase.PREFILL and len(r.positions) == 1
-                and len(r.work) - r.positions[0] <= self.engine.n_rs_seq)
+                and len(r.work) - r.positions[0] <= self.engine.rollback_reach)
 
     def chunk_end(self, task: Task, chunk: int) -> int:
         """Where the task's next prefill chunk of at most `chunk` tokens ends: at its next snapshot position

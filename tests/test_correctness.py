@@ -161,14 +161,15 @@ def odd_runtime():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(calibration, "measure_min_segment", paired)
-        rt = Runtime.start(make_config(ensure_model("tiny-q4"), ctx_size=4096))
+        rt = Runtime.start(make_config(ensure_model("tiny-q4"), ctx_size=4096, rs_snapshots=24))
     yield rt
     rt.close()
 
 
-def test_odd_ubatches_are_chosen_where_only_they_are_exact(odd_runtime):
+def test_odd_ubatches_are_chosen_where_only_they_are_exact(odd_runtime, caplog):
     """Calibration's fallback: min_segment twice the odd size measured exact, and every prefill ubatch a
-    request makes of odd length, whatever its stops, chunk size and restore."""
+    request makes of odd length, whatever its stops, chunk size and restore; a checkpoint near the end is taken
+    back only from within the last (possibly halved) call (Engine.rollback_reach): none is missed."""
     import llama_cpp
 
     from orchestrator import calibration
@@ -190,12 +191,13 @@ def test_odd_ubatches_are_chosen_where_only_they_are_exact(odd_runtime):
         mp.setattr(llama_cpp, "llama_decode", recording)
         odd_runtime.scheduler.drain()
         odd_runtime.cache.clear()
-        for cuts in ([40, 41, 130, 131, 300], [2 * m, 4 * m + 1, n - 2 * m]):
+        for cuts in ([40, 41, 130, 131, 300], [2 * m, 4 * m + 1, n - 2 * m], [n - 4, n - m + 1, n - 1]):
             for k in (n - 1, n):
                 odd_runtime.scheduler.run(Job(tokens[:k], boundaries=cuts, max_tokens=2, want_logits=True))
                 odd_runtime.scheduler.drain()
     prefills = [k for k in sizes if k > 2]
     assert prefills and all(k % 2 == 1 for k in prefills), sizes
+    assert eng.rollback and not [r for r in caplog.records if "could not be taken back" in r.getMessage()]
     assert any(k == m for k in prefills)  # even stretches were cut in two (the second m long)
 
 
