@@ -32,6 +32,9 @@ batched in three ways, measured on the synthetic Qwen3.5 presets with llama-cpp-
     runtime measures it at start (calibration.measure_min_segment) and passes it in (`calibrate`): `decode`
     never cuts a chunk shorter than `min_segment` out of a longer run, and the reuse rules never store or
     restore a state that a shorter segment produced.
+  * with ARM i8mm, K-quant dot products take two rows at a time in a ubatch of even length and one at a time
+    in an odd one, so no size is exact against every other; there the runtime keeps every prefill ubatch odd
+    (`odd_ubatches`, chunks.py), where sizes from a measured one on are exact (bench/results/2026-12-05/aarch64).
 The engine therefore creates contexts with flash attention off over F16 unless given another `Attention`.
 
 CPU weight repacking ("extra buffer types", `use_extra_bufts`): with llama-cpp-python 0.3.36 on AMX CPUs, a

@@ -448,6 +448,8 @@ def summarize(cell: dict) -> dict:
         exact_upto = int(w)
     return {"min_segment": cell["min_segment"], "odd_ubatches": cell.get("odd_ubatches", False),
             "batch_invariant": cell["batch_invariant"], "batch_exact_upto": exact_upto,
+            "batch_widths": [int(w) for w, d in sorted(cell["batch_max_abs_delta"].items(), key=lambda x: int(x[0]))
+                             if d == 0.0],
             "rollback": cell["rollback"], "verify_widths_rows1": cell["verify_widths"]["decode_rows_1"],
             "verify_widths_rows2": cell["verify_widths"]["decode_rows_2"],
             "save_restore": save_restore_ok(cell["save_restore"]), "cached_equals_cold": cc.get("ok", False),
@@ -532,7 +534,8 @@ def table(out: Path) -> str:
         bi = "yes" if s["batch_invariant"] else (
             f"to width {s['batch_exact_upto']} (worst Δ {worst:.2g})" if s["batch_exact_upto"] >= 2 else
             "no: " + ", ".join(w for w, d in sorted(data["batch_max_abs_delta"].items()) if d) +
-            f" differ (worst Δ {worst:.2g})")
+            f" differ (worst Δ {worst:.2g})" + (f"; {', '.join(map(str, s['batch_widths']))} exact"
+                                                 if s["batch_widths"] else ""))
         rb = "not run" if s["rollback"] is None else ("yes" if s["rollback"] else "no")
         cc = "yes" if s["cached_equals_cold"] else f"NO (max Δ {s['cached_max_abs_delta']:.2g})"
         rows.append(f"| {variant} ({data['qemu_cpu']}) | {model} | {bufts} ({'yes' if s['repacked'] else 'no'}) | "
