@@ -29,6 +29,7 @@ COMMANDS = {
     "trace": "trace",
     "trace-live": "trace_live",
     "layouts": "layouts",
+    "spec-policy": "spec_policy",
 }
 
 

@@ -48,8 +48,8 @@ def fixed_costs(per_row: float) -> VerifyCosts:
 
 
 def test_draft_length_stops_verifying_when_nothing_is_accepted():
-    """Drafts never accepted: a rejected verification or two at the prior, then the unverified drafts' misses keep
-    the estimate down and nothing more is verified."""
+    """Drafts never accepted: at most a rejected verification or two at the prior, then the unverified drafts'
+    misses keep the estimate down and nothing more is verified."""
     length = DraftLength(WIDTHS, fixed_costs(0.2))
     verifications = 0
     for _ in range(1000):
@@ -60,7 +60,7 @@ def test_draft_length_stops_verifying_when_nothing_is_accepted():
             length.observe(w - 1, 0)
         else:
             length.shadow(False)
-    assert 1 <= verifications <= 2
+    assert verifications <= 2
 
 
 def test_unverified_drafts_that_match_bring_verification_back():
@@ -73,18 +73,18 @@ def test_unverified_drafts_that_match_bring_verification_back():
     while length.width(6) == 1:
         length.shadow(True)
         steps += 1
-    assert 1 <= steps <= 6  # a few matching drafts in a row are enough
+    assert 1 <= steps <= 10  # about as many matching drafts in a row as the counts remember (decay 0.9)
 
 
 def test_draft_length_follows_acceptance_and_cost():
-    """Cheap rows and drafts always accepted: the widest width; drafts mostly rejected: narrower; rows as dear as
+    """Cheap rows and drafts always accepted: the widest width; drafts often rejected: narrower; rows as dear as
     decode steps: no width ever pays (a verified token is at best as cheap as a step)."""
     length = DraftLength(WIDTHS, fixed_costs(0.1))
     for _ in range(5):
         length.observe(6, 6)
     assert length.width(6) == 7 and length.width(2) == 3 and length.width(0) == 1
     for _ in range(8):
-        length.observe(6, 1)
+        length.observe(6, 3)
     narrower = length.width(6)
     assert 1 < narrower < 7
     dear = DraftLength(WIDTHS, fixed_costs(1.0))
@@ -135,3 +135,31 @@ def test_widths_not_measured_follow_the_rows_measured():
         costs.observe(1, 0.01)
         costs.observe(3, 0.02)
     assert costs.ratio(3) == 2.0 and abs(costs.ratio(7) - 4.0) < 1e-9 and abs(costs.ratio(2) - 1.5) < 1e-9
+
+
+def test_partial_acceptance_where_verifying_does_not_pay_decodes_about_as_fast_as_plain():
+    """Drafts accepted 75% of the time, independently, at the qwen3.5-0.8b preset's costs (a width-7
+    verification 3.5 decode steps, a rollback 1.8): no width pays (about 0.7 tokens a step at best), so the
+    policy must stay near plain decoding. The rule before (per-verification decay 0.8, the mean) chased runs of
+    accepted drafts into rejections: 0.89x in this simulation, 0.80x measured (bench/results/2026-12-04/
+    speculative, 25% forced corruption). Where every draft is accepted it must still verify at the widest width."""
+    from bench.spec_policy import COSTS, Fixed, answer
+    import random
+
+    ratio, rewind = COSTS["0.8b"]
+    rates = [answer(DraftLength(WIDTHS, Fixed(ratio, rewind)), lambda t: 0.75, 300, ratio, rewind,
+                    random.Random(seed)) for seed in range(100)]
+    assert sum(rates) / len(rates) >= 0.95
+    always = DraftLength(WIDTHS, Fixed(ratio, rewind))
+    assert answer(always, lambda t: 1.0, 300, ratio, rewind, random.Random(0)) > 1.9
+    assert always.width(6) == 7
+
+
+def test_the_cautious_estimate_is_below_the_mean_and_closes_on_it():
+    length = DraftLength(WIDTHS)
+    assert length.cautious() < length.acceptance()
+    for _ in range(50):
+        length.shadow(True)
+        length.shadow(False)
+    assert abs(length.acceptance() - 0.5) < 0.05
+    assert 0.5 - 0.5 * (0.25 / 10) ** 0.5 - 0.05 < length.cautious() < length.acceptance()
