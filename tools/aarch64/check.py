@@ -531,15 +531,16 @@ def table(out: Path) -> str:
         split = data.get("split_max_abs_delta") or {}
         below = ", ".join(f"{k}: {v:.2g}" for k, v in split.items())
         worst = max(data["batch_max_abs_delta"].values())
+        differ = [w for w, d in sorted(data["batch_max_abs_delta"].items(), key=lambda x: int(x[0])) if d]
         bi = "yes" if s["batch_invariant"] else (
-            f"to width {s['batch_exact_upto']} (worst Δ {worst:.2g})" if s["batch_exact_upto"] >= 2 else
-            "no: " + ", ".join(w for w, d in sorted(data["batch_max_abs_delta"].items()) if d) +
-            f" differ (worst Δ {worst:.2g})" + (f"; {', '.join(map(str, s['batch_widths']))} exact"
-                                                 if s["batch_widths"] else ""))
+            f"{', '.join(map(str, s['batch_widths'])) or 'no width'} exact; {', '.join(differ)} differ "
+            f"(worst Δ {worst:.2g})")
         rb = "not run" if s["rollback"] is None else ("yes" if s["rollback"] else "no")
-        cc = "yes" if s["cached_equals_cold"] else f"NO (max Δ {s['cached_max_abs_delta']:.2g})"
+        skipped = data.get("cached_vs_cold", {}).get("skipped")
+        cc = ("not run: the runtime refuses the cache (no exact min_segment)" if skipped else
+              "yes" if s["cached_equals_cold"] else f"NO (max Δ {s['cached_max_abs_delta']:.2g})")
         rows.append(f"| {variant} ({data['qemu_cpu']}) | {model} | {bufts} ({'yes' if s['repacked'] else 'no'}) | "
-                    f"{s['min_segment']}{' in odd ubatches' if s['odd_ubatches'] else ''}"
+                    f"{s['min_segment'] or 'none'}{' in odd ubatches' if s['odd_ubatches'] else ''}"
                     f"{f' ({below})' if below else ''} | {bi} | {rb} | "
                     f"{widths(s['verify_widths_rows1'])} / {widths(s['verify_widths_rows2'])} | "
                     f"{'yes' if s['save_restore'] else 'NO'} | {cc} |")
