@@ -57,8 +57,8 @@ class Before(DraftLength):
         self._misses = self._misses * self.decay + (1 if accepted < drafted else 0)
 
 
-def answer(policy: DraftLength, p: Callable[[int], float], n_tokens: int, ratio, rewind, rng) -> float:
-    """Tokens per plain-step time of one simulated answer of at least n_tokens."""
+def answer(policy: DraftLength, p: Callable[[int], float], n_tokens: int, rng: random.Random) -> float:
+    """Tokens per plain-step time of one simulated answer of at least n_tokens, at the policy's own costs."""
     tokens, cost = 0, 0.0
     while tokens < n_tokens:
         w = policy.width(DRAFTS)
@@ -71,7 +71,7 @@ def answer(policy: DraftLength, p: Callable[[int], float], n_tokens: int, ratio,
             accepted += 1
         policy.observe(w - 1, accepted)
         tokens += accepted + 1
-        cost += ratio[w] + (rewind if accepted < w - 1 else 0.0)
+        cost += policy.costs.ratio(w) + (policy.costs.rewind_ratio() if accepted < w - 1 else 0.0)
     return tokens / cost
 
 
@@ -82,7 +82,7 @@ def simulate(n_tokens: int = 300, answers: int = 200) -> dict:
     for cname, (ratio, rewind) in COSTS.items():
         for pname, p in PATTERNS.items():
             for rname, rule in rules.items():
-                rates = [answer(rule(widths, Fixed(ratio, rewind)), p, n_tokens, ratio, rewind, random.Random(seed))
+                rates = [answer(rule(widths, Fixed(ratio, rewind)), p, n_tokens, random.Random(seed))
                          for seed in range(answers)]
                 out.setdefault(cname, {}).setdefault(pname, {})[rname] = round(sum(rates) / len(rates), 4)
     return out

@@ -147,11 +147,11 @@ def test_partial_acceptance_where_verifying_does_not_pay_decodes_about_as_fast_a
     import random
 
     ratio, rewind = COSTS["0.8b"]
-    rates = [answer(DraftLength(WIDTHS, Fixed(ratio, rewind)), lambda t: 0.75, 300, ratio, rewind,
-                    random.Random(seed)) for seed in range(100)]
+    rates = [answer(DraftLength(WIDTHS, Fixed(ratio, rewind)), lambda t: 0.75, 300, random.Random(seed))
+             for seed in range(100)]
     assert sum(rates) / len(rates) >= 0.95
     always = DraftLength(WIDTHS, Fixed(ratio, rewind))
-    assert answer(always, lambda t: 1.0, 300, ratio, rewind, random.Random(0)) > 1.9
+    assert answer(always, lambda t: 1.0, 300, random.Random(0)) > 1.9
     assert always.width(6) == 7
 
 

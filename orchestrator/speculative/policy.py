@@ -90,7 +90,7 @@ class DraftLength:
 
     While no width pays, the drafts are still made (an n-gram lookup: microseconds) and checked against the
     tokens that follow (`shadow`), so the estimate keeps up without verifying: a request whose drafts are never
-    accepted pays a rejected verification or two at its start (at the prior), then nothing but the lookups;
+    accepted pays at most a rejected verification or two at its start (at the prior), then only the lookups;
     drafts that start to match again (an edit reaching text it copies) raise the estimate until verifying
     pays."""
 
