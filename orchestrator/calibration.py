@@ -24,11 +24,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import llama_cpp
 import numpy as np
@@ -413,10 +414,24 @@ def cpu_flags() -> str | None:
         return None
 
 
+def kernel_environment(environ: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """The environment variables that llama.cpp and ggml read (names starting GGML_, LLAMA_ or SPACEMIT_), sorted:
+    some change which kernels run and so the numerics. GGML_CPU_TILED_MM=0 turns off ggml-cpu's tiled K-quant
+    matmul, which otherwise takes every matmul of 8 or more rows (the "8-row switch" in docs/correctness.md), and
+    GGML_CPU_TILED_MM_FORCE=1 takes it at every width: either makes min_segment 2 and every verification width
+    exact where it was 8 (ggml/src/ggml-cpu/tiled/tiled.cpp; bench/results/2026-12-05/tiled-matmul).
+    GGML_CPU_DISABLE_FUSION and LLAMA_ATTN_ROT_DISABLE change the graph. Debug switches among them only cost a
+    measurement."""
+    env = os.environ if environ is None else environ
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(("GGML_", "LLAMA_", "SPACEMIT_"))))
+
+
 class CalibrationFile:
     """The measured min_segment of a model on this machine, kept in a small JSON file so that a restart does not
     measure again. Keyed by the model file (`model_file_digest`), the llama-cpp-python version, the CPU's
-    instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), n_batch, weight
+    instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), the llama.cpp/ggml
+    environment variables (`kernel_environment`: a value measured with the tiled matmul off is never reused
+    with it on), n_batch, weight
     repacking (None: a measurement of both, repacking.py) and the offload layout (`Offload.key`: backend, devices, layers and KV placement; a CPU
     measurement is never reused for a GPU). No file (None), an unreadable one, or no layout: measure every
     time."""
@@ -430,7 +445,8 @@ class CalibrationFile:
         cpu = cpu_flags()
         if cpu is None:
             self.file = None  # no way to tell this CPU from another: do not trust a stored value
-        for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts, offload_key):
+        for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts, offload_key,
+                     kernel_environment()):
             h.update(repr(part).encode())
         self.key = h.hexdigest()
 

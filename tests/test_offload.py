@@ -139,6 +139,23 @@ def test_a_cpu_calibration_is_never_reused_for_a_gpu(tmp_path, tiny_model):
     assert calibration.CalibrationFile(file, digest, 256, False).get() is None  # no layout: not trusted
 
 
+def test_a_calibration_is_never_reused_under_other_kernel_switches(tmp_path, tiny_model, monkeypatch):
+    """GGML_CPU_TILED_MM=0 makes min_segment 2 where it is 8 with the tiled matmul on (bench/results/2026-12-05/
+    tiled-matmul): a value measured with the switch must not be served without it, nor the other way round."""
+    file, digest, cpu = tmp_path / "calibration.json", model_file_digest(tiny_model), Offload.of([], -1, 8, True)
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
+    calibration.CalibrationFile(file, digest, 256, False, cpu).put(2)
+    assert calibration.CalibrationFile(file, digest, 256, False, cpu).get() == 2
+    monkeypatch.delenv("GGML_CPU_TILED_MM")
+    assert calibration.CalibrationFile(file, digest, 256, False, cpu).get() is None
+    calibration.CalibrationFile(file, digest, 256, False, cpu).put(8)
+    monkeypatch.setenv("GGML_CPU_TILED_MM_FORCE", "1")
+    assert calibration.CalibrationFile(file, digest, 256, False, cpu).get() is None
+    monkeypatch.delenv("GGML_CPU_TILED_MM_FORCE")
+    monkeypatch.setenv("ORCHESTRATOR_UNRELATED", "1")  # only llama.cpp's and ggml's own variables count
+    assert calibration.CalibrationFile(file, digest, 256, False, cpu).get() == 8
+
+
 def test_a_state_of_one_offload_layout_is_refused_by_another(tiny_model):
     def engine(offload):
         return types.SimpleNamespace(n_ctx=1024, n_seq_max=1, attention=Attention(), use_extra_bufts=False,
