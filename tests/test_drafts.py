@@ -28,6 +28,19 @@ def test_ngram_prefers_the_longest_suffix():
     assert d.draft(1) == [8]  # "5 1 2" (n=3) wins over the later "2" (n=1) that was followed by 9
 
 
+def test_ngram_long_suffix_finds_the_copy_being_made():
+    """An edit copying a file whose blocks differ by one token (1 or 2 here): every 4-token suffix recurs in each
+    block, and its latest occurrence is the previous block, which drafts that block's number; the 8-token suffix
+    holds the number of the block being copied and drafts its continuation."""
+    block = lambda i: [10, 11, 12, i, 13, 14, 15, 16, 17, 18, 19, 20 + i]
+    prompt = block(1) + block(2) + [99]
+    copy = block(1)[:8]  # the answer has copied block 1 up to here
+    d = NgramDrafter(prompt + copy)
+    assert d.draft(4) == block(1)[8:12]  # [17, 18, 19, 21]
+    short = NgramDrafter(prompt + copy, long=())
+    assert short.draft(4) == block(2)[8:12]  # the latest 4-gram "14 15 16" is block 2's: [17, 18, 19, 22]
+
+
 def test_ngram_incremental_equals_built_at_once():
     rng = np.random.default_rng(1)
     tokens = [int(x) for x in rng.integers(0, 6, 300)]

@@ -1,11 +1,19 @@
 """Prompt-lookup drafts: the tokens that followed the latest earlier occurrence of the sequence's last n tokens.
 
 A pure index over one request's tokens (prompt + answer so far); no model. The reference is llama.cpp's
-`ngram-simple` mode (common/speculative.cpp): match the last n tokens, n from `max_n` down to `min_n`, and draft
-what followed the most recent earlier match.
+`ngram-simple` mode (common/speculative.cpp): match the last n tokens, longest n first, and draft what followed
+the most recent earlier match.
 
     tokens:  ... a b c X Y Z ... a b c | ?      (| = the end: the last n = 3 tokens are "a b c")
     draft:               X Y Z                 (what followed the latest earlier "a b c")
+
+Besides every n from `min_n` to `max_n`, a few long n (`long`, default 8 and 16) are tried first. In text that
+repeats with small differences (an edit rewriting a file whose functions differ by a number, a list of similar
+tool calls) a short suffix recurs everywhere and its latest occurrence is usually the previous repetition, which
+drafts that repetition's numbers; a 16-token suffix still holds the distinguishing token and finds the copy being
+made. On Gemma 3 270M rewriting a 150-line file (bench/results/2026-12-05/speculative-xeon) the long lengths took
+acceptance from 206/272 to 212/255 drafted tokens at widths up to 7, and from 657/1039 to 246/340 per round at
+widths up to 16 (llama.cpp's `ngram-mod` hashes 24-token windows for the same reason).
 """
 
 from __future__ import annotations
@@ -14,26 +22,33 @@ from typing import Sequence
 
 
 class NgramDrafter:
-    """Drafts for one sequence. `extend` appends tokens (O(max_n - min_n + 1) each); `draft(k)` proposes at most
-    k tokens (O(max_n + k)). Invariant: `_last[n][gram]` is the end offset (exclusive) of the latest occurrence
-    of `gram` (an n-tuple) among tokens[:len(tokens) - 1], so a match is always strictly earlier than the end."""
+    """Drafts for one sequence. `extend` appends tokens (O(len(lengths) * max length) each); `draft(k)` proposes
+    at most k tokens. Memory: one dict entry (two ints) per token and length (about 0.5 KB a token with the
+    default 5 lengths).
 
-    def __init__(self, tokens: Sequence[int] = (), min_n: int = 2, max_n: int = 4) -> None:
+    Invariant: `_last[n][hash(gram)]` is the end offset (exclusive) of the latest occurrence of an n-gram with that
+    hash among tokens[:len(tokens) - 1], so a match is always strictly earlier than the end; a lookup compares the
+    tokens themselves, so a hash collision drafts nothing rather than something unrelated."""
+
+    def __init__(self, tokens: Sequence[int] = (), min_n: int = 2, max_n: int = 4,
+                 long: Sequence[int] = (8, 16)) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.lengths = tuple(sorted(set(range(min_n, max_n + 1)) | {n for n in long if n > max_n}, reverse=True))
         self.tokens: list[int] = []
-        self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._last: dict[int, dict[int, int]] = {n: {} for n in self.lengths}
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens to the sequence."""
+        toks = self.tokens
         for tok in tokens:
-            end = len(self.tokens)  # index the grams ending at the previous last token: they now have a follower
-            for n in range(self.min_n, self.max_n + 1):
+            end = len(toks)  # index the grams ending at the previous last token: they now have a follower
+            for n in self.lengths:
                 if end >= n:
-                    self._last[n][tuple(self.tokens[end - n:end])] = end
-            self.tokens.append(tok)
+                    self._last[n][hash(tuple(toks[end - n:end]))] = end
+            toks.append(tok)
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix (longest n
@@ -41,10 +56,11 @@ class NgramDrafter:
         toks, end = self.tokens, len(self.tokens)
         if k <= 0:
             return []
-        for n in range(self.max_n, self.min_n - 1, -1):
+        for n in self.lengths:
             if end <= n:
                 continue
-            at = self._last[n].get(tuple(toks[end - n:end]))
-            if at is not None:
+            gram = toks[end - n:end]
+            at = self._last[n].get(hash(tuple(gram)))
+            if at is not None and toks[at - n:at] == gram:
                 return toks[at:min(at + k, end)]
         return []
