@@ -303,6 +303,8 @@ def main(serve: Callable[[Config, str], int], argv: list[str] | None = None) -> 
     p.add_argument("--out", type=Path, help="output GGUF (default: build once into the user cache and print its path)")
     p.add_argument("--sizes", action="store_true", help="print the preset's sizes (recurrent state per checkpoint, KV "
                    "per token, weights, file) from its shapes, without building; every preset without --preset")
+    p.add_argument("--mtp", action="store_true", help="add the multi-token-prediction block published Qwen3.5 models "
+                   "ship (llama.cpp's nextn layers, random like the rest): the preset '<preset>-mtp'")
     a = parser.parse_args(argv)
     if a.command == "synth-model" and not a.sizes and a.preset is None:
         parser.error("synth-model: --preset is required (or --sizes)")
@@ -310,11 +312,15 @@ def main(serve: Callable[[Config, str], int], argv: list[str] | None = None) -> 
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if a.command == "serve":
         return serve(_config(a), a.log_level)
-    from .models.synth import build_model, ensure_model, sizes_table
+    from .models.synth import SynthError, build_model, ensure_model, sizes_table, with_mtp
 
     if a.sizes:
         print(sizes_table([a.preset] if a.preset else list(PRESETS)))
         return 0
-    path = build_model(a.preset, a.out) if a.out else ensure_model(a.preset)
+    try:
+        preset = with_mtp(a.preset) if a.mtp else a.preset
+    except SynthError as e:
+        parser.error(f"synth-model: {e}")
+    path = build_model(preset, a.out) if a.out else ensure_model(preset)
     print(path)
     return 0

@@ -166,6 +166,8 @@ class Engine:
             verification is then exact by construction below the weight kernels' switch
             (bench/results/2026-12-03/verification-widths). Answers differ from decode_rows 1 (once: both are
             exact with respect to the cache). Raises ModelLoadError for 2 on a recurrent model without n_rs_seq.
+        load_mtp: also load the model's multi-token-prediction block where it has one (llama_model_params.load_mtp;
+            speculative/mtp.py); the trunk computes the same logits either way (bench/results/2026-12-05/mtp).
     Raises ModelLoadError when the file is missing, a device is unknown, or llama.cpp cannot load it.
 
     `offload` is the resulting layout (devices.Offload); `model_params` and `context_params` the llama.cpp
@@ -182,7 +184,7 @@ class Engine:
                  use_extra_bufts: bool = False, n_seq_max: int = 1, attention: Attention = Attention(),
                  n_gpu_layers: int = -1, devices: Sequence[str] | None = None, main_gpu: int | None = None,
                  kv_offload: bool = True, n_rs_seq: int = 0, decode_rows: int = 1,
-                 grammars: GrammarPool | None = None) -> None:
+                 grammars: GrammarPool | None = None, load_mtp: bool = False) -> None:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
@@ -192,6 +194,7 @@ class Engine:
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.use_extra_bufts = use_extra_bufts
+        mparams.load_mtp = load_mtp
         mparams.n_gpu_layers = n_gpu_layers
         offload_to = select_devices(devices, main_gpu)
         self._devices = device_array(offload_to)  # explicit, so that `offload` names what llama.cpp uses

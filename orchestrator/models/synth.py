@@ -168,7 +168,7 @@ import time
 import unicodedata
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -246,6 +246,13 @@ class Preset:
             answers"); False for the plain presets, whose cache names do not include it.
         tie_word_embeddings: the HF field: True (0.8B, 4B) reads the logits from ``token_embd``; False (9B, 27B)
             writes an ``output.weight`` of its own (V x E more weights). Cache names include it only when False.
+        mtp_layers: ``mtp_num_hidden_layers`` (1 in every published Qwen3.5 config): multi-token-prediction
+            blocks after the trunk, as llama.cpp's converter writes them (``blk.{n_layer}.*``: a full-attention
+            decoder block plus ``nextn.eh_proj`` {2E -> E}, ``nextn.enorm``, ``nextn.hnorm``,
+            ``nextn.shared_head_norm``; GGUF ``nextn_predict_layers``, ``block_count`` = n_layer + mtp_layers;
+            ``src/models/qwen35.cpp``). llama.cpp skips them unless a model is loaded with ``load_mtp``, so the
+            trunk's compute and state are the same with or without. 0 by default (cache names include it only
+            when set); ``synth-model --mtp`` sets 1 (``<preset>-mtp``). qwen35 only.
     """
 
     name: str
@@ -272,6 +279,7 @@ class Preset:
     architecture: str = "qwen35"  # or "qwen3": every layer full attention, no recurrent state (a non-hybrid model)
     ends: bool = False  # answers end: planted token stages and an untied output matrix (module doc "Ending answers")
     tie_word_embeddings: bool = True  # False: an untied ``output.weight`` (V x E) after output_norm, as 9B and 27B
+    mtp_layers: int = 0  # multi-token-prediction blocks after the trunk (``nextn``), as published Qwen3.5 has 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -291,6 +299,8 @@ class Preset:
             problems.append(f"vocab_size must be at least {PADDED_VOCAB_SIZE} (the Qwen3.5 vocabulary)")
         if self.quantization not in (None, "Q4_K_M"):
             problems.append("quantization must be None or 'Q4_K_M'")
+        if self.mtp_layers and (self.architecture != "qwen35" or self.mtp_layers != 1):
+            problems.append("mtp_layers must be 0, or 1 on qwen35 (llama.cpp's qwen35 MTP takes one block)")
         if problems:
             raise SynthError(f"invalid preset {self.name!r}: " + "; ".join(problems))
 
@@ -353,6 +363,26 @@ class Preset:
                 (p + "ffn_gate.weight", (self.intermediate_size, E), "normal"),
                 (p + "ffn_up.weight", (self.intermediate_size, E), "normal"),
                 (p + "ffn_down.weight", (E, self.intermediate_size), "normal"),
+            ]
+        for i in range(self.n_layer, self.n_layer + self.mtp_layers):  # llama.cpp qwen35.cpp load_block_mtp
+            p = f"blk.{i}."
+            q, kv = self.head_dim * self.num_attention_heads, self.head_dim * self.num_key_value_heads
+            specs += [
+                (p + "nextn.enorm.weight", (E,), "ones"),
+                (p + "nextn.hnorm.weight", (E,), "ones"),
+                (p + "nextn.eh_proj.weight", (E, 2 * E), "normal"),
+                (p + "attn_norm.weight", (E,), "ones"),
+                (p + "attn_q.weight", (2 * q, E), "normal"),
+                (p + "attn_k.weight", (kv, E), "normal"),
+                (p + "attn_v.weight", (kv, E), "normal"),
+                (p + "attn_output.weight", (E, q), "normal"),
+                (p + "attn_q_norm.weight", (self.head_dim,), "ones"),
+                (p + "attn_k_norm.weight", (self.head_dim,), "ones"),
+                (p + "post_attention_norm.weight", (E,), "ones"),
+                (p + "ffn_gate.weight", (self.intermediate_size, E), "normal"),
+                (p + "ffn_up.weight", (self.intermediate_size, E), "normal"),
+                (p + "ffn_down.weight", (E, self.intermediate_size), "normal"),
+                (p + "nextn.shared_head_norm.weight", (E,), "ones"),
             ]
         specs.append(("output_norm.weight", (E,), "ones"))
         if self.ends or not self.tie_word_embeddings:
@@ -533,6 +563,15 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
         quantization="Q4_K_M", architecture="qwen3",
     ),
 })
+
+
+def with_mtp(preset: str | Preset) -> Preset:
+    """``preset`` with one multi-token-prediction block (``Preset.mtp_layers``), named ``<name>-mtp``. Raises
+    SynthError for a preset that cannot have one (not qwen35) or an unknown name."""
+    pre = _preset(preset)
+    if pre.architecture != "qwen35":
+        raise SynthError(f"preset {pre.name!r} is not a qwen35 model: llama.cpp has no MTP block for it")
+    return pre if pre.mtp_layers else replace(pre, name=pre.name + "-mtp", mtp_layers=1)
 
 
 def _preset(preset: str | Preset) -> Preset:
@@ -885,7 +924,9 @@ def _write_f16_gguf(preset: Preset, vocab: Vocabulary, template: str, path: Path
     w.add_file_type(_LLAMA_FTYPE_MOSTLY_F16)
     w.add_context_length(preset.context_length)
     w.add_embedding_length(preset.hidden_size)
-    w.add_block_count(preset.n_layer)
+    w.add_block_count(preset.n_layer + preset.mtp_layers)
+    if preset.mtp_layers:
+        w.add_uint32(f"{arch}.nextn_predict_layers", preset.mtp_layers)
     w.add_feed_forward_length(preset.intermediate_size)
     w.add_head_count(preset.num_attention_heads)
     w.add_head_count_kv(preset.num_key_value_heads)
@@ -1058,7 +1099,8 @@ def model_filename(preset: str | Preset) -> str:
     h.update(f"v{GENERATOR_VERSION}\n".encode())
     for f in fields(pre):
         if ((f.name == "architecture" and pre.architecture == "qwen35") or (f.name == "ends" and not pre.ends)
-                or (f.name == "tie_word_embeddings" and pre.tie_word_embeddings)):
+                or (f.name == "tie_word_embeddings" and pre.tie_word_embeddings)
+                or (f.name == "mtp_layers" and not pre.mtp_layers)):
             continue  # added later: presets from before keep their file names
         h.update(f"{f.name}={getattr(pre, f.name)!r}\n".encode())
     if pre.ends:  # the planted recipe's constants (module doc "Ending answers")
