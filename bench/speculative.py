@@ -65,10 +65,34 @@ class ForcedDrafter:
         return [t + 1 if self.bad[j + i] else t for i, t in enumerate(self.reference[j:j + k])]
 
 
-def force(speculation, reference: list[int], corrupt: float) -> None:
-    """Make `speculation` (orchestrator.speculative.verify.Speculation) draft with ForcedDrafter from here on."""
+class ForcedHead:
+    """An MTP head (orchestrator.speculative.mtp.MtpHead) that runs as in serving (its entries, one model step
+    with logits per draft: the cost) but drafts `reference` as ForcedDrafter does, the answer starting at position
+    `n_prompt`: what MTP drafts with that acceptance would give."""
+
+    def __init__(self, head, n_prompt: int, reference: list[int], corrupt: float) -> None:
+        self.head = getattr(head, "head", head)
+        self.forced = ForcedDrafter([0] * n_prompt, reference, corrupt)
+
+    def __getattr__(self, name):
+        return getattr(self.head, name)
+
+    def draft(self, seq: int, pos: int, token: int, h, k: int) -> list[int]:
+        real = self.head.draft(seq, pos, token, h, k)
+        f = self.forced
+        f.tokens = f.tokens[:pos + 1] + [0] * (pos + 1 - len(f.tokens))  # prompt + answer up to `token`
+        return (f.draft(k) + real)[:k]
+
+
+def force(speculation, reference: list[int], corrupt: float, n_prompt: int = 0) -> None:
+    """Make `speculation` (orchestrator.speculative.verify.Speculation) draft with ForcedDrafter from here on, or
+    with an MTP head: with ForcedHead (its prompt `n_prompt` tokens long)."""
     from orchestrator.speculative.policy import DraftLength
     from orchestrator.speculative.verify import RequestSpec
+
+    if speculation.mtp is not None:
+        speculation.mtp = ForcedHead(speculation.mtp, n_prompt, reference, corrupt)
+        return
 
     def state(task):
         if task.spec is None and speculation.widths:
@@ -219,7 +243,7 @@ def run_forced(model: Path, mode: str, texts: dict[str, str], template: str, max
             out["off"][gen] = generate(rt, "off", gen, text, template, max_tokens)
             for name, rate in rates:
                 spec.widths, spec.state = widths, state
-                force(spec, out["off"][gen]["tokens"], rate)
+                force(spec, out["off"][gen]["tokens"], rate, out["off"][gen]["prompt_tokens"])
                 out[name][gen] = generate(rt, name, gen, text, template, max_tokens)
     finally:
         rt.close()
@@ -230,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench speculative", description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: Gemma 3 270M from PyPI)")
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="gemma")
-    ap.add_argument("--mode", choices=["auto", "ngram"], default="ngram", help="what 'on' is (default ngram)")
+    ap.add_argument("--mode", choices=["auto", "ngram", "mtp"], default="ngram",
+                    help="what 'on' is: --speculative's value (default ngram; mtp: a GGUF with an MTP block, "
+                         "e.g. synth-model --preset qwen3.5-0.8b --mtp)")
     ap.add_argument("--lines", type=int, default=150, help="lines of the file the edit rewrites")
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--draft-max", type=int, default=6)

@@ -547,15 +547,17 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
 
 def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int) -> tuple[int, ...]:
     """The verification widths the scheduler uses (empty: speculative decoding off), from the widths measured
-    exact (`measure_verify_widths`) and --speculative: "off" none; "auto" the measured ones up to draft_max + 1;
+    exact (`measure_verify_widths`) and --speculative: "off" none; "auto" and "mtp" the measured ones up to
+    draft_max + 1;
     "ngram" those, or where none were measured exact 2..draft_max + 1 with a warning (outputs may then differ
     from speculation off). Logs the decision and why."""
     if mode == "off":
         return ()
     exact = tuple(w for w in measured if w <= draft_max + 1)
     if exact:
-        log.info("speculative decoding on: n-gram drafts verified %d..%d tokens at a time (measured bit-identical "
-                 "to one-token decoding on this model and CPU)", exact[0], exact[-1])
+        log.info("speculative decoding on: %s drafts verified %d..%d tokens at a time (measured bit-identical "
+                 "to one-token decoding on this model and CPU)", "MTP" if mode == "mtp" else "n-gram",
+                 exact[0], exact[-1])
         return exact
     if mode == "ngram":
         log.warning("--speculative ngram: no verification width is bit-identical to one-token decoding on this "

@@ -147,11 +147,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--decode-batching", choices=["auto", "on", "off"], default=d.decode_batching,
                    help="one llama_decode for all generating slots: auto = only when measured bit-identical to "
                         "decoding alone on this model (default auto)")
-    p.add_argument("--speculative", choices=["auto", "off", "ngram"], default=d.speculative,
+    p.add_argument("--speculative", choices=["auto", "off", "ngram", "mtp"], default=d.speculative,
                    help="speculative decoding with n-gram (prompt lookup) drafts: auto = only in the verification "
                         "widths measured bit-identical to one-token decoding at start (none: off, and the log says "
-                        "why); ngram = also where none were (outputs may differ from off); mtp and draft models are "
-                        "not implemented yet (default auto)")
+                        "why); ngram = also where none were (outputs may differ from off); mtp = drafts from the "
+                        "model's multi-token-prediction head (a Qwen3.5 GGUF with nextn layers), exact widths only; "
+                        "draft models are not implemented yet (default auto)")
     p.add_argument("--decode-rows", type=int, choices=[1, 2], default=d.decode_rows,
                    help="rows per one-token decode step: 2 = the token and a rolled-back copy, the kernels of a "
                         "speculative verification, so that verification is exact by construction (answers differ "

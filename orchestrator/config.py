@@ -89,7 +89,9 @@ class Config:
     # models in engine.VERIFYING: 2..7; none found: off, logged), each request's width weighed by its acceptance
     # and the measured cost of a verification (speculative/policy.py);
     # "ngram" = also where none were measured exact, at widths up to draft_max + 1 (outputs may then differ
-    # from "off", as --decode-batching on); "off". MTP and draft-model drafts are not implemented yet.
+    # from "off", as --decode-batching on); "mtp" = the model's MTP head drafts (a GGUF with nextn layers: loaded
+    # with them, speculative/mtp.py), verified in the exact widths only, as "auto"; "off". Draft models are not
+    # implemented yet.
     speculative: str = "auto"
     draft_max: int = 6  # most drafted tokens per verification (the ubatch is draft_max + 1 wide)
     # Flash attention ("on", "off", "auto") and the K / V cache types ("f16", "q8_0", ... engine.KV_TYPES, or

@@ -64,6 +64,7 @@ from .grammar_guard import GrammarLimits, GrammarPool
 from .request import SamplingParams, TokenLogprob
 from .sampling import Sampler, token_logprob
 from .cache.radix import CHECKPOINT
+from .speculative.mtp import NextnApi
 from .state import StateKind, state_kind
 
 log = logging.getLogger("orchestrator.engine")
@@ -167,7 +168,9 @@ class Engine:
             (bench/results/2026-12-03/verification-widths). Answers differ from decode_rows 1 (once: both are
             exact with respect to the cache). Raises ModelLoadError for 2 on a recurrent model without n_rs_seq.
         load_mtp: also load the model's multi-token-prediction block where it has one (llama_model_params.load_mtp;
-            speculative/mtp.py); the trunk computes the same logits either way (bench/results/2026-12-05/mtp).
+            speculative/mtp.py) and compute the hidden state it drafts from for every row of every call
+            (`last_hidden`, `hidden`); the trunk computes the same logits either way (bench/results/2026-12-05/mtp).
+            `nextn` is then the staging API (None: no MTP block, or not asked for).
     Raises ModelLoadError when the file is missing, a device is unknown, or llama.cpp cannot load it.
 
     `offload` is the resulting layout (devices.Offload); `model_params` and `context_params` the llama.cpp
@@ -247,6 +250,13 @@ class Engine:
                         "--device none" if devices else "a CPU-only llama.cpp build")
         self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(self.ctx))  # 0 where the architecture has no rollback
         self._last_call: dict[int, tuple[int, int]] = {}  # seq -> positions [lo, hi) of its last prefill call
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
+        self.nextn: NextnApi | None = None
+        if load_mtp and int(llama_cpp.llama_model_n_layer_nextn(self.model)) > 0:
+            self.nextn = NextnApi.load()
+            # every row, not "masked": the target's graph as without it, so its logits stay bit-identical
+            self.nextn.set(self.ctx, True, False)
+        self._hidden: dict[int, tuple[int, np.ndarray]] = {}  # seq -> (position, hidden state there): last_hidden
         if decode_rows not in (1, 2) or (decode_rows == 2 and self.n_rs_seq < 1
                                          and llama_cpp.llama_model_is_recurrent(self.model)
                                          | llama_cpp.llama_model_is_hybrid(self.model)):
@@ -404,6 +414,8 @@ class Engine:
                 raise EngineError(f"llama_decode failed with code {rc} at position {pos + start} "
                                   f"({n} tokens; context {self.n_ctx})")
             self._last_call[seq] = (pos + start, pos + start + n)
+        if tokens:
+            self._keep_hidden(seq, pos + len(tokens) - 1, n - 1)
 
     def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
         """One decode step for several sequences in one llama_decode call: `items` are (seq, token, pos), at most
@@ -435,6 +447,8 @@ class Engine:
         rc = llama_cpp.llama_decode(self.ctx, b)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
+        for i, (seq, _, pos) in enumerate(items):
+            self._keep_hidden(seq, pos, i)
         for seq, _, pos in items if rows == 2 else ():  # drop the copies (their recurrent step rolled back)
             if not llama_cpp.llama_memory_seq_rm(self.mem, seq, pos + 1, -1):
                 raise EngineError(f"llama.cpp refused to drop the decode row copy of sequence {seq} at {pos + 1}")
@@ -462,6 +476,7 @@ class Engine:
         rc = llama_cpp.llama_decode(self.ctx, b)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} verifying {len(tokens)} tokens at {pos}")
+        self._keep_hidden(seq, pos + len(tokens) - 1, len(tokens) - 1)
 
     def rewind_point(self, seq: int) -> memoryview | None:
         """Before a verification of `seq`: what speculative.verify.rewind needs to bring it back here. On a memory
@@ -516,11 +531,31 @@ class Engine:
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, idx)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
+    def hidden(self, idx: int) -> np.ndarray:
+        """Copy of the hidden state the MTP head drafts from (the trunk's output before the final norm), at batch
+        index `idx` >= 0 of the last llama_decode: float32, shape (n_embd,). Only with `nextn`; every row of a
+        call has one."""
+        ptr = self.nextn.get_ith(self.ctx, idx)
+        if not ptr:
+            raise EngineError(f"no hidden state at batch index {idx} of the last llama_decode")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
+
+    def last_hidden(self, seq: int) -> tuple[int, np.ndarray] | None:
+        """(position, hidden state) of the last token a llama_decode computed for `seq`, while the sequence has not
+        been loaded, cleared or truncated since; None otherwise or without `nextn`. Kept at every call (n_embd
+        floats: 4 KiB on the 0.8b), because a scheduler step decodes other sequences in between."""
+        return self._hidden.get(seq)
+
+    def _keep_hidden(self, seq: int, pos: int, idx: int) -> None:
+        if self.nextn is not None:
+            self._hidden[seq] = (pos, self.hidden(idx))
+
     # ---------------------------------------------------------------- sequence state
 
     def clear(self, seq: int) -> None:
         """Remove every token of sequence `seq` from the memory (KV and recurrent)."""
         self._last_call.pop(seq, None)
+        self._hidden.pop(seq, None)
         llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
     @property
@@ -647,6 +682,7 @@ class Engine:
         if clear:
             self.clear(seq)
         self._last_call.pop(seq, None)
+        self._hidden.pop(seq, None)
         if isinstance(data, bytes):
             size, src = len(data), address(data)
         elif data is self._view and data.obj is self._scratch:  # the last view, whole: it starts the buffer
@@ -677,6 +713,8 @@ class Engine:
         cannot be cut back, so on a hybrid memory this fails unless a checkpoint at n_tokens was loaded. Raises
         EngineError (sequence cleared) when the sequence does not end at n_tokens afterwards."""
         self._last_call.pop(seq, None)
+        if self._hidden.get(seq, (n_tokens - 1,))[0] != n_tokens - 1:
+            self._hidden.pop(seq, None)
         if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_tokens, -1) or self.pos_max(seq) != n_tokens - 1:
             self.clear(seq)
             raise EngineError(f"could not truncate sequence {seq} to {n_tokens} tokens after a restore")

@@ -243,7 +243,12 @@ class Runtime:
             cfg = dataclasses.replace(cfg, ctx_size=fit.ctx_size, parallel=fit.slots)
         grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
         engine = _engine(cfg, path, attention, n_ctx=cfg.ctx_size, n_seq_max=cfg.parallel, n_rs_seq=n_rs_seq,
-                         decode_rows=cfg.decode_rows, grammars=grammars)
+                         decode_rows=cfg.decode_rows, grammars=grammars, load_mtp=cfg.speculative == "mtp")
+        if cfg.speculative == "mtp" and engine.nextn is None:
+            arch = engine.info.architecture
+            engine.close()
+            raise ModelLoadError(f"--speculative mtp: {path} has no MTP block (GGUF {arch}.nextn_predict_layers "
+                                 f"is 0 or absent); --speculative auto drafts from n-grams")
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
             cfg.calibration_file, file_digest + attention.key().encode(), cfg.batch_size, cfg.extra_bufts,
@@ -301,7 +306,8 @@ class Runtime:
                                        prefill_chunk=cfg.prefill_chunk,
                                        prefill_chunk_alone=cfg.prefill_chunk_alone, batch_widths=batch_widths,
                                        prefill_tps=prefill_tps, driver=driver,
-                                       snapshot_min_gap=cfg.snapshot_min_gap, verify_widths=widths),
+                                       snapshot_min_gap=cfg.snapshot_min_gap, verify_widths=widths,
+                                       drafts="mtp" if cfg.speculative == "mtp" else "ngram"),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks

@@ -120,6 +120,7 @@ class Scheduler:
         verify_widths: speculative decoding's verification widths (calibration.measure_verify_widths and
             `speculation`); empty: off. A request verifies drafts only in a step where it decodes alone in its
             llama_decode call (batched decode steps of several slots stay one row per slot: `_decode`).
+        drafts: where drafts come from, "ngram" or "mtp" (speculative.verify.Speculation).
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A failing job gets an ERROR event (`_fail`); the
@@ -130,7 +131,7 @@ class Scheduler:
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
                  batch_widths: tuple[int, ...] = (), prefill_tps: float | None = None,
                  driver: EngineThread | None = None, snapshot_min_gap: int = 0,
-                 verify_widths: tuple[int, ...] = ()) -> None:
+                 verify_widths: tuple[int, ...] = (), drafts: str = "ngram") -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
@@ -145,7 +146,7 @@ class Scheduler:
         self.prefill_chunk = self.reuse.chunk_size(prefill_chunk)
         self.prefill_chunk_alone = max(self.reuse.chunk_size(prefill_chunk_alone or engine.n_batch), self.prefill_chunk)
         self.batch_widths = batch_widths
-        self.speculation = Speculation(engine, verify_widths)
+        self.speculation = Speculation(engine, verify_widths, drafts=drafts)
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = _Condition()
         self._order = itertools.count()
@@ -240,6 +241,7 @@ class Scheduler:
             log.warning("the scheduler's worker did not stop within 30 s")
         else:
             self._cond.close()
+            self._driver.submit(self.speculation.close).result()  # the engine thread made its context
         self._driver.shutdown()
 
     # ------------------------------------------------------------------ worker

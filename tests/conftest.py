@@ -65,6 +65,9 @@ class FreeCosts(VerifyCosts):
     def rewind_ratio(self) -> float:
         return 0.0
 
+    def draft_ratio(self) -> float:
+        return 0.0
+
 
 def verify_every_draft(rt: Runtime) -> Runtime:
     """`rt` with FreeCosts in its scheduler's speculation (read by each request at its first step)."""

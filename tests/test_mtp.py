@@ -1,5 +1,5 @@
-"""The MTP block of the synthetic presets (synth-model --mtp) and llama.cpp's MTP head through
-orchestrator/speculative/mtp.py: what a future MTP drafter stands on. The drafter itself is not built (issue 40)."""
+"""The MTP block of the synthetic presets (synth-model --mtp), llama.cpp's MTP head through
+orchestrator/speculative/mtp.py, and --speculative mtp: drafts from the head change no answer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator.engine import VERIFYING, Engine
 from orchestrator.models.synth import PRESETS, SynthError, ensure_model, with_mtp
-from orchestrator.speculative.mtp import MtpUnavailable, NextnApi, mtp_context
+from orchestrator.request import Job, SamplingParams
+from orchestrator.speculative.mtp import MtpHead, MtpUnavailable, NextnApi, mtp_context
 
 PROMPT = [1000 + (41 * i) % 5000 for i in range(120)]
 FOLLOW = [1500 + (59 * i) % 5000 for i in range(6)]
@@ -95,3 +96,175 @@ def test_the_mtp_head_drafts_from_the_targets_hidden_state():
             mtp_context(plain.model, plain.context_params, 512)
     finally:
         plain.close()
+
+
+def test_the_engine_keeps_each_sequences_last_hidden_state_until_its_state_changes():
+    """last_hidden is the row of the last token decoded for that sequence (another sequence's decode in between
+    does not move it), equal to the hidden state a one-call decode computes there, and gone after a load, a
+    clear or a truncation elsewhere."""
+    e = Engine(ensure_model(with_mtp("tiny-q4")), n_ctx=512, n_batch=128, n_seq_max=2, attention=VERIFYING,
+               load_mtp=True)
+    try:
+        assert e.nextn is not None and e.last_hidden(0) is None
+        e.decode(0, PROMPT, 0)  # 120 tokens: one call
+        pos, h = e.last_hidden(0)
+        assert pos == len(PROMPT) - 1 and np.array_equal(h, e.hidden(len(PROMPT) - 1))
+        saved = e.save_state(0)
+        e.decode(1, PROMPT[:50], 0)
+        assert e.last_hidden(0)[0] == pos and np.array_equal(e.last_hidden(0)[1], h)
+        e.verify(0, FOLLOW[:3], len(PROMPT))
+        assert e.last_hidden(0)[0] == len(PROMPT) + 2
+        e.load_state(0, saved)
+        assert e.last_hidden(0) is None
+        e.decode(0, FOLLOW[:1], len(PROMPT))
+        assert e.last_hidden(0)[0] == len(PROMPT)
+        e.clear(0)
+        assert e.last_hidden(0) is None
+    finally:
+        e.close()
+    plain = Engine(ensure_model("tiny-q4"), n_ctx=512, n_batch=128, attention=VERIFYING, load_mtp=True)
+    try:  # no block: no hidden states asked for, the target's graph untouched
+        plain.decode(0, PROMPT, 0)
+        assert plain.nextn is None and plain.last_hidden(0) is None
+        with pytest.raises(MtpUnavailable):
+            MtpHead(plain)
+    finally:
+        plain.close()
+
+
+def test_the_head_keeps_the_entries_up_to_the_confirmed_token_and_restarts_on_a_gap():
+    """draft(k) leaves the sequence's entries ending at the confirmed token (chained guesses removed); the same
+    entry drafts the same token; catch_up queues entries, added with the next draft in its call or by flush; an
+    entry that does not follow restarts the sequence there; another sequence is untouched throughout."""
+    e = Engine(ensure_model(with_mtp("tiny-q4")), n_ctx=512, n_batch=128, n_seq_max=2, attention=VERIFYING,
+               load_mtp=True)
+    head = MtpHead(e, n_batch=4)
+    span = lambda seq: (llama_cpp.llama_memory_seq_pos_min(head.mem, seq), llama_cpp.llama_memory_seq_pos_max(head.mem, seq))
+    try:
+        e.decode(0, PROMPT, 0)
+        p, h = e.last_hidden(0)
+        first = head.draft(0, p + 1, FOLLOW[0], h, 3)
+        assert len(first) == 3 and head.next[0] == p + 2 and span(0) == (p + 1, p + 1)
+        assert head.draft(0, p + 1, FOLLOW[0], h, 1) == first[:1]  # the same entry again: the same first draft
+        head.catch_up(1, 10, FOLLOW[:2], [h, h])
+        head.flush(1)
+        assert span(1) == (10, 11)
+        e.verify(0, FOLLOW[:4], p + 1)
+        rows = [e.hidden(j) for j in range(4)]
+        head.catch_up(0, p + 2, FOLLOW[1:3], rows[:2])
+        assert span(0) == (p + 1, p + 1)  # queued
+        head.draft(0, p + 4, FOLLOW[3], rows[2], 2)  # the queue and the draft's entry in one call
+        assert span(0) == (p + 1, p + 4) and head.next[0] == p + 5
+        head.catch_up(0, p + 5, FOLLOW[:4], rows)  # n_batch 4: three queued entries are added at once
+        assert span(0) == (p + 1, p + 7) and head._queue[0][0] == p + 8
+        head.catch_up(0, p + 20, FOLLOW[:1], rows[:1])  # not following: it replaces the queue, then restarts
+        head.flush(0)
+        assert span(0) == (p + 20, p + 20)
+        assert span(1) == (10, 11)
+        head.restart(1)
+        assert span(1)[1] == -1 and 1 not in head.next
+    finally:
+        head.close()
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(tmp_path_factory):
+    """(on, off): tiny-q4-mtp runtimes with two-row decode steps (every width 2..7 exact), --speculative mtp with
+    every draft verified (FreeCosts) and off, 2 slots."""
+    from orchestrator.runtime import Runtime
+
+    from .conftest import make_config, verify_every_draft
+
+    cal = tmp_path_factory.mktemp("cal") / "calibration.json"
+    kw = dict(ctx_size=2048, parallel=2, decode_rows=2, calibration_file=cal, decode_batching="off")
+    model = ensure_model(with_mtp("tiny-q4"))
+    on = verify_every_draft(Runtime.start(make_config(model, speculative="mtp", **kw)))
+    off = Runtime.start(make_config(model, speculative="off", **kw))
+    yield on, off
+    on.close()
+    off.close()
+
+
+LOOP = "<|im_start|>user\n" + "alpha beta gamma delta " * 30 + "<|im_end|>\n<|im_start|>assistant\n"
+CASES = {
+    "greedy": dict(sampling=SamplingParams(temperature=0.0)),
+    "seeded": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=7)),
+    "logprobs": dict(sampling=SamplingParams(temperature=0.0), logprobs=2),
+    "stop": dict(sampling=SamplingParams(temperature=0.0), stop=("a",)),
+    "cold": dict(sampling=SamplingParams(temperature=0.0), use_cache=False),
+    "n2": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=3), n=2),
+}
+
+
+def _same(on, off, job):
+    a, b = on.scheduler.run_choices(job), off.scheduler.run_choices(job)
+    for x, y in zip(a, b):
+        assert (x.completion_tokens, x.text, x.finish_reason, x.logprobs) == \
+            (y.completion_tokens, y.text, y.finish_reason, y.logprobs)
+        assert np.array_equal(x.first_logits, y.first_logits)
+    return a, b
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mtp_drafts_change_nothing(mtp_pair, case):
+    """--speculative mtp against off: tokens, text, finish, logprobs, first-step logits, for every sampling case;
+    the head's drafts are verified (random weights: almost none accepted)."""
+    on, off = mtp_pair
+    assert on.scheduler.speculation.mtp is not None and on.scheduler.speculation.widths == (2, 3, 4, 5, 6, 7)
+    job = Job(on.engine.tokenize(LOOP), max_tokens=40, want_logits=True, **CASES[case])
+    a, _ = _same(on, off, job)
+    assert sum(r.drafted_tokens for r in a) > 0
+
+
+class _Forced:
+    """The head, run as usual (its entries, its logits), but drafting `answer` (the cold continuation from
+    `start`), every `every`-th draft replaced by another token: acceptance, catch-up after accepted drafts and
+    the rollback of rejected ones all happen."""
+
+    def __init__(self, head, answer, start, every):
+        self.head, self.answer, self.start, self.every, self.n = head, answer, start, every, 0
+
+    def __getattr__(self, name):
+        return getattr(self.head, name)
+
+    def draft(self, seq, pos, token, h, k):
+        real = self.head.draft(seq, pos, token, h, k)
+        out = []
+        for j in range(k):
+            i = pos + 1 + j - self.start
+            self.n += 1
+            tok = self.answer[i] if i < len(self.answer) else real[j]
+            out.append(tok + 1 if self.n % self.every == 0 else tok)
+        return out
+
+
+def test_accepted_mtp_drafts_and_their_rollback_change_nothing(mtp_pair):
+    """Drafts forced to the answer without speculation (one in five corrupted): most are accepted, the head's
+    entries are caught up from the verification's hidden states, rejections roll back, and the answer, its
+    logprobs and first-step logits are those of speculation off, as is a second request on the same slot."""
+    on, off = mtp_pair
+    spec = on.scheduler.speculation
+    prompt = on.engine.tokenize(LOOP)
+    job = Job(prompt, max_tokens=40, want_logits=True, logprobs=1, sampling=SamplingParams(temperature=0.0))
+    want = off.scheduler.run(job)
+    real = spec.mtp
+    spec.mtp = _Forced(real, want.completion_tokens, len(prompt), every=5)
+    try:
+        a, _ = _same(on, off, job)
+        assert a[0].accepted_tokens > 10 and a[0].drafted_tokens > a[0].accepted_tokens
+        a, _ = _same(on, off, Job(prompt[:-3], max_tokens=20, want_logits=True,
+                                  sampling=SamplingParams(temperature=0.0)))
+    finally:
+        spec.mtp = real
+
+
+def test_speculative_mtp_needs_an_mtp_block(tmp_path):
+    from orchestrator.errors import ModelLoadError
+    from orchestrator.runtime import Runtime
+
+    from .conftest import make_config
+
+    with pytest.raises(ModelLoadError, match="no MTP block"):
+        Runtime.start(make_config(ensure_model("tiny-q4"), speculative="mtp", decode_rows=2, ctx_size=1024,
+                                  calibration_file=tmp_path / "cal.json"))

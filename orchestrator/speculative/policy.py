@@ -28,8 +28,9 @@ class VerifyCosts:
         self.alpha, self.prior, self.rewind_prior = alpha, prior, rewind_prior
         self.seconds: dict[int, float] = {}
         self.rewind_seconds: float | None = None
+        self.draft_seconds: float | None = None  # per drafted token, where drafting runs a model (MTP)
         self.per_row: float | None = None  # extra cost of a verified row, in plain steps
-        self._warm: set[int] = set()  # widths (0: rollbacks) whose first observation was dropped
+        self._warm: set[int] = set()  # widths (0: rollbacks, -1: drafts) whose first observation was dropped
 
     def _average(self, key: int, old: float | None, new: float) -> float | None:
         if key not in self._warm:
@@ -51,6 +52,16 @@ class VerifyCosts:
     def observe_rewind(self, seconds: float) -> None:
         """A rollback after a rejected verification took `seconds`."""
         self.rewind_seconds = self._average(0, self.rewind_seconds, seconds)
+
+    def observe_draft(self, drafted: int, seconds: float) -> None:
+        """Making `drafted` tokens took `seconds` (a model's draft steps; n-gram lookups are not timed)."""
+        self.draft_seconds = self._average(-1, self.draft_seconds, seconds / drafted)
+
+    def draft_ratio(self) -> float:
+        """Cost of drafting one token in plain decode steps: 0 until measured (n-gram drafts, or before the
+        first MTP drafts: optimistic, like `prior`)."""
+        one = self.seconds.get(1)
+        return self.draft_seconds / one if one and self.draft_seconds is not None else 0.0
 
     def ratio(self, width: int) -> float:
         """Cost of a verification of `width` tokens in plain decode steps."""
@@ -77,8 +88,9 @@ class DraftLength:
     outcome, starting at `prior` hits : misses, so the counts hold about 1 / (1 - decay) recent tokens. The
     width is chosen on a cautious estimate: the mean hits / n less `z` standard errors, sqrt(a (1 - a) / n).
     A verification of width w yields (1 - a^w) / (1 - a) tokens and is rejected somewhere with probability
-    1 - a^(w-1), so it costs `costs.ratio(w)` + (1 - a^(w-1)) * `costs.rewind_ratio()` decode steps; the width
-    with the most tokens per step is chosen, and none (1) where no width beats a plain step.
+    1 - a^(w-1), so it costs `costs.ratio(w)` + (w - 1) * `costs.draft_ratio()` + (1 - a^(w-1)) *
+    `costs.rewind_ratio()` decode steps; the width with the most tokens per step is chosen, and none (1) where no
+    width beats a plain step.
 
     Why per token and cautious: on a hybrid a verification that fails costs a rollback, so verifying pays only
     above a high acceptance (about 0.85 on the qwen3.5-0.8b preset on 2 cores). The earlier rule decayed per
@@ -115,13 +127,13 @@ class DraftLength:
         if not self.widths or available <= 0:
             return 1
         a = self.cautious()
-        rewind = self.costs.rewind_ratio()
+        rewind, draft = self.costs.rewind_ratio(), self.costs.draft_ratio()
         best, rate = 1, 1.0  # tokens per plain-step time
         for w in self.widths:
             if w > available + 1:
                 break
             tokens = (1 - a ** w) / (1 - a) if a < 1 else float(w)
-            cost = self.costs.ratio(w) + (1 - a ** (w - 1)) * rewind
+            cost = self.costs.ratio(w) + (w - 1) * draft + (1 - a ** (w - 1)) * rewind
             if tokens / cost > rate:
                 best, rate = w, tokens / cost
         return best

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from .mtp import MtpHead
 from .ngram import NgramDrafter
 from .policy import DraftLength, VerifyCosts
 
@@ -56,60 +57,84 @@ class SpecStats:
 
 @dataclass
 class RequestSpec:
-    """Per-request speculation state: the drafter over prompt + answer and the draft length policy."""
+    """Per-request speculation state: the drafter over prompt + answer (n-gram drafts; None with MTP drafts) and
+    the draft length policy."""
 
-    drafter: NgramDrafter
+    drafter: NgramDrafter | None
     length: DraftLength
     stats: SpecStats = field(default_factory=SpecStats)
     shadow: tuple[int, int] | None = None  # (index in the answer, token) a draft not verified predicted there
+    shadow_gap: int = 1  # MTP: plain steps between two drafts made only to be checked (`Speculation._draft_mtp`)
+    since_shadow: int = 0
 
 
 class Speculation:
     """Verification steps for the scheduler. `widths`: the exact verification widths (2..); empty = never.
+    `drafts`: "ngram" (prompt lookup, `NgramDrafter`) or "mtp" (the model's MTP head, `mtp.MtpHead`: the engine
+    loaded with ``load_mtp``; raises MtpUnavailable otherwise).
 
     `step(task, sample)` runs one step for a task that decodes alone in its llama_decode call and returns True,
     or returns False without touching the sequence (no usable draft, a grammar, no width pays: then the draft is
     kept to be checked against the token the plain step gives, DraftLength.shadow): the caller then runs its
     plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`.
     `costs`: seconds of verifications (timed here) and of plain decode steps (timed by the scheduler), which the
-    requests' width policies weigh."""
+    requests' width policies weigh.
 
-    def __init__(self, engine, widths: Sequence[int], min_n: int = 2, max_n: int = 4) -> None:
+    MTP drafts cost a model step each (0.33 of a plain step on the qwen3.5-0.8b preset), so unlike n-gram
+    lookups they are made only for a verification the policy chose. While no width pays, only every
+    `shadow_gap`-th plain step drafts one token to be checked against the token decoded there (the gap doubles
+    after a wrong one, up to `max_gap`, stays after a right one, and is `min_gap` after a verification); the other
+    plain steps queue their entry, added with the next draft (`MtpHead.catch_up`). Measured on the qwen3.5-0.8b
+    preset (bench/results/2026-12-06/mtp-drafts): a gap reset to 1 after every right draft drafted at nearly
+    every step where three drafts in four were right but verifying did not pay (0.81x speculation off); a gap
+    doubled after every draft, right or not, left a request whose drafts were all right but whose first
+    estimate did not pay at 1.02x, where verifying gave 1.26x."""
+
+    def __init__(self, engine, widths: Sequence[int], min_n: int = 2, max_n: int = 4, drafts: str = "ngram",
+                 min_gap: int = 4, max_gap: int = 32) -> None:
         self.engine = engine
         self.widths = tuple(sorted(widths))
         self.min_n, self.max_n = min_n, max_n
         self.stats = SpecStats()
         self.costs = VerifyCosts()
+        self.min_gap, self.max_gap = min_gap, max_gap
+        self.mtp = MtpHead(engine) if drafts == "mtp" and self.widths else None
 
     def state(self, task) -> RequestSpec | None:
         """The task's speculation state, made at its first step; None where it never speculates: no widths, or
         a grammar (its mask is computed in a grammar process token by token: `Sampler.ready`)."""
         if task.spec is None and self.widths and not task.job.sampling.grammar:
-            task.spec = RequestSpec(NgramDrafter(task.tokens, self.min_n, self.max_n), DraftLength(self.widths, self.costs))
+            drafter = None
+            if self.mtp is None:
+                drafter = NgramDrafter(task.tokens, self.min_n, self.max_n)
+            else:
+                self.mtp.restart(task.slot.seq)
+            task.spec = RequestSpec(drafter, DraftLength(self.widths, self.costs))
         return task.spec
 
     def step(self, task, sample: Callable[[object, int], None]) -> bool:
         spec = self.state(task)
         if spec is None or task.pending is None or task.held is not None:
             return False
-        drafter = spec.drafter
-        drafter.extend(task.out[len(drafter.tokens) - len(task.tokens):])  # the last one is `pending`
         pos = task.n + len(task.out) - 1  # where `pending` goes
         room = min(self.engine.n_ctx - pos, task.job.max_tokens - len(task.out) + 1)
         if spec.shadow is not None and len(task.out) > spec.shadow[0]:  # the token decoded where a draft was not
-            spec.length.shadow(task.out[spec.shadow[0]] == spec.shadow[1])  # verified: the estimate keeps up
+            hit = task.out[spec.shadow[0]] == spec.shadow[1]  # verified: the estimate keeps up
+            spec.length.shadow(hit)
+            if not hit:
+                spec.shadow_gap = min(2 * spec.shadow_gap, self.max_gap)
             spec.shadow = None
-        draft = drafter.draft(min(self.widths[-1], room) - 1)
-        width = spec.length.width(len(draft))
-        if width < 2:
-            spec.shadow = (len(task.out), draft[0]) if draft else None
+        most = min(self.widths[-1], room) - 1
+        tokens = self._draft_ngram(task, spec, most) if self.mtp is None else self._draft_mtp(task, spec, pos, most)
+        if tokens is None:
             return False
-        tokens = [task.pending] + draft[:width - 1]
+        width = len(tokens)
         seq = task.slot.seq
         started = time.perf_counter()
         point = self.engine.rewind_point(seq)
         self.engine.verify(seq, tokens, pos)
         spent = time.perf_counter() - started
+        hidden = [self.engine.hidden(j) for j in range(width - 1)] if self.mtp is not None else None
         i = 0
         while True:
             sample(task, i)
@@ -123,8 +148,51 @@ class Speculation:
             s.accepted += accepted
             s.verifications += 1
         self.costs.observe(width, spent)  # against a plain step
-        if task.pending is not None and i + 1 < width:  # still generating: keep ubatch[0..i]
+        if task.pending is None:
+            return True
+        if hidden is not None:  # the accepted drafts' entries, from the target's hidden states
+            self.mtp.catch_up(seq, pos + 1, tokens[1:i + 1], hidden[:i])
+        if i + 1 < width:  # still generating: keep ubatch[0..i]
             started = time.perf_counter()
             rewind(self.engine, seq, point, pos, tokens[:i + 1])
             self.costs.observe_rewind(time.perf_counter() - started)
         return True
+
+    def _draft_ngram(self, task, spec: RequestSpec, most: int) -> list[int] | None:
+        """[pending] + the n-gram drafts to verify, or None (a plain step; the first draft kept as the shadow)."""
+        drafter = spec.drafter
+        drafter.extend(task.out[len(drafter.tokens) - len(task.tokens):])  # the last one is `pending`
+        draft = drafter.draft(most)
+        width = spec.length.width(len(draft))
+        if width < 2:
+            spec.shadow = (len(task.out), draft[0]) if draft else None
+            return None
+        return [task.pending] + draft[:width - 1]
+
+    def _draft_mtp(self, task, spec: RequestSpec, pos: int, most: int) -> list[int] | None:
+        """[pending] + the MTP head's drafts to verify, or None (a plain step: the head adds its entry for
+        `pending`, drafting one token as the shadow every `shadow_gap`-th time). Nothing where the target's hidden
+        state before `pending` is not known (the prompt restored whole, the first step of a fork)."""
+        seq = task.slot.seq
+        last = self.engine.last_hidden(seq)
+        if last is None or last[0] != pos - 1:
+            return None
+        width = spec.length.width(most)
+        if width < 2:
+            spec.since_shadow += 1
+            if spec.since_shadow >= spec.shadow_gap:
+                spec.since_shadow = 0
+                spec.shadow = (len(task.out), self.mtp.draft(seq, pos, task.pending, last[1], 1)[0])
+            else:
+                self.mtp.catch_up(seq, pos, [task.pending], [last[1]])
+            return None
+        spec.shadow_gap = self.min_gap
+        started = time.perf_counter()
+        draft = self.mtp.draft(seq, pos, task.pending, last[1], width - 1)
+        self.costs.observe_draft(width - 1, time.perf_counter() - started)
+        return [task.pending] + draft
+
+    def close(self) -> None:
+        """Free the MTP head's context, if any."""
+        if self.mtp is not None:
+            self.mtp.close()
