@@ -165,6 +165,14 @@ def test_the_head_keeps_the_entries_up_to_the_confirmed_token_and_restarts_on_a_
         assert span(1)[1] == -1 and 1 not in head.next
     finally:
         head.close()
+    head = MtpHead(e, n_batch=4, n_ctx=16)
+    try:  # positions past the head's n_ctx cells: the oldest entries make room
+        head.catch_up(0, 1000, list(range(100, 140)), [h] * 40)
+        head.flush(0)
+        assert span(0) == (1024, 1039)
+        assert len(head.draft(0, 1040, FOLLOW[0], h, 2)) == 2 and span(0) == (1026, 1040)  # the chained one's room
+    finally:
+        head.close()
         e.close()
 
 
@@ -268,3 +276,25 @@ def test_speculative_mtp_needs_an_mtp_block(tmp_path):
     with pytest.raises(ModelLoadError, match="no MTP block"):
         Runtime.start(make_config(ensure_model("tiny-q4"), speculative="mtp", decode_rows=2, ctx_size=1024,
                                   calibration_file=tmp_path / "cal.json"))
+
+
+def test_a_failing_head_costs_drafts_not_the_answer(mtp_pair, caplog):
+    """llama.cpp failing the head's call (here: every draft) is logged, the head's sequence restarts, and the
+    request goes on without drafts, answering as with speculation off."""
+    on, off = mtp_pair
+    spec = on.scheduler.speculation
+    real = spec.mtp
+
+    class Failing(_Forced):
+        def draft(self, *a):
+            raise MtpUnavailable("the MTP head's llama_process returned -3 at position 9")
+
+    spec.mtp = Failing(real, [], 0, 1)
+    try:
+        job = Job(on.engine.tokenize(LOOP), max_tokens=24, want_logits=True, sampling=SamplingParams(temperature=0.0))
+        with caplog.at_level("WARNING", logger="orchestrator.speculative.verify"):
+            a, _ = _same(on, off, job)
+        assert a[0].drafted_tokens == 0 and a[0].finish_reason == "length"
+        assert any("restarts" in r.getMessage() for r in caplog.records)
+    finally:
+        spec.mtp = real

@@ -102,14 +102,18 @@ class MtpHead:
     only makes them worse. Raises MtpUnavailable where the engine has no MTP block loaded, or llama.cpp fails a
     call (the sequence is then restarted)."""
 
-    def __init__(self, engine, n_batch: int = 32) -> None:
-        """`n_batch`: the most entries one call adds, which sizes the context's compute buffers."""
+    def __init__(self, engine, n_batch: int = 32, n_ctx: int = 4096) -> None:
+        """`n_batch`: the most entries one call adds, which sizes the context's compute buffers. `n_ctx`: the
+        most entries a sequence keeps (the oldest are dropped: the head attends to the last n_ctx positions), so
+        the head's KV is n_ctx cells per slot whatever the target's context (a slot of 262144 tokens on the 0.8b
+        would otherwise take 400 MiB for the head alone)."""
         if engine.nextn is None:
             raise MtpUnavailable("the model has no MTP block (GGUF nextn_predict_layers), or it was loaded without it")
         self.api = engine.nextn
         self.n_embd, self.n_vocab = engine.n_embd, engine.n_vocab
         self.n_batch = max(n_batch, engine.n_seq_max, 2)
-        self.ctx = mtp_context(engine.model, engine.context_params, engine.n_ctx, engine.n_seq_max, self.n_batch)
+        self.n_ctx = max(n_ctx, 2 * self.n_batch)
+        self.ctx = mtp_context(engine.model, engine.context_params, self.n_ctx, engine.n_seq_max, self.n_batch)
         self.api.set(self.ctx, True, True)  # its output rows only, as llama-server's draft context
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_ext_init(self.ctx)
@@ -133,9 +137,13 @@ class MtpHead:
             llama_cpp.llama_memory_seq_rm(self.mem, seq, pos, -1)
 
     def _run(self, seq: int, pos: int, tokens: Sequence[int], hidden: Sequence[np.ndarray], logits: bool) -> int:
-        """Entries at pos.. for (tokens[j], hidden[j]) in one llama_process call, after `_at(seq, pos)`; logits
-        (and the head's hidden state) for the last one when `logits`. Returns the last one's batch index."""
+        """Entries at pos.. for (tokens[j], hidden[j]) in one llama_process call, after `_at(seq, pos)` and
+        dropping the entries more than n_ctx positions back; logits (and the head's hidden state) for the last one
+        when `logits`. Returns the last one's batch index."""
         self._at(seq, pos)
+        first = pos + len(tokens) - self.n_ctx
+        if llama_cpp.llama_memory_seq_pos_min(self.mem, seq) < first:
+            llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, first)
         b = self.batch
         llama_cpp.llama_batch_ext_clear(b)
         idx = -1

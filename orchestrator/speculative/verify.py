@@ -17,13 +17,16 @@ step).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .mtp import MtpHead
+from .mtp import MtpHead, MtpUnavailable
 from .ngram import NgramDrafter
 from .policy import DraftLength, VerifyCosts
+
+log = logging.getLogger(__name__)
 
 
 def rewind(engine, seq: int, point, pos: int, kept: Sequence[int]) -> None:
@@ -151,7 +154,7 @@ class Speculation:
         if task.pending is None:
             return True
         if hidden is not None:  # the accepted drafts' entries, from the target's hidden states
-            self.mtp.catch_up(seq, pos + 1, tokens[1:i + 1], hidden[:i])
+            self._head(seq, self.mtp.catch_up, seq, pos + 1, tokens[1:i + 1], hidden[:i])
         if i + 1 < width:  # still generating: keep ubatch[0..i]
             started = time.perf_counter()
             rewind(self.engine, seq, point, pos, tokens[:i + 1])
@@ -182,15 +185,28 @@ class Speculation:
             spec.since_shadow += 1
             if spec.since_shadow >= spec.shadow_gap:
                 spec.since_shadow = 0
-                spec.shadow = (len(task.out), self.mtp.draft(seq, pos, task.pending, last[1], 1)[0])
+                draft = self._head(seq, self.mtp.draft, seq, pos, task.pending, last[1], 1)
+                spec.shadow = (len(task.out), draft[0]) if draft else None
             else:
-                self.mtp.catch_up(seq, pos, [task.pending], [last[1]])
+                self._head(seq, self.mtp.catch_up, seq, pos, [task.pending], [last[1]])
             return None
         spec.shadow_gap = self.min_gap
         started = time.perf_counter()
-        draft = self.mtp.draft(seq, pos, task.pending, last[1], width - 1)
+        draft = self._head(seq, self.mtp.draft, seq, pos, task.pending, last[1], width - 1)
+        if not draft:
+            return None
         self.costs.observe_draft(width - 1, time.perf_counter() - started)
         return [task.pending] + draft
+
+    def _head(self, seq: int, fn, *args):
+        """fn(*args) of the MTP head, or None where llama.cpp failed it (logged; the head's sequence restarts):
+        a failed draft costs the request its drafts for a while, never its answer."""
+        try:
+            return fn(*args)
+        except MtpUnavailable as e:
+            log.warning("MTP head: %s; its sequence %d restarts", e.message, seq)
+            self.mtp.restart(seq)
+            return None
 
     def close(self) -> None:
         """Free the MTP head's context, if any."""
