@@ -435,6 +435,7 @@ class Scheduler:
             if width == 1:
                 self._guard(group[0], self._decode_one, group[0])
                 continue
+            self.speculation.batched(group)
             try:
                 self.engine.decode_step([(t.slot.seq, t.pending, t.n + len(t.out) - 1) for t in group])
             except EngineError as e:

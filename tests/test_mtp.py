@@ -298,3 +298,24 @@ def test_a_failing_head_costs_drafts_not_the_answer(mtp_pair, caplog):
         assert any("restarts" in r.getMessage() for r in caplog.records)
     finally:
         spec.mtp = real
+
+
+def test_the_head_follows_decode_steps_batched_over_slots(mtp_pair):
+    """Two choices decoding together in one llama_decode per step never verify, but the head still gets each
+    one's entries (its sequences cover the answer, not restarted at the next step alone), and the answers are
+    those of speculation off batched the same way."""
+    on, off = mtp_pair
+    head = on.scheduler.speculation.mtp
+    job = Job(on.engine.tokenize(LOOP), max_tokens=40, n=2, sampling=SamplingParams(temperature=0.15, top_k=20, seed=5))
+    for rt in (on, off):
+        rt.scheduler.batch_widths = (2,)
+    try:
+        a, _ = _same(on, off, job)
+    finally:
+        for rt in (on, off):
+            rt.scheduler.batch_widths = ()
+    n = len(job.prompt_tokens)
+    for seq in (0, 1):
+        head.flush(seq)
+        lo, hi = (llama_cpp.llama_memory_seq_pos_min(head.mem, seq), llama_cpp.llama_memory_seq_pos_max(head.mem, seq))
+        assert lo <= n + 1 and hi >= n + 30, (seq, lo, hi)

@@ -161,6 +161,21 @@ class Speculation:
             self.costs.observe_rewind(time.perf_counter() - started)
         return True
 
+    def batched(self, tasks) -> None:
+        """`tasks` are about to decode in one llama_decode call of several slots, where nothing is verified: with
+        MTP drafts the head queues each one's entry, so that its sequence still follows on when the task decodes
+        alone again (else the head would restart there and attend to nothing before)."""
+        if self.mtp is None:
+            return
+        for task in tasks:
+            spec = self.state(task)
+            if spec is None or task.pending is None:
+                continue
+            seq, pos = task.slot.seq, task.n + len(task.out) - 1
+            last = self.engine.last_hidden(seq)
+            if last is not None and last[0] == pos - 1:
+                self._head(seq, self.mtp.catch_up, seq, pos, [task.pending], [last[1]])
+
     def _draft_ngram(self, task, spec: RequestSpec, most: int) -> list[int] | None:
         """[pending] + the n-gram drafts to verify, or None (a plain step; the first draft kept as the shadow)."""
         drafter = spec.drafter
