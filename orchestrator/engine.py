@@ -385,14 +385,23 @@ class Engine:
 
     # ---------------------------------------------------------------- compute
 
-    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True,
+               hidden: list | None = None) -> None:
         """Decode `tokens` at positions pos.. for sequence `seq`, in chunks of at most n_batch tokens and, unless
         `tokens` is shorter, at least `min_segment` (see "Numerics"), of odd length where calibrated so
         (`odd_ubatches`, chunks.py).
 
-        Logits are kept for the last token only (when want_logits). Raises EngineError when llama_decode fails
-        (e.g. no KV slot); the sequence's state is then unspecified and the caller must clear it.
+        Logits are kept for the last token only (when want_logits). `hidden` (a list, with `nextn`): filled with
+        the hidden state before each token, that at pos + j - 1 for token j (None for token 0 where
+        `last_hidden` was not at pos - 1), what an MTP head's entry for token j takes. Raises EngineError when
+        llama_decode fails (e.g. no KV slot); the sequence's state is then unspecified and the caller must clear
+        it.
         """
+        if hidden is not None and self.nextn is not None:
+            last = self._hidden.get(seq)
+            hidden.append(last[1] if last is not None and last[0] == pos - 1 else None)
+        else:
+            hidden = None
         if len(tokens) == 1 and self.decode_rows == 2:
             self.decode_step([(seq, tokens[0], pos)])
             return
@@ -414,6 +423,8 @@ class Engine:
                 raise EngineError(f"llama_decode failed with code {rc} at position {pos + start} "
                                   f"({n} tokens; context {self.n_ctx})")
             self._last_call[seq] = (pos + start, pos + start + n)
+            if hidden is not None:
+                hidden.extend(self.hidden(j) for j in range(n if start + n < len(tokens) else n - 1))
         if tokens:
             self._keep_hidden(seq, pos + len(tokens) - 1, n - 1)
 

@@ -365,6 +365,7 @@ class Scheduler:
                 self.reuse.preempt(slot.task)
             self._release(slot.task)
         task.slot, slot.task = slot, task
+        self.speculation.admitted(task)
         slot.key = task.job.prompt_cache_key
         task.clock.admitted = time.perf_counter()
         if task.index:  # choice i > 0: its state comes from choice 0's once prefilled (_prefilled)
@@ -464,7 +465,10 @@ class Scheduler:
         final = end == len(work)
         # live is extended only after a chunk is decoded; a failed decode clears the sequence.
         started = time.perf_counter()
-        self.engine.decode(t.slot.seq, work[pos:end], pos, want_logits=final and t.phase == Phase.PREFILL)
+        hidden = self.speculation.hidden_for(t) if t.phase == Phase.PREFILL else None  # where an MTP head reads it
+        self.engine.decode(t.slot.seq, work[pos:end], pos, want_logits=final and t.phase == Phase.PREFILL,
+                           hidden=hidden)
+        self.speculation.prefilled(t, pos, work[pos:end], hidden)
         self.reuse.prefilled(t, end, time.perf_counter() - started)
         if not final:
             return

@@ -74,8 +74,9 @@ def test_speculation_flags_reach_the_config():
     assert (cfg.speculative, cfg.draft_max, cfg.decode_rows) == ("auto", 6, 1)
     cfg = cli._config(parser.parse_args(["serve", "--speculative", "ngram", "--draft-max", "3", "--decode-rows", "2"]))
     assert (cfg.speculative, cfg.draft_max, cfg.decode_rows) == ("ngram", 3, 2)
+    assert cli._config(parser.parse_args(["serve", "--speculative", "mtp"])).speculative == "mtp"
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--speculative", "mtp"])  # not implemented: refused, not ignored
+        parser.parse_args(["serve", "--speculative", "draft"])  # not implemented: refused, not ignored
 
 
 def test_repacking_flag_takes_auto_on_off_and_the_old_bare_flag():

@@ -319,3 +319,27 @@ def test_the_head_follows_decode_steps_batched_over_slots(mtp_pair):
         head.flush(seq)
         lo, hi = (llama_cpp.llama_memory_seq_pos_min(head.mem, seq), llama_cpp.llama_memory_seq_pos_max(head.mem, seq))
         assert lo <= n + 1 and hi >= n + 30, (seq, lo, hi)
+
+
+def test_the_head_reads_the_prompt_from_where_its_prefill_starts(mtp_pair):
+    """A cold prompt: the head's entries start at position 1 (the pair (x_1, h_0)) and cover the prompt; the next
+    turn, restored from the cache up to a depth, starts them after the restored prefix (no hidden state before
+    it)."""
+    on, _ = mtp_pair
+    head = on.scheduler.speculation.mtp
+
+    def spans():
+        for seq in (0, 1):
+            head.flush(seq)
+        return [(llama_cpp.llama_memory_seq_pos_min(head.mem, s), llama_cpp.llama_memory_seq_pos_max(head.mem, s))
+                for s in (0, 1)]
+
+    prompt = on.engine.tokenize("<|im_start|>user\n" + "omega psi chi " * 40 + "<|im_end|>\n<|im_start|>assistant\n")
+    r = on.scheduler.run(Job(prompt, max_tokens=12, sampling=SamplingParams(temperature=0.0)))
+    on.scheduler.drain()
+    assert r.cached_tokens == 0 and any(lo == 1 and hi >= len(prompt) - 1 for lo, hi in spans())
+    longer = prompt + on.engine.tokenize("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+    r = on.scheduler.run(Job(longer, max_tokens=12, sampling=SamplingParams(temperature=0.0)))
+    on.scheduler.drain()
+    assert 0 < r.cached_tokens < len(longer)
+    assert any(lo == r.cached_tokens + 1 and hi >= len(longer) - 1 for lo, hi in spans()), spans()

@@ -102,7 +102,7 @@ class MtpHead:
     only makes them worse. Raises MtpUnavailable where the engine has no MTP block loaded, or llama.cpp fails a
     call (the sequence is then restarted)."""
 
-    def __init__(self, engine, n_batch: int = 32, n_ctx: int = 4096) -> None:
+    def __init__(self, engine, n_batch: int = 128, n_ctx: int = 4096) -> None:
         """`n_batch`: the most entries one call adds, which sizes the context's compute buffers. `n_ctx`: the
         most entries a sequence keeps (the oldest are dropped: the head attends to the last n_ctx positions), so
         the head's KV is n_ctx cells per slot whatever the target's context (a slot of 262144 tokens on the 0.8b

@@ -107,11 +107,7 @@ class Speculation:
         """The task's speculation state, made at its first step; None where it never speculates: no widths, or
         a grammar (its mask is computed in a grammar process token by token: `Sampler.ready`)."""
         if task.spec is None and self.widths and not task.job.sampling.grammar:
-            drafter = None
-            if self.mtp is None:
-                drafter = NgramDrafter(task.tokens, self.min_n, self.max_n)
-            else:
-                self.mtp.restart(task.slot.seq)
+            drafter = NgramDrafter(task.tokens, self.min_n, self.max_n) if self.mtp is None else None
             task.spec = RequestSpec(drafter, DraftLength(self.widths, self.costs))
         return task.spec
 
@@ -160,6 +156,26 @@ class Speculation:
             rewind(self.engine, seq, point, pos, tokens[:i + 1])
             self.costs.observe_rewind(time.perf_counter() - started)
         return True
+
+    def admitted(self, task) -> None:
+        """`task` was given its slot: the MTP head forgets what that slot's sequence held."""
+        if self.mtp is not None:
+            self.mtp.restart(task.slot.seq)
+
+    def hidden_for(self, task) -> list | None:
+        """A list for Engine.decode to fill with the hidden states of a prefill chunk of `task` (`prefilled`), or
+        None: without MTP drafts, or where the task never speculates."""
+        return [] if self.mtp is not None and self.widths and not task.job.sampling.grammar else None
+
+    def prefilled(self, task, pos: int, tokens, hidden: list | None) -> None:
+        """`tokens` of `task` were prefilled at pos.., `hidden` filled by Engine.decode: the MTP head queues their
+        entries, so that it attends to the prompt from where the prefill started (a restored prefix has no
+        hidden states: the head's entries begin one token after it), as llama.cpp's draft-mtp catches up over
+        every prefilled batch. Costs the head's one layer per prompt token (a few percent of prefill)."""
+        if hidden is None:
+            return
+        seq, j = task.slot.seq, 0 if hidden[0] is not None else 1
+        self._head(seq, self.mtp.catch_up, seq, pos + j, tokens[j:], hidden[j:])
 
     def batched(self, tasks) -> None:
         """`tasks` are about to decode in one llama_decode call of several slots, where nothing is verified: with
