@@ -308,7 +308,8 @@ class SimEngine:
             raise EngineError(f"cannot truncate sequence {seq} to {n_tokens}")
         s[0] = n_tokens
 
-    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True,
+               hidden: list | None = None) -> None:  # no MTP head: hidden stays as given
         from orchestrator.errors import EngineError
 
         s = self._seqs[seq]

@@ -467,7 +467,7 @@ class Scheduler:
         started = time.perf_counter()
         hidden = self.speculation.hidden_for(t) if t.phase == Phase.PREFILL else None  # where an MTP head reads it
         self.engine.decode(t.slot.seq, work[pos:end], pos, want_logits=final and t.phase == Phase.PREFILL,
-                           **({} if hidden is None else {"hidden": hidden}))  # engines without MTP: no such argument
+                           hidden=hidden)
         self.speculation.prefilled(t, pos, work[pos:end], hidden)
         self.reuse.prefilled(t, end, time.perf_counter() - started)
         if not final:

@@ -208,7 +208,8 @@ class FakeEngine:
     def logprob(self, token: int, k: int = 0, idx: int = -1):
         return token_logprob(self.logits(idx), token, k)
 
-    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None:
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True,
+               hidden: list | None = None) -> None:  # no MTP head: hidden stays as given
         if self.on_decode is not None:
             self.on_decode(seq, tokens, pos)
         self._running.wait()
