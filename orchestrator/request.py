@@ -270,6 +270,12 @@ class Task:
         self.index = 0  # the choice this task generates (n > 1 choices: Job.n)
         self.choices: list[Task] = []  # choice 0 of an n-choice job: the other choices, once admitted
 
+    @property
+    def pending_pos(self) -> int:
+        """The position `pending` is decoded at: the prompt's tokens and every generated token but `pending`
+        (the last of `out`) are in the slot's sequence."""
+        return self.n + len(self.out) - 1
+
     def fork(self) -> list[Task]:
         """Choice 0's n - 1 other choices (set as `choices`): each the task of `job.choice(i)` with the same prompt,
         cancel flag, order, submission time and deadline, its events tagged with index i."""

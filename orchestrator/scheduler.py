@@ -438,7 +438,7 @@ class Scheduler:
                 continue
             self.speculation.batched(group)
             try:
-                self.engine.decode_step([(t.slot.seq, t.pending, t.n + len(t.out) - 1) for t in group])
+                self.engine.decode_step([(t.slot.seq, t.pending, t.pending_pos) for t in group])
             except EngineError as e:
                 for t in group:
                     self._fail(t, e)
@@ -450,7 +450,7 @@ class Scheduler:
         if self.speculation.step(t, self._sample):  # drafts verified in one ubatch, or False: nothing done
             return
         started = time.perf_counter()
-        self.engine.decode(t.slot.seq, [t.pending], t.n + len(t.out) - 1)
+        self.engine.decode(t.slot.seq, [t.pending], t.pending_pos)
         self.speculation.costs.observe(1, time.perf_counter() - started)  # what a verification is weighed against
         self._sample(t, -1)
 

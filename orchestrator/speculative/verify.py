@@ -115,7 +115,7 @@ class Speculation:
         spec = self.state(task)
         if spec is None or task.pending is None or task.held is not None:
             return False
-        pos = task.n + len(task.out) - 1  # where `pending` goes
+        pos = task.pending_pos  # where `pending` goes
         room = min(self.engine.n_ctx - pos, task.job.max_tokens - len(task.out) + 1)
         if spec.shadow is not None and len(task.out) > spec.shadow[0]:  # the token decoded where a draft was not
             hit = task.out[spec.shadow[0]] == spec.shadow[1]  # verified: the estimate keeps up
@@ -187,7 +187,7 @@ class Speculation:
             spec = self.state(task)
             if spec is None or task.pending is None:
                 continue
-            seq, pos = task.slot.seq, task.n + len(task.out) - 1
+            seq, pos = task.slot.seq, task.pending_pos
             last = self.engine.last_hidden(seq)
             if last is not None and last[0] == pos - 1:
                 self._head(seq, self.mtp.catch_up, seq, pos, [task.pending], [last[1]])
