@@ -20,6 +20,7 @@ class EngineThread:
 
     def __init__(self, name: str = "orchestrator-worker") -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -33,7 +34,10 @@ class EngineThread:
                     future.set_exception(e)
 
     def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
-        """Queue `fn(*args, **kwargs)`; its result or exception arrives in the returned future."""
+        """Queue `fn(*args, **kwargs)`; its result or exception arrives in the returned future. Raises
+        RuntimeError after `shutdown` (nothing would run it: waiting on its future would hang)."""
+        if self._stopped:
+            raise RuntimeError("the engine thread is stopped")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._calls.put((future, fn, args, kwargs))
         return future
@@ -43,5 +47,7 @@ class EngineThread:
         return self.submit(fn, *args, **kwargs).result()
 
     def shutdown(self) -> None:
-        """Stop the thread after the calls queued so far."""
-        self._calls.put(None)
+        """Stop the thread after the calls queued so far; a second call does nothing."""
+        if not self._stopped:
+            self._stopped = True
+            self._calls.put(None)

@@ -231,8 +231,11 @@ class Scheduler:
         return sum(s.task is not None for s in self.slots)
 
     def close(self) -> None:
-        """Stop the worker; queued and running jobs get an error."""
+        """Stop the worker; queued and running jobs get an error. A second call does nothing (Runtime.close may
+        run twice: the engine thread is gone by then)."""
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify_all()
         try:

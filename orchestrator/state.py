@@ -58,7 +58,10 @@ class StateIO(Protocol):
         """Keep the first `n_tokens` of `seq` (llama_memory_seq_rm(seq, n, -1)); raises EngineError (sequence
         cleared) when the memory cannot be cut there."""
 
-    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True) -> None: ...
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, want_logits: bool = True,
+               hidden: list | None = None) -> None:
+        """Prefill or decode `tokens` at `pos`; `hidden`, where given, receives each token's hidden state (the
+        MTP head's input: Engine.decode)."""
 
     def clear(self, seq: int) -> None: ...
 

@@ -21,9 +21,9 @@ def spy(rt, monkeypatch) -> tuple[list[tuple[int, int]], list[int]]:
     calls, backs = [], []
     decode, back = rt.engine.decode, rt.engine.checkpoint_back
 
-    def decode_spy(seq, tokens, pos, want_logits=True):
+    def decode_spy(seq, tokens, pos, *args, **kwargs):
         calls.append((pos, pos + len(tokens)))
-        return decode(seq, tokens, pos, want_logits)
+        return decode(seq, tokens, pos, *args, **kwargs)
 
     def back_spy(seq, pos):
         backs.append(pos)

@@ -1,7 +1,10 @@
 """Runtime start-up on the tiny model: which thread drives llama.cpp, and what a first start says."""
 
+import concurrent.futures
 import logging
 import threading
+
+import pytest
 
 from orchestrator.engine import Engine
 
@@ -34,3 +37,14 @@ def test_a_start_without_stored_calibration_says_it_measures_and_how_long_it_too
     lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.calibration"]
     assert any(m.startswith("measuring the smallest exact prefill ubatch") for m in lines)
     assert any(m.startswith("measured min_segment ") and m.endswith(" s") for m in lines)
+
+
+def test_closing_twice_returns_and_the_stopped_engine_thread_refuses_calls(start):
+    # Runtime.close may run twice (a test's own close, then the fixture's; a server's shutdown paths). The second
+    # call once queued the MTP head's close on the engine thread the first had stopped and waited for ever.
+    rt = start()
+    rt.close()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(rt.close).result(timeout=30)
+    with pytest.raises(RuntimeError, match="stopped"):
+        rt.scheduler._driver.submit(print)
