@@ -75,6 +75,43 @@ def verify_every_draft(rt: Runtime) -> Runtime:
     return rt
 
 
+def speculation_pair(tmp_path_factory, model: Path, speculative: str, parallel: int):
+    """Yields (on, off): runtimes of `model` with two-row decode steps (every width 2..7 exact), `speculative`
+    with every draft verified (FreeCosts) and speculation off, `parallel` slots; one calibration file, so that
+    the second start reads what the first measured. A module fixture's body."""
+    cal = tmp_path_factory.mktemp("cal") / "calibration.json"
+    kw = dict(ctx_size=2048, parallel=parallel, decode_rows=2, calibration_file=cal, decode_batching="off")
+    on = verify_every_draft(Runtime.start(make_config(model, speculative=speculative, **kw)))
+    off = Runtime.start(make_config(model, speculative="off", **kw))
+    yield on, off
+    on.close()
+    off.close()
+
+
+# a prompt the random tiny models answer in loops (their own answer gets drafted), and the sampling cases
+# speculation must leave unchanged
+LOOP = "<|im_start|>user\n" + "alpha beta gamma delta " * 30 + "<|im_end|>\n<|im_start|>assistant\n"
+SPECULATION_CASES = {
+    "greedy": dict(sampling=SamplingParams(temperature=0.0)),
+    "seeded": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=7)),
+    "logprobs": dict(sampling=SamplingParams(temperature=0.0), logprobs=2),
+    "stop": dict(sampling=SamplingParams(temperature=0.0), stop=("a",)),
+    "cold": dict(sampling=SamplingParams(temperature=0.0), use_cache=False),
+    "n2": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=3), n=2),
+}
+
+
+def same_answers(on: Runtime, off: Runtime, job: Job) -> tuple[list[Result], list[Result]]:
+    """Both runtimes' results for `job`, asserted equal: tokens, text, finish, logprobs, first-step logits."""
+    a, b = on.scheduler.run_choices(job), off.scheduler.run_choices(job)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x.completion_tokens, x.text, x.finish_reason, x.logprobs) == \
+            (y.completion_tokens, y.text, y.finish_reason, y.logprobs)
+        assert np.array_equal(x.first_logits, y.first_logits)
+    return a, b
+
+
 def every_width(n_slots: int, batched: bool = True) -> tuple[int, ...]:
     """Scheduler batch_widths for "all generating slots in one decode step" (batched) or "each alone"."""
     return tuple(range(2, n_slots + 1)) if batched else ()

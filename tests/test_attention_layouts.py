@@ -16,8 +16,7 @@ from orchestrator.models.synth import ensure_model
 from orchestrator.request import Job
 from orchestrator.runtime import Runtime
 
-from .conftest import make_config, verify_every_draft
-from .test_speculative_models import LOOP, Q4_CASES
+from .conftest import LOOP, SPECULATION_CASES, make_config, verify_every_draft
 
 
 def layouts(*argv: str) -> tuple[Attention, ...]:
@@ -86,13 +85,13 @@ def test_ctk_q8_0_serves_k_quants_in_the_verifying_layout_with_speculation_on_at
     assert on.health()["speculative_widths"] == [2, 3, 4, 5, 6, 7] and off.health()["speculative_widths"] == []
 
 
-@pytest.mark.parametrize("case", sorted(Q4_CASES))
+@pytest.mark.parametrize("case", sorted(SPECULATION_CASES))
 def test_speculation_at_one_row_changes_nothing_in_the_verifying_layout(verifying_pair, case):
     """Tokens, text, finish, logprobs and first-step logits with speculation equal those without, for greedy,
     seeded, logprobs, stop strings, a cold request and n = 2; the looping random model's greedy answer gets drafted
     and accepted."""
     on, off = verifying_pair
-    job = Job(on.engine.tokenize(LOOP), max_tokens=48, want_logits=True, **Q4_CASES[case])
+    job = Job(on.engine.tokenize(LOOP), max_tokens=48, want_logits=True, **SPECULATION_CASES[case])
     a = on.scheduler.run_choices(job)
     b = off.scheduler.run_choices(job)
     for x, y in zip(a, b):
@@ -110,12 +109,12 @@ def test_a_restored_prefix_answers_as_a_cold_prefill_in_the_verifying_layout(ver
     first-step logits of the same prompt prefilled cold."""
     on, _ = verifying_pair
     first = on.engine.tokenize(LOOP)
-    on.scheduler.run(Job(first, max_tokens=8, sampling=Q4_CASES["greedy"]["sampling"]))
+    on.scheduler.run(Job(first, max_tokens=8, sampling=SPECULATION_CASES["greedy"]["sampling"]))
     second = first + on.engine.tokenize("ok<|im_end|>\n<|im_start|>user\nagain " * 3 +
                                         "<|im_end|>\n<|im_start|>assistant\n")
-    warm = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, sampling=Q4_CASES["greedy"]["sampling"]))
+    warm = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, sampling=SPECULATION_CASES["greedy"]["sampling"]))
     cold = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, use_cache=False,
-                                sampling=Q4_CASES["greedy"]["sampling"]))
+                                sampling=SPECULATION_CASES["greedy"]["sampling"]))
     assert warm.cached_tokens >= len(first) - 8 and cold.cached_tokens == 0
     assert warm.completion_tokens == cold.completion_tokens
     assert np.array_equal(warm.first_logits, cold.first_logits)

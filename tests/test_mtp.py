@@ -14,6 +14,8 @@ from orchestrator.models.synth import PRESETS, SynthError, ensure_model, with_mt
 from orchestrator.request import Job, SamplingParams
 from orchestrator.speculative.mtp import MtpHead, MtpUnavailable, NextnApi, mtp_context
 
+from .conftest import LOOP, SPECULATION_CASES, make_config, same_answers, speculation_pair
+
 PROMPT = [1000 + (41 * i) % 5000 for i in range(120)]
 FOLLOW = [1500 + (59 * i) % 5000 for i in range(6)]
 
@@ -178,50 +180,18 @@ def test_the_head_keeps_the_entries_up_to_the_confirmed_token_and_restarts_on_a_
 
 @pytest.fixture(scope="module")
 def mtp_pair(tmp_path_factory):
-    """(on, off): tiny-q4-mtp runtimes with two-row decode steps (every width 2..7 exact), --speculative mtp with
-    every draft verified (FreeCosts) and off, 2 slots."""
-    from orchestrator.runtime import Runtime
-
-    from .conftest import make_config, verify_every_draft
-
-    cal = tmp_path_factory.mktemp("cal") / "calibration.json"
-    kw = dict(ctx_size=2048, parallel=2, decode_rows=2, calibration_file=cal, decode_batching="off")
-    model = ensure_model(with_mtp("tiny-q4"))
-    on = verify_every_draft(Runtime.start(make_config(model, speculative="mtp", **kw)))
-    off = Runtime.start(make_config(model, speculative="off", **kw))
-    yield on, off
-    on.close()
-    off.close()
+    """(on, off): tiny-q4-mtp with --speculative mtp and off, 2 slots (conftest.speculation_pair)."""
+    yield from speculation_pair(tmp_path_factory, ensure_model(with_mtp("tiny-q4")), "mtp", 2)
 
 
-LOOP = "<|im_start|>user\n" + "alpha beta gamma delta " * 30 + "<|im_end|>\n<|im_start|>assistant\n"
-CASES = {
-    "greedy": dict(sampling=SamplingParams(temperature=0.0)),
-    "seeded": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=7)),
-    "logprobs": dict(sampling=SamplingParams(temperature=0.0), logprobs=2),
-    "stop": dict(sampling=SamplingParams(temperature=0.0), stop=("a",)),
-    "cold": dict(sampling=SamplingParams(temperature=0.0), use_cache=False),
-    "n2": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=3), n=2),
-}
-
-
-def _same(on, off, job):
-    a, b = on.scheduler.run_choices(job), off.scheduler.run_choices(job)
-    for x, y in zip(a, b):
-        assert (x.completion_tokens, x.text, x.finish_reason, x.logprobs) == \
-            (y.completion_tokens, y.text, y.finish_reason, y.logprobs)
-        assert np.array_equal(x.first_logits, y.first_logits)
-    return a, b
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(SPECULATION_CASES))
 def test_mtp_drafts_change_nothing(mtp_pair, case):
     """--speculative mtp against off: tokens, text, finish, logprobs, first-step logits, for every sampling case;
     the head's drafts are verified (random weights: almost none accepted)."""
     on, off = mtp_pair
     assert on.scheduler.speculation.mtp is not None and on.scheduler.speculation.widths == (2, 3, 4, 5, 6, 7)
-    job = Job(on.engine.tokenize(LOOP), max_tokens=40, want_logits=True, **CASES[case])
-    a, _ = _same(on, off, job)
+    job = Job(on.engine.tokenize(LOOP), max_tokens=40, want_logits=True, **SPECULATION_CASES[case])
+    a, _ = same_answers(on, off, job)
     assert sum(r.drafted_tokens for r in a) > 0
 
 
@@ -259,9 +229,9 @@ def test_accepted_mtp_drafts_and_their_rollback_change_nothing(mtp_pair):
     real = spec.mtp
     spec.mtp = _Forced(real, want.completion_tokens, len(prompt), every=5)
     try:
-        a, _ = _same(on, off, job)
+        a, _ = same_answers(on, off, job)
         assert a[0].accepted_tokens > 10 and a[0].drafted_tokens > a[0].accepted_tokens
-        a, _ = _same(on, off, Job(prompt[:-3], max_tokens=20, want_logits=True,
+        a, _ = same_answers(on, off, Job(prompt[:-3], max_tokens=20, want_logits=True,
                                   sampling=SamplingParams(temperature=0.0)))
     finally:
         spec.mtp = real
@@ -271,7 +241,6 @@ def test_speculative_mtp_needs_an_mtp_block(tmp_path):
     from orchestrator.errors import ModelLoadError
     from orchestrator.runtime import Runtime
 
-    from .conftest import make_config
 
     with pytest.raises(ModelLoadError, match="no MTP block"):
         Runtime.start(make_config(ensure_model("tiny-q4"), speculative="mtp", decode_rows=2, ctx_size=1024,
@@ -293,7 +262,7 @@ def test_a_failing_head_costs_drafts_not_the_answer(mtp_pair, caplog):
     try:
         job = Job(on.engine.tokenize(LOOP), max_tokens=24, want_logits=True, sampling=SamplingParams(temperature=0.0))
         with caplog.at_level("WARNING", logger="orchestrator.speculative.verify"):
-            a, _ = _same(on, off, job)
+            a, _ = same_answers(on, off, job)
         assert a[0].drafted_tokens == 0 and a[0].finish_reason == "length"
         assert any("restarts" in r.getMessage() for r in caplog.records)
     finally:
@@ -310,7 +279,7 @@ def test_the_head_follows_decode_steps_batched_over_slots(mtp_pair):
     for rt in (on, off):
         rt.scheduler.batch_widths = (2,)
     try:
-        a, _ = _same(on, off, job)
+        a, _ = same_answers(on, off, job)
     finally:
         for rt in (on, off):
             rt.scheduler.batch_widths = ()

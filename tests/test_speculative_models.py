@@ -14,7 +14,7 @@ from orchestrator.models.synth import ensure_model
 from orchestrator.request import Job
 from orchestrator.speculative.verify import rewind
 
-from .conftest import make_config, verify_every_draft
+from .conftest import LOOP, SPECULATION_CASES, make_config, same_answers, speculation_pair, verify_every_draft
 
 
 def greedy(tokens, n=40, **kw) -> Job:
@@ -98,32 +98,11 @@ def test_gemma_drafts_are_accepted_on_real_text_and_change_nothing(start, gemma,
 
 @pytest.fixture(scope="module")
 def q4_pair(tmp_path_factory):
-    """(on, off): tiny-q4 runtimes with two-row decode steps, speculation auto and off, 3 slots; one
-    calibration file, so that the second start reads what the first measured."""
-    from orchestrator.runtime import Runtime
-
-    cal = tmp_path_factory.mktemp("cal") / "calibration.json"
-    kw = dict(ctx_size=2048, parallel=3, decode_rows=2, calibration_file=cal, decode_batching="off")
-    on = verify_every_draft(Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw)))
-    off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
-    yield on, off
-    on.close()
-    off.close()
+    """(on, off): tiny-q4 with speculation auto and off, 3 slots (conftest.speculation_pair)."""
+    yield from speculation_pair(tmp_path_factory, ensure_model("tiny-q4"), "auto", 3)
 
 
-LOOP = "<|im_start|>user\n" + "alpha beta gamma delta " * 30 + "<|im_end|>\n<|im_start|>assistant\n"
-
-Q4_CASES = {
-    "greedy": dict(sampling=SamplingParams(temperature=0.0)),
-    "seeded": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=7)),
-    "logprobs": dict(sampling=SamplingParams(temperature=0.0), logprobs=2),
-    "stop": dict(sampling=SamplingParams(temperature=0.0), stop=("a",)),
-    "cold": dict(sampling=SamplingParams(temperature=0.0), use_cache=False),
-    "n2": dict(sampling=SamplingParams(temperature=0.15, top_k=20, seed=3), n=2),
-}
-
-
-@pytest.mark.parametrize("case", sorted(Q4_CASES))
+@pytest.mark.parametrize("case", sorted(SPECULATION_CASES))
 def test_two_row_decoding_makes_speculation_exact_on_tiny_q4(q4_pair, case):
     """With two-row decode steps every width 2..7 is measured exact, auto turns speculation on, and it
     changes nothing: tokens, text, finish, logprobs, first-step logits, for every sampling case."""
@@ -131,13 +110,8 @@ def test_two_row_decoding_makes_speculation_exact_on_tiny_q4(q4_pair, case):
     assert on.scheduler.speculation.widths == (2, 3, 4, 5, 6, 7)
     assert off.scheduler.speculation.widths == ()
     prompt = on.engine.tokenize(LOOP)
-    job = Job(prompt, max_tokens=48, want_logits=True, **Q4_CASES[case])
-    a = on.scheduler.run_choices(job)
-    b = off.scheduler.run_choices(job)
-    for x, y in zip(a, b):
-        assert (x.completion_tokens, x.text, x.finish_reason, x.logprobs) == \
-            (y.completion_tokens, y.text, y.finish_reason, y.logprobs)
-        assert np.array_equal(x.first_logits, y.first_logits)
+    job = Job(prompt, max_tokens=48, want_logits=True, **SPECULATION_CASES[case])
+    a, _ = same_answers(on, off, job)
     # the random model loops: its own answer gets drafted, and accepted when greedy (sampled at 0.15 from the whole
     # vocabulary it may not repeat itself: n=2 without top_k drafted 0 tokens on a Xeon in the default layout;
     # with top_k=20, 15 and 9 drafted there)
