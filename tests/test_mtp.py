@@ -173,6 +173,17 @@ def test_the_head_keeps_the_entries_up_to_the_confirmed_token_and_restarts_on_a_
         head.flush(0)
         assert span(0) == (1024, 1039)
         assert len(head.draft(0, 1040, FOLLOW[0], h, 2)) == 2 and span(0) == (1026, 1040)  # the chained one's room
+        # a 40-token prompt read in chunks of 12, 20 and 8 (the first chunk's first token without a hidden state):
+        # only the last 16 entries are ever added, the first chunk not at all
+        head.restart(0)
+        added = []
+        head.catch_up = lambda seq, pos, toks, hs: added.append((pos, len(toks), len(hs)))
+        for pos, n in ((0, 12), (12, 20), (32, 8)):
+            head.read_prompt(0, pos, list(range(pos, pos + n)), [None if pos == 0 else h] + [h] * (n - 1), 40)
+        assert added == [(24, 8, 8), (32, 8, 8)]
+        added.clear()
+        head.read_prompt(0, 0, list(range(10)), [None] + [h] * 9, 10)  # a short prompt: all but the first entry
+        assert added == [(1, 9, 9)]
     finally:
         head.close()
         e.close()

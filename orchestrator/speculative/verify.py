@@ -171,11 +171,9 @@ class Speculation:
         """`tokens` of `task` were prefilled at pos.., `hidden` filled by Engine.decode: the MTP head queues their
         entries, so that it attends to the prompt from where the prefill started (a restored prefix has no
         hidden states: the head's entries begin one token after it), as llama.cpp's draft-mtp catches up over
-        every prefilled batch. Costs the head's one layer per prompt token (a few percent of prefill)."""
-        if hidden is None:
-            return
-        seq, j = task.slot.seq, 0 if hidden[0] is not None else 1
-        self._head(seq, self.mtp.catch_up, seq, pos + j, tokens[j:], hidden[j:])
+        every prefilled batch; only the last n_ctx of the prompt (MtpHead.read_prompt)."""
+        if hidden is not None:
+            self._head(task.slot.seq, self.mtp.read_prompt, task.slot.seq, pos, tokens, hidden, task.n)
 
     def batched(self, tasks) -> None:
         """`tasks` are about to decode in one llama_decode call of several slots, where nothing is verified: with
