@@ -180,8 +180,9 @@ class MtpHead:
         """Queue the entries of a prompt chunk prefilled at pos.. (`hidden[j]`: the target's hidden state at
         pos + j - 1, None where Engine.decode had none) of a prompt of `end` tokens, but only those the head
         keeps once the whole prompt is read, the last n_ctx before `end`: the older ones would be added and then
-        dropped unseen. Skipping them leaves the head's KV as it would be, since the one layer's K and V of an
-        entry come from that entry alone (x_q, h_{q-1}). So a 12k-token prompt costs the head 4096 entries."""
+        dropped unseen. Skipping them leaves the head's KV as it would be (up to the rounding of other ubatch
+        sizes: drafts only, verified), since the one layer's K and V of an entry come from that entry alone
+        (x_q, h_{q-1}). So a 12k-token prompt costs the head 4096 entries."""
         skip = max(0 if hidden and hidden[0] is not None else 1, end - self.n_ctx - pos)
         if skip < len(tokens):
             self.catch_up(seq, pos + skip, tokens[skip:], hidden[skip:])
