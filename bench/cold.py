@@ -38,7 +38,7 @@ from bench.render import Renderer
 from bench.report import oracle
 from bench.run import default_model
 from bench.scenarios import Req, Scale, w1, w2, w3
-from bench.systems import SYSTEMS, launch, omp_policy, orchestrator_variants
+from bench.systems import SYSTEMS, launch, omp_policy, variants
 
 PEER = "llama-server"
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     rend = Renderer(model)
     reqs = cold_requests(rend, scale, [w.strip().upper() for w in a.workloads.split(",")])
     out = a.out or results_dir() / "cold"
-    systems = {s.name: s for s in [SYSTEMS["orchestrator"], *orchestrator_variants(a.variant), SYSTEMS[PEER]]}
+    systems = {s.name: s for s in [SYSTEMS["orchestrator"], *variants(a.variant, SYSTEMS["orchestrator"]), SYSTEMS[PEER]]}
     servers = {}
     for i, s in enumerate(systems.values()):
         servers[s.name] = launch(s, model, a.port + i, a.threads, scale.ctx_size, out / "logs",

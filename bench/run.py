@@ -43,7 +43,7 @@ from bench.render import Renderer
 from bench import agentloop
 from bench.scenarios import Req, Scale, chat, w1, w2, w3, w4
 from bench.systems import (SYSTEMS, RssSampler, Running, before_system, cold_variant,
-                           launch, llama_server_binary, omp_policy, orchestrator_variants)
+                           launch, llama_server_binary, omp_policy, variants)
 
 LOOPS = ("W4", "CHAT")
 
@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="one more system: orchestrator with more flags, named orchestrator-NAME (repeatable)")
+    ap.add_argument("--peer-variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more system: llama-server with more flags, named llama-server-NAME, e.g. "
+                         "'ngram-mod=--spec-type ngram-mod' (repeatable)")
     ap.add_argument("--workloads", default="W1,W2,W3")
     ap.add_argument("--cache-ram", type=int, default=4096, help="orchestrator --cache-ram on W1/W2, MiB")
     ap.add_argument("--w3-cache-ram", type=int, default=192,
@@ -218,9 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     systems = [SYSTEMS[n] for n in names]
     try:
-        systems += orchestrator_variants(args.variant)
+        systems += variants(args.variant, SYSTEMS["orchestrator"])
+        systems += variants(args.peer_variant, SYSTEMS["llama-server"])
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(f"--variant/--peer-variant {e}")
     workloads = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     loops = [w for w in workloads if w in LOOPS]
     workloads = [w for w in workloads if w not in LOOPS]

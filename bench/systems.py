@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -321,14 +321,14 @@ class RssSampler:
         self._thread.join(2)
 
 
-def orchestrator_variants(specs: list[str]) -> list[System]:
-    """Orchestrators started with more flags, from `--variant NAME=FLAGS` specs (named orchestrator-NAME).
-    Raises ValueError for a spec without a name or flags."""
+def variants(specs: list[str], base: System) -> list[System]:
+    """`base` started with more flags, from `NAME=FLAGS` specs (named <base>-NAME; base's own flags first, its
+    workload flags kept: llama-server's -np 3 on W4). Raises ValueError for a spec without a name or flags."""
     out = []
     for spec in specs:
         name, _, flags = spec.partition("=")
         if not name or not flags.strip():
-            raise ValueError(f"--variant {spec!r}: expected NAME=FLAGS")
-        out.append(System(f"orchestrator-{name}", "orchestrator", "chat", extra=tuple(flags.split())))
+            raise ValueError(f"{spec!r}: expected NAME=FLAGS")
+        out.append(replace(base, name=f"{base.name}-{name}", extra=base.extra + tuple(flags.split())))
     return out
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import report
-from bench.systems import LLAMA_SERVER, llama_server_binary, orchestrator_variants
+from bench.systems import LLAMA_SERVER, SYSTEMS, llama_server_binary, variants
 
 
 def test_oracle_is_longest_prefix_shared_with_any_earlier_prompt():
@@ -101,13 +101,16 @@ def test_the_bench_names_what_it_misses_before_it_starts(monkeypatch):
     assert "fastapi" in run.missing_dependencies(systems + [s for s in SYSTEMS.values() if s.kind == "llama-cpp-python"])
 
 
-def test_variants_are_orchestrators_with_their_flags():
-    gap, chunk = orchestrator_variants(["gap=--snapshot-min-gap 0", "c=--prefill-chunk-alone 128"])
+def test_variants_are_their_base_system_with_more_flags():
+    gap, chunk = variants(["gap=--snapshot-min-gap 0", "c=--prefill-chunk-alone 128"], SYSTEMS["orchestrator"])
     assert (gap.name, gap.kind, gap.extra) == ("orchestrator-gap", "orchestrator", ("--snapshot-min-gap", "0"))
     assert chunk.extra == ("--prefill-chunk-alone", "128")
+    (mod,) = variants(["ngram-mod=--spec-type ngram-mod"], SYSTEMS["llama-server"])
+    assert (mod.name, mod.kind) == ("llama-server-ngram-mod", "llama-server")
+    assert mod.flags("W4") == ("--spec-type", "ngram-mod", "-np", "3")  # llama-server's W4 slots kept
     for bad in ("nogap", "=--x", "name= "):
         with pytest.raises(ValueError):
-            orchestrator_variants([bad])
+            variants([bad], SYSTEMS["orchestrator"])
 
 
 @pytest.mark.parametrize("name", ["side-by-side", "cold", "w5", "slots", "memory", "prefix", "cluster", "soak"])
