@@ -276,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="ggml-cpu's tiled K-quant matmul for orchestrator's modes: on (llama.cpp's default, from 8 "
                          "rows), off (one-row kernels at every width: verification exact beyond 7 rows, prefill "
                          "slower), force (tiled at every width: decode slower); bench/results/2026-12-05/tiled-matmul")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="directory for speculative.json and llama-server's logs (default bench/results/<date>/)")
     a = ap.parse_args(argv)
+    if a.out is not None and a.out.suffix == ".json":
+        ap.error(f"--out is a directory (speculative.json is written in it), not a file: {a.out}")
     for name in TILED_MATMUL["force"]:
         os.environ.pop(name, None)
     os.environ.update(TILED_MATMUL[a.tiled_matmul])
