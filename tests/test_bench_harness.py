@@ -200,3 +200,11 @@ def test_cold_bench_compares_repeats_and_variants_with_the_right_cold_answer():
     assert checks == {("repeat", "orchestrator", "orchestrator"): (2, 1),
                       ("cold", "orchestrator-nocache", "orchestrator"): (2, 0),
                       ("repeat", "llama-server", "llama-server"): (2, 0)}
+
+
+def test_bench_speculative_refuses_an_out_that_names_a_file(capsys):
+    from bench.speculative import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", "results.json"])
+    assert e.value.code == 2 and "--out is a directory" in capsys.readouterr().err
