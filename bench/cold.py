@@ -38,7 +38,7 @@ from bench.render import Renderer
 from bench.report import oracle
 from bench.run import default_model
 from bench.scenarios import Req, Scale, w1, w2, w3
-from bench.systems import SYSTEMS, launch, omp_policy, variants
+from bench.systems import SYSTEMS, add_variant_args, launch, omp_policy, with_variants
 
 PEER = "llama-server"
 
@@ -129,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--port", type=int, default=8420)
     ap.add_argument("--omp", choices=["default", "passive"], default="default")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="also an orchestrator started with more flags (named orchestrator-NAME)")
+    add_variant_args(ap, peer=False)
     ap.add_argument("--repeat", action="store_true",
                     help="send each cold request a second time to the same system (the exact repeat)")
     ap.add_argument("--out", type=Path, default=None)
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     rend = Renderer(model)
     reqs = cold_requests(rend, scale, [w.strip().upper() for w in a.workloads.split(",")])
     out = a.out or results_dir() / "cold"
-    systems = {s.name: s for s in [SYSTEMS["orchestrator"], *variants(a.variant, SYSTEMS["orchestrator"]), SYSTEMS[PEER]]}
+    systems = {s.name: s for s in with_variants(ap, a, [SYSTEMS["orchestrator"], SYSTEMS[PEER]])}
     servers = {}
     for i, s in enumerate(systems.values()):
         servers[s.name] = launch(s, model, a.port + i, a.threads, scale.ctx_size, out / "logs",

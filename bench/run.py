@@ -43,7 +43,8 @@ from bench.render import Renderer
 from bench import agentloop
 from bench.scenarios import Req, Scale, chat, w1, w2, w3, w4
 from bench.systems import (SYSTEMS, RssSampler, Running, before_system, cold_variant,
-                           launch, llama_server_binary, omp_policy, variants)
+                           launch, llama_server_binary, omp_policy, add_variant_args,
+                           with_variants)
 
 LOOPS = ("W4", "CHAT")
 
@@ -180,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the synthetic qwen3.5-0.8b Q4_K_M)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="one more system: orchestrator with more flags, named orchestrator-NAME (repeatable)")
-    ap.add_argument("--peer-variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="one more system: llama-server with more flags, named llama-server-NAME, e.g. "
-                         "'ngram-mod=--spec-type ngram-mod' (repeatable)")
+    add_variant_args(ap)
     ap.add_argument("--workloads", default="W1,W2,W3")
     ap.add_argument("--cache-ram", type=int, default=4096, help="orchestrator --cache-ram on W1/W2, MiB")
     ap.add_argument("--w3-cache-ram", type=int, default=192,
@@ -219,12 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         ap.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
-    systems = [SYSTEMS[n] for n in names]
-    try:
-        systems += variants(args.variant, SYSTEMS["orchestrator"])
-        systems += variants(args.peer_variant, SYSTEMS["llama-server"])
-    except ValueError as e:
-        ap.error(f"--variant/--peer-variant {e}")
+    systems = with_variants(ap, args, [SYSTEMS[n] for n in names])
     workloads = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     loops = [w for w in workloads if w in LOOPS]
     workloads = [w for w in workloads if w not in LOOPS]

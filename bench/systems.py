@@ -321,6 +321,26 @@ class RssSampler:
         self._thread.join(2)
 
 
+def add_variant_args(ap, peer: bool = True) -> None:
+    """--variant NAME=FLAGS (orchestrator with more flags) and, with `peer`, --peer-variant (llama-server with
+    more flags) on an argparse parser; `with_variants` turns them into systems."""
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more system: orchestrator with more flags, named orchestrator-NAME (repeatable)")
+    if peer:
+        ap.add_argument("--peer-variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="one more system: llama-server with more flags, named llama-server-NAME, e.g. "
+                             "'ngram-mod=--spec-type ngram-mod' (repeatable)")
+
+
+def with_variants(ap, args, systems: list[System]) -> list[System]:
+    """`systems` and the variants `add_variant_args` parsed into `args`; a malformed spec is the parser's error."""
+    try:
+        return (systems + variants(args.variant, SYSTEMS["orchestrator"])
+                + variants(getattr(args, "peer_variant", []), SYSTEMS["llama-server"]))
+    except ValueError as e:
+        ap.error(f"--variant/--peer-variant {e}")
+
+
 def variants(specs: list[str], base: System) -> list[System]:
     """`base` started with more flags, from `NAME=FLAGS` specs (named <base>-NAME; base's own flags first, its
     workload flags kept: llama-server's -np 3 on W4). Raises ValueError for a spec without a name or flags."""

@@ -41,7 +41,7 @@ import httpx
 from bench.client import sse_events
 from bench.common import add_model_args
 from bench.scenarios import _words
-from bench.systems import SYSTEMS, System, launch, omp_policy
+from bench.systems import SYSTEMS, System, add_variant_args, launch, omp_policy, with_variants
 
 ROOT = Path(__file__).resolve().parent
 CAPTURES = ROOT.parent / "tests" / "fixtures" / "captures"
@@ -75,6 +75,7 @@ class Outcome:
     output: str = ""
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    output_tokens: int | None = None
     error: str = ""
 
 
@@ -192,11 +193,14 @@ def _usage(kind: str, obj: dict, o: Outcome) -> None:
             read = u.get("cache_read_input_tokens") or 0
             o.prompt_tokens = u["input_tokens"] + (u.get("cache_creation_input_tokens") or 0) + read
             o.cached_tokens = read
+        if u and u.get("output_tokens") is not None:
+            o.output_tokens = u["output_tokens"]
     elif kind in ("response.completed", "response.incomplete"):
         u = (obj.get("response") or {}).get("usage") or {}
         if u:
             o.prompt_tokens = u.get("input_tokens")
             o.cached_tokens = (u.get("input_tokens_details") or {}).get("cached_tokens")
+            o.output_tokens = u.get("output_tokens")
 
 
 def send(client: httpx.Client, url: str, q: W5Req, cold: bool, timeout_s: float) -> Outcome:
@@ -278,7 +282,8 @@ def run_round(reqs: list[W5Req], systems: list[tuple[System, tuple[str, ...]]], 
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Per (system, session, shape): requests served/refused, Σ TTFT (median over rounds), cached share, and how
+    """Per (system, session, shape): requests served/refused, Σ TTFT and Σ request time (the session's wall, the
+    answers' decoding included; medians over rounds), output tokens, cached share, and how
     many answers differ from their cold run. An empty cold answer is no reference (two empty strings compare
     equal whatever the servers did), so it is not counted as compared."""
     cold = {(r["session"], r["shape"], r["turn"]): r["output"] for r in records if r["cold"] and r["ok"] and r["output"]}
@@ -288,6 +293,7 @@ def summarize(records: list[dict]) -> list[dict]:
         rs = [r for r in records if not r["cold"] and (r["system"], r["session"], r["shape"]) == (system, session, shape)]
         rounds = sorted({r["round"] for r in rs})
         sums = [sum(r["ttft_s"] for r in rs if r["round"] == k and r["ok"]) for k in rounds]
+        walls = [sum(r["total_s"] for r in rs if r["round"] == k and r["ok"]) for k in rounds]
         ok = [r for r in rs if r["ok"]]
         prompt = sum(r["prompt_tokens"] or 0 for r in ok)
         cached = sum(r["cached_tokens"] or 0 for r in ok)
@@ -296,6 +302,8 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append({"system": system, "session": session, "shape": shape, "served": len(ok),
                      "refused": len(rs) - len(ok), "refusal": next((r["error"] for r in rs if not r["ok"]), ""),
                      "sum_ttft_s": statistics.median(sums) if sums else None, "sum_ttft_rounds": sums,
+                     "sum_total_s": statistics.median(walls) if walls else None, "sum_total_rounds": walls,
+                     "output_tokens": sum(r.get("output_tokens") or 0 for r in ok),
                      "cached_share": cached / prompt if prompt else None,
                      "compared": len(compared), "differ": differ})
     return rows
@@ -305,14 +313,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# W5: Claude Code and Codex sessions ({meta['turns']} turns, {meta['reps']} round(s))", "",
              f"Command: `{meta['command']}`  ", f"Model: {meta['model']}; CPU: {meta['cpu']}; load before: "
              f"{meta['load']}", "",
-             "| session | shape | system | served | refused | Σ TTFT s (rounds) | cached share | differ from cold |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| session | shape | system | served | refused | Σ TTFT s (rounds) | Σ request s (rounds) | output tokens "
+             "| cached share | differ from cold |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        s = "—" if r["sum_ttft_s"] is None or not r["served"] else f"{r['sum_ttft_s']:.1f} (" + ", ".join(
-            f"{x:.1f}" for x in r["sum_ttft_rounds"]) + ")"
+        s, wall = ("—" if r[key] is None or not r["served"] else f"{r[key]:.1f} (" + ", ".join(
+            f"{x:.1f}" for x in r[rounds]) + ")" for key, rounds in (("sum_ttft_s", "sum_ttft_rounds"),
+                                                                     ("sum_total_s", "sum_total_rounds")))
         share = "—" if r["cached_share"] is None else f"{100 * r['cached_share']:.0f}%"
         refused = str(r["refused"]) + (f": {r['refusal'][:60]}" if r["refused"] else "")
-        lines.append(f"| {r['session']} | {r['shape']} | {r['system']} | {r['served']} | {refused} | {s} | {share} | "
+        lines.append(f"| {r['session']} | {r['shape']} | {r['system']} | {r['served']} | {refused} | {s} | {wall} | "
+                     f"{r['output_tokens']} | {share} | "
                      f"{r['differ']} of {r['compared']} |")
     return "\n".join(lines) + "\n"
 
@@ -328,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--cold", choices=("last", "all", "none"), default="last")
     ap.add_argument("--systems", default="orchestrator,llama-server")
+    add_variant_args(ap)
     ap.add_argument("--orchestrator-shapes", default="cli,moved", help="shapes sent to orchestrator (cli, moved)")
     ap.add_argument("--omp", choices=("default", "passive"), default="default")
     ap.add_argument("--out", type=Path, required=True)
@@ -342,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     reqs = plan(args.turns, Renderer(model).tokenize)
     # llama-server is sent both shapes (it refuses the CLIs' own); orchestrator the ones --orchestrator-shapes names
     ours = tuple(args.orchestrator_shapes.split(","))
-    systems = [(SYSTEMS[name], ours if SYSTEMS[name].kind == "orchestrator" else SHAPES)
-               for name in args.systems.split(",")]
+    systems = [(s, ours if s.kind == "orchestrator" else SHAPES)
+               for s in with_variants(ap, args, [SYSTEMS[name] for name in args.systems.split(",")])]
     args.out.mkdir(parents=True, exist_ok=True)
     run_args = Args(model=model, threads=args.threads, log_dir=args.out / "logs", omp=omp_policy(args.omp))
     log_file = (args.out / "log.txt").open("a")

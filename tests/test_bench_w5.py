@@ -52,7 +52,9 @@ def test_an_omitted_thinking_blocks_signature_is_part_of_the_compared_answer():
 def test_an_empty_cold_answer_is_not_counted_as_compared():
     def rec(turn, cold, output):
         return {"system": "orchestrator", "session": w5.CLAUDE, "shape": "cli", "turn": turn, "round": 0 if cold else 1,
-                "cold": cold, "ok": True, "output": output, "ttft_s": 1.0, "prompt_tokens": 10, "cached_tokens": 0,
-                "error": ""}
+                "cold": cold, "ok": True, "output": output, "ttft_s": 1.0, "total_s": 3.0, "prompt_tokens": 10,
+                "cached_tokens": 0, "output_tokens": 5, "error": ""}
     rows = w5.summarize([rec(1, False, ""), rec(1, True, ""), rec(2, False, "a"), rec(2, True, "b")])
     assert (rows[0]["compared"], rows[0]["differ"]) == (1, 1)
+    # the session's wall and output: its warm requests only, summed per round
+    assert (rows[0]["sum_ttft_s"], rows[0]["sum_total_s"], rows[0]["output_tokens"]) == (2.0, 6.0, 10)
