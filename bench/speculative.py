@@ -84,14 +84,36 @@ class ForcedHead:
         return (f.draft(k) + real)[:k]
 
 
+class ForcedDraftModel:
+    """A draft model (orchestrator.speculative.draft.DraftModel) that runs as in serving (it reads the context and
+    decodes one step per draft: the cost) but drafts `reference` as ForcedDrafter does: what a draft model with
+    that acceptance would give. Its sequence holds its own drafts, which the next read corrects."""
+
+    def __init__(self, model, n_prompt: int, reference: list[int], corrupt: float) -> None:
+        self.model = getattr(model, "model", model)
+        self.forced = ForcedDrafter([0] * n_prompt, reference, corrupt)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def draft(self, seq: int, context, k: int) -> list[int]:
+        real = self.model.draft(seq, context, k)
+        self.forced.tokens = list(context)  # prompt + answer up to the pending token
+        return (self.forced.draft(k) + real)[:k]
+
+
 def force(speculation, reference: list[int], corrupt: float, n_prompt: int = 0) -> None:
     """Make `speculation` (orchestrator.speculative.verify.Speculation) draft with ForcedDrafter from here on, or
-    with an MTP head: with ForcedHead (its prompt `n_prompt` tokens long)."""
+    with an MTP head: with ForcedHead, or with a draft model: ForcedDraftModel (the prompt `n_prompt` tokens
+    long)."""
     from orchestrator.speculative.policy import DraftLength
     from orchestrator.speculative.verify import RequestSpec
 
     if speculation.mtp is not None:
         speculation.mtp = ForcedHead(speculation.mtp, n_prompt, reference, corrupt)
+        return
+    if speculation.draft_model is not None:
+        speculation.draft_model = ForcedDraftModel(speculation.draft_model, n_prompt, reference, corrupt)
         return
 
     def state(task):
@@ -176,16 +198,18 @@ def prompts(lines: int) -> dict[str, str]:
 
 
 def start_runtime(model: Path, mode: str, threads: int, draft_max: int, decode_rows: int = 1,
-                  flash_attn: str = "verifying"):
+                  flash_attn: str = "verifying", model_draft: Path | None = None):
     """A Runtime with --speculative `mode`: one slot, cache off, so nothing but decoding differs between modes.
-    flash_attn "verifying": engine.VERIFYING as `-ctk q8_0` asks for it; else --flash-attn's value."""
+    flash_attn "verifying": engine.VERIFYING as `-ctk q8_0` asks for it; else --flash-attn's value. `model_draft`:
+    --model-draft, for mode "draft"."""
     from orchestrator.config import Config
     from orchestrator.runtime import Runtime
 
     layout = {"cache_type_k": "q8_0"} if flash_attn == "verifying" else {"flash_attn": flash_attn}
     return Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,
                                 cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
-                                decode_rows=decode_rows, calibration_file=CALIBRATION, **layout))
+                                decode_rows=decode_rows, calibration_file=CALIBRATION,
+                                model_draft=model_draft if mode == "draft" else None, **layout))
 
 
 def describe(rt) -> dict:
@@ -215,9 +239,10 @@ def generate(rt, label: str, name: str, text: str, template: str, max_tokens: in
 
 
 def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
-             draft_max: int, decode_rows: int = 1, flash_attn: str = "verifying") -> dict:
+             draft_max: int, decode_rows: int = 1, flash_attn: str = "verifying", model_draft: Path | None = None
+             ) -> dict:
     """Every generation in one runtime of its own: {"widths", "attention", "repack", generation: figures}."""
-    rt = start_runtime(model, mode, threads, draft_max, decode_rows, flash_attn)
+    rt = start_runtime(model, mode, threads, draft_max, decode_rows, flash_attn, model_draft)
     out = describe(rt)
     try:
         for name, text in texts.items():
@@ -228,13 +253,14 @@ def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_t
 
 
 def run_forced(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
-               draft_max: int, rates: list[tuple[str, float]], flash_attn: str = "verifying") -> dict[str, dict]:
+               draft_max: int, rates: list[tuple[str, float]], flash_attn: str = "verifying",
+               model_draft: Path | None = None) -> dict[str, dict]:
     """One runtime for "off" and every forced rate, so that they share its weights' placement in memory (between
     runtimes decode speed moved ±15% on the 2-core EPYC, more than the effects measured): per generation, "off"
     (no verification widths) and then each (name, rate) drafting that answer. {mode name: run_mode's dict}."""
-    rt = start_runtime(model, mode, threads, draft_max, flash_attn=flash_attn)
+    rt = start_runtime(model, mode, threads, draft_max, flash_attn=flash_attn, model_draft=model_draft)
     spec = rt.scheduler.speculation
-    widths, state = spec.widths, spec.state
+    widths, state, drafting = spec.widths, spec.state, spec.draft_model
     names = ["off"] + [name for name, _ in rates]
     out = {name: describe(rt) for name in names}
     try:
@@ -242,7 +268,7 @@ def run_forced(model: Path, mode: str, texts: dict[str, str], template: str, max
             spec.widths = ()
             out["off"][gen] = generate(rt, "off", gen, text, template, max_tokens)
             for name, rate in rates:
-                spec.widths, spec.state = widths, state
+                spec.widths, spec.state, spec.draft_model = widths, state, drafting
                 force(spec, out["off"][gen]["tokens"], rate, out["off"][gen]["prompt_tokens"])
                 out[name][gen] = generate(rt, name, gen, text, template, max_tokens)
     finally:
@@ -254,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench speculative", description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: Gemma 3 270M from PyPI)")
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="gemma")
-    ap.add_argument("--mode", choices=["auto", "ngram", "mtp"], default="ngram",
+    ap.add_argument("--mode", choices=["auto", "ngram", "mtp", "draft"], default="ngram",
                     help="what 'on' is: --speculative's value (default ngram; mtp: a GGUF with an MTP block, "
-                         "e.g. synth-model --preset qwen3.5-0.8b --mtp)")
+                         "e.g. synth-model --preset qwen3.5-0.8b --mtp; draft: drafts from --model-draft)")
+    ap.add_argument("--model-draft", type=Path, default=None, help="the draft model of --mode draft")
     ap.add_argument("--lines", type=int, default=150, help="lines of the file the edit rewrites")
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--draft-max", type=int, default=6)
@@ -279,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="directory for speculative.json and llama-server's logs (default bench/results/<date>/)")
     a = ap.parse_args(argv)
+    if (a.mode == "draft") != (a.model_draft is not None):
+        ap.error("--mode draft and --model-draft go together")
     if a.out is not None and a.out.suffix == ".json":
         ap.error(f"--out is a directory (speculative.json is written in it), not a file: {a.out}")
     for name in TILED_MATMUL["force"]:
@@ -310,19 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(a.reps):
         if rates:
             for name, r in run_forced(model, a.mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rates,
-                                      a.flash_attn).items():
+                                      a.flash_attn, a.model_draft).items():
                 runs[name].append(r)
         for name, mode, rows, flash in modes:
             if name.startswith("forced") or (name == "off" and rates):  # run_forced ran them
                 continue
             runs[name].append(run_mode(model, mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rows,
-                                       flash))
+                                       flash, a.model_draft))
         for name in peers:
             prompt_ids = {g: runs["off"][-1][g]["prompt"] for g in texts}
             runs[name].append(run_peer(model, name[len("llama-server-"):], prompt_ids, a.max_tokens, a.threads,
                                        runs["off"][-1]["repack"], a.port, out_dir / "logs"))
     spec = [name for name, *_ in modes[1:] if name not in ("one_row_off", "fa_off_off")]  # "on", or forcedP
-    report = {"model": str(model), "mode": a.mode, "decode_rows": a.decode_rows, "reps": a.reps,
+    report = {"model": str(model), "model_draft": str(a.model_draft or ""), "mode": a.mode,
+              "decode_rows": a.decode_rows, "reps": a.reps,
               "tiled_matmul": a.tiled_matmul, "draft_max": a.draft_max,
               "widths": runs[spec[0]][0]["widths"], "repack": runs["off"][0]["repack"], "peers": peers,
               "attention": {n: r[0]["attention"] for n, r in runs.items() if n not in peers}, "generations": {}}

@@ -545,10 +545,11 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
     return Calibration(min_segment, invariant, rollback, odd, widths)
 
 
-def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int) -> tuple[int, ...]:
+def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int, drafts: str = "ngram"
+                       ) -> tuple[int, ...]:
     """The verification widths the scheduler uses (empty: speculative decoding off), from the widths measured
-    exact (`measure_verify_widths`) and --speculative: "off" none; "auto" and "mtp" the measured ones up to
-    draft_max + 1;
+    exact (`measure_verify_widths`) and --speculative: "off" none; "auto", "mtp" and "draft" the measured ones up
+    to draft_max + 1 (`drafts`, Config.drafts, names their source in the log);
     "ngram" those, or where none were measured exact 2..draft_max + 1 with a warning (outputs may then differ
     from speculation off). Logs the decision and why."""
     if mode == "off":
@@ -556,7 +557,8 @@ def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int) -> 
     exact = tuple(w for w in measured if w <= draft_max + 1)
     if exact:
         log.info("speculative decoding on: %s drafts verified %d..%d tokens at a time (measured bit-identical "
-                 "to one-token decoding on this model and CPU)", "MTP" if mode == "mtp" else "n-gram",
+                 "to one-token decoding on this model and CPU)",
+                 {"mtp": "MTP", "draft": "draft-model"}.get(drafts, "n-gram"),
                  exact[0], exact[-1])
         return exact
     if mode == "ngram":

@@ -147,12 +147,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("--decode-batching", choices=["auto", "on", "off"], default=d.decode_batching,
                    help="one llama_decode for all generating slots: auto = only when measured bit-identical to "
                         "decoding alone on this model (default auto)")
-    p.add_argument("--speculative", choices=["auto", "off", "ngram", "mtp"], default=d.speculative,
+    p.add_argument("--speculative", choices=["auto", "off", "ngram", "mtp", "draft"], default=d.speculative,
                    help="speculative decoding with n-gram (prompt lookup) drafts: auto = only in the verification "
                         "widths measured bit-identical to one-token decoding at start (none: off, and the log says "
-                        "why); ngram = also where none were (outputs may differ from off); mtp = drafts from the "
-                        "model's multi-token-prediction head (a Qwen3.5 GGUF with nextn layers), exact widths only; "
-                        "draft models are not implemented yet (default auto)")
+                        "why), from --model-draft where given; ngram = also where none were (outputs may differ "
+                        "from off); mtp = drafts from the model's multi-token-prediction head (a Qwen3.5 GGUF with "
+                        "nextn layers), exact widths only; draft = drafts from --model-draft, exact widths only "
+                        "(default auto)")
+    p.add_argument("-md", "--model-draft", type=Path, default=d.model_draft, metavar="GGUF",
+                   help="a smaller model with the same vocabulary that drafts for speculative decoding (e.g. "
+                        "Qwen3.5-0.8B for Qwen3.5-9B); its drafts are verified, so answers do not depend on it")
+    p.add_argument("--draft-window", type=_positive, default=d.draft_window, metavar="N",
+                   help="most prompt tokens the draft model reads of a request, its last ones "
+                        f"(default {d.draft_window})")
     p.add_argument("--decode-rows", type=int, choices=[1, 2], default=d.decode_rows,
                    help="rows per one-token decode step: 2 = the token and a rolled-back copy, the kernels of a "
                         "speculative verification, so that verification is exact by construction (answers differ "
@@ -265,6 +272,7 @@ def _config(a: argparse.Namespace) -> Config:
                  timeout=a.timeout, prefill_chunk=a.prefill_chunk, prefill_chunk_alone=a.prefill_chunk_alone,
                  snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints, rs_snapshots=a.rs_snapshots,
                  decode_batching=a.decode_batching, speculative=a.speculative, draft_max=a.draft_max,
+                 model_draft=a.model_draft, draft_window=a.draft_window,
                  decode_rows=a.decode_rows, flash_attn=a.flash_attn, cache_type_k=a.cache_type_k,
                  cache_type_v=a.cache_type_v,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",

@@ -90,9 +90,11 @@ class Config:
     # and the measured cost of a verification (speculative/policy.py);
     # "ngram" = also where none were measured exact, at widths up to draft_max + 1 (outputs may then differ
     # from "off", as --decode-batching on); "mtp" = the model's MTP head drafts (a GGUF with nextn layers: loaded
-    # with them, speculative/mtp.py), verified in the exact widths only, as "auto"; "off". Draft models are not
-    # implemented yet.
+    # with them, speculative/mtp.py), verified in the exact widths only, as "auto"; "draft" = drafts from
+    # `model_draft` (speculative/draft.py), exact widths only ("auto" with a model_draft does the same); "off".
     speculative: str = "auto"
+    model_draft: Path | None = None  # a smaller GGUF with the model's vocabulary that drafts (--model-draft)
+    draft_window: int = 4096  # most prompt tokens the draft model reads of a request (its context: twice that)
     draft_max: int = 6  # most drafted tokens per verification (the ubatch is draft_max + 1 wide)
     # Flash attention ("on", "off", "auto") and the K / V cache types ("f16", "q8_0", ... engine.KV_TYPES, or
     # "auto"), llama-server's -fa / -ctk / -ctv. All three "auto": flash attention off over F16, whose prefill
@@ -134,6 +136,14 @@ class Config:
     def replica(self) -> str:
         """This server's name among replicas (x-orchestrator-replica): --replica-name, else hostname:port."""
         return self.replica_name or f"{socket.gethostname()}:{self.port}"
+
+    @property
+    def drafts(self) -> str:
+        """Where speculative drafts come from: "mtp" (--speculative mtp), "draft" (--speculative draft, or auto
+        with --model-draft) or "ngram"."""
+        if self.speculative in ("mtp", "draft"):
+            return self.speculative
+        return "draft" if self.speculative == "auto" and self.model_draft is not None else "ngram"
 
     @property
     def extra_bufts(self) -> bool:

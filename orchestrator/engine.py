@@ -489,12 +489,18 @@ class Engine:
             raise EngineError(f"llama_decode failed with code {rc} verifying {len(tokens)} tokens at {pos}")
         self._keep_hidden(seq, pos + len(tokens) - 1, len(tokens) - 1)
 
+    @property
+    def cuttable(self) -> bool:
+        """Whether a sequence can be cut back to any of its positions by KV removal alone (`truncate`): an
+        attention-only memory. A recurrent part needs a checkpoint reloaded first (`rewind_point`)."""
+        return CHECKPOINT not in self.state.entry_kinds
+
     def rewind_point(self, seq: int) -> memoryview | None:
         """Before a verification of `seq`: what speculative.verify.rewind needs to bring it back here. On a memory
         with a recurrent part, its checkpoint (the recurrent state: 19 MiB on the 0.8b), written into a buffer this engine keeps for
         it (valid until the next rewind_point); None on an attention-only memory, where KV removal suffices.
         Raises EngineError when llama.cpp writes nothing."""
-        if CHECKPOINT not in self.state.entry_kinds:
+        if self.cuttable:
             return None
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL)
         if len(self._rewind) < size:

@@ -31,6 +31,7 @@ from .prompt.builder import PromptBuilder, load_template
 from .request import Job, Sink
 from .reuse import AfterGenerationStats
 from .scheduler import Scheduler
+from .speculative.draft import DraftModel, check_vocab
 from .state import HEADER
 from .cache.tiers import RamTier, Tier
 
@@ -90,6 +91,25 @@ def _engine(cfg: Config, path: Path, attention: Attention, **kw) -> Engine:
                   devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, attention=attention, **kw)
 
 
+def _draft_model(cfg: Config, target: Engine) -> DraftModel:
+    """The draft model of --model-draft for `target`: its own Engine (threads, offload and batch as the model's;
+    flash attention off over F16, since its numerics never reach an answer), one sequence per slot, a context
+    of twice --draft-window plus room for the drafts. Raises ModelLoadError (a missing file, another
+    vocabulary)."""
+    margin = max(64, 2 * (cfg.draft_max + 1))
+    engine = _engine(cfg, Path(cfg.model_draft), Attention(), n_ctx=2 * cfg.draft_window + 2 * margin,
+                     n_seq_max=target.n_seq_max)
+    try:
+        check_vocab(target, engine)
+    except ModelLoadError:
+        engine.close()
+        raise
+    log.info("draft model %s: %s, %.0f MiB, %d params; it reads the last %d prompt tokens of a request",
+             cfg.model_draft, engine.info.name, engine.info.size_bytes / MiB, engine.info.n_params,
+             cfg.draft_window)
+    return DraftModel(engine, cfg.draft_window, target.n_vocab, margin)
+
+
 def resolve_model(cfg: Config) -> Path:
     """The model path: --model, else the synthetic qwen3.5-0.8b preset built once into the user cache."""
     if cfg.model is not None:
@@ -118,6 +138,9 @@ class Runtime:
 
         The model is found (or synthesized) here; it is loaded and calibrated on the thread that then runs the
         scheduler's worker loop, so that one thread makes every llama_decode call (engine_thread.EngineThread)."""
+        if cfg.drafts == "draft" and (cfg.model_draft is None or not Path(cfg.model_draft).is_file()):
+            raise ModelLoadError(f"--speculative draft needs --model-draft, a GGUF with the model's vocabulary "
+                                 f"(got {cfg.model_draft or 'none'})")
         path = resolve_model(cfg)
         file_digest = model_file_digest(path)  # read once: the calibration key and the disk tier's fingerprint
         cfg = cls._repacking(cfg, path, file_digest)
@@ -227,7 +250,7 @@ class Runtime:
                 probe.close()
             if measured:
                 break
-        return attention, calibration.speculation_widths(measured, cfg.speculative, cfg.draft_max)
+        return attention, calibration.speculation_widths(measured, cfg.speculative, cfg.draft_max, cfg.drafts)
 
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
@@ -243,7 +266,7 @@ class Runtime:
             cfg = dataclasses.replace(cfg, ctx_size=fit.ctx_size, parallel=fit.slots)
         grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
         engine = _engine(cfg, path, attention, n_ctx=cfg.ctx_size, n_seq_max=cfg.parallel, n_rs_seq=n_rs_seq,
-                         decode_rows=cfg.decode_rows, grammars=grammars, load_mtp=cfg.speculative == "mtp")
+                         decode_rows=cfg.decode_rows, grammars=grammars, load_mtp=cfg.drafts == "mtp")
         if cfg.speculative == "mtp" and engine.nextn is None:
             arch = engine.info.architecture
             engine.close()
@@ -299,6 +322,12 @@ class Runtime:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)
         template = load_template(engine, cfg.chat_template, cfg.max_rendered_chars)
+        try:
+            draft_model = _draft_model(cfg, engine) if widths and cfg.drafts == "draft" else None
+        except ModelLoadError:
+            cache.close()
+            engine.close()
+            raise
         return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template,
                                                                            cfg.parse_special_in_content),
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval, n_slots=cfg.parallel,
@@ -307,7 +336,7 @@ class Runtime:
                                        prefill_chunk_alone=cfg.prefill_chunk_alone, batch_widths=batch_widths,
                                        prefill_tps=prefill_tps, driver=driver,
                                        snapshot_min_gap=cfg.snapshot_min_gap, verify_widths=widths,
-                                       drafts="mtp" if cfg.speculative == "mtp" else "ngram"),
+                                       drafts=cfg.drafts, draft_model=draft_model),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks

@@ -120,7 +120,8 @@ class Scheduler:
         verify_widths: speculative decoding's verification widths (calibration.measure_verify_widths and
             `speculation`); empty: off. A request verifies drafts only in a step where it decodes alone in its
             llama_decode call (batched decode steps of several slots stay one row per slot: `_decode`).
-        drafts: where drafts come from, "ngram" or "mtp" (speculative.verify.Speculation).
+        drafts: where drafts come from, "ngram", "mtp" or "draft" (speculative.verify.Speculation);
+        draft_model: the drafting model for "draft" (speculative.draft.DraftModel), closed with the scheduler.
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A failing job gets an ERROR event (`_fail`); the
@@ -131,7 +132,7 @@ class Scheduler:
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
                  batch_widths: tuple[int, ...] = (), prefill_tps: float | None = None,
                  driver: EngineThread | None = None, snapshot_min_gap: int = 0,
-                 verify_widths: tuple[int, ...] = (), drafts: str = "ngram") -> None:
+                 verify_widths: tuple[int, ...] = (), drafts: str = "ngram", draft_model=None) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
@@ -146,7 +147,7 @@ class Scheduler:
         self.prefill_chunk = self.reuse.chunk_size(prefill_chunk)
         self.prefill_chunk_alone = max(self.reuse.chunk_size(prefill_chunk_alone or engine.n_batch), self.prefill_chunk)
         self.batch_widths = batch_widths
-        self.speculation = Speculation(engine, verify_widths, drafts=drafts)
+        self.speculation = Speculation(engine, verify_widths, drafts=drafts, draft_model=draft_model)
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = _Condition()
         self._order = itertools.count()

@@ -75,13 +75,13 @@ def verify_every_draft(rt: Runtime) -> Runtime:
     return rt
 
 
-def speculation_pair(tmp_path_factory, model: Path, speculative: str, parallel: int):
+def speculation_pair(tmp_path_factory, model: Path, speculative: str, parallel: int, **on_kw):
     """Yields (on, off): runtimes of `model` with two-row decode steps (every width 2..7 exact), `speculative`
-    with every draft verified (FreeCosts) and speculation off, `parallel` slots; one calibration file, so that
-    the second start reads what the first measured. A module fixture's body."""
+    (and `on_kw`) with every draft verified (FreeCosts) and speculation off, `parallel` slots; one calibration
+    file, so that the second start reads what the first measured. A module fixture's body."""
     cal = tmp_path_factory.mktemp("cal") / "calibration.json"
     kw = dict(ctx_size=2048, parallel=parallel, decode_rows=2, calibration_file=cal, decode_batching="off")
-    on = verify_every_draft(Runtime.start(make_config(model, speculative=speculative, **kw)))
+    on = verify_every_draft(Runtime.start(make_config(model, speculative=speculative, **kw, **on_kw)))
     off = Runtime.start(make_config(model, speculative="off", **kw))
     yield on, off
     on.close()

@@ -75,8 +75,12 @@ def test_speculation_flags_reach_the_config():
     cfg = cli._config(parser.parse_args(["serve", "--speculative", "ngram", "--draft-max", "3", "--decode-rows", "2"]))
     assert (cfg.speculative, cfg.draft_max, cfg.decode_rows) == ("ngram", 3, 2)
     assert cli._config(parser.parse_args(["serve", "--speculative", "mtp"])).speculative == "mtp"
+    cfg = cli._config(parser.parse_args(["serve", "--model-draft", "small.gguf", "--draft-window", "512"]))
+    assert (cfg.model_draft.name, cfg.draft_window, cfg.drafts) == ("small.gguf", 512, "draft")  # auto + a draft
+    cfg = cli._config(parser.parse_args(["serve", "-md", "small.gguf", "--speculative", "ngram"]))
+    assert cfg.drafts == "ngram"
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--speculative", "draft"])  # not implemented: refused, not ignored
+        parser.parse_args(["serve", "--speculative", "eagle"])
 
 
 def test_repacking_flag_takes_auto_on_off_and_the_old_bare_flag():

