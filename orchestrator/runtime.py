@@ -322,6 +322,9 @@ class Runtime:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)
         template = load_template(engine, cfg.chat_template, cfg.max_rendered_chars)
+        if cfg.drafts == "draft" and not widths:
+            log.warning("--model-draft %s is not loaded: speculative decoding is off in this layout (above)",
+                        cfg.model_draft)
         try:
             draft_model = _draft_model(cfg, engine) if widths and cfg.drafts == "draft" else None
         except ModelLoadError:
