@@ -51,7 +51,8 @@ def test_a_failing_draft_model_costs_drafts_not_the_answer(draft_pair, caplog):
 
     dm.engine.decode = failing
     try:
-        job = Job(on.engine.tokenize(LOOP), max_tokens=24, want_logits=True, sampling=SamplingParams(temperature=0.0))
+        job = Job(on.engine.tokenize(LOOP), max_tokens=24, want_logits=True,
+                  sampling=SamplingParams(temperature=0.0))
         with caplog.at_level("WARNING", logger="orchestrator.speculative.verify"):
             a, _ = same_answers(on, off, job)
         assert a[0].drafted_tokens == 0 and a[0].finish_reason == "length"

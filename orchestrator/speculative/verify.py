@@ -87,10 +87,11 @@ class Speculation:
     requests' width policies weigh.
 
     MTP and draft-model drafts cost a model step each (0.33 of a plain step for the MTP head of the qwen3.5-0.8b
-    preset), so unlike n-gram lookups they are made only for a verification the policy chose. While no width pays, only every
-    `shadow_gap`-th plain step drafts one token to be checked against the token decoded there (the gap doubles
-    after a wrong one, up to `max_gap`, stays after a right one, and is `min_gap` after a verification); the other
-    plain steps queue their entry, added with the next draft (`MtpHead.catch_up`). Measured on the qwen3.5-0.8b
+    preset), so unlike n-gram lookups they are made only for a verification the policy chose. While no width
+    pays, only every `shadow_gap`-th plain step drafts one token to be checked against the token decoded there
+    (the gap doubles after a wrong one, up to `max_gap`, stays after a right one, and is `min_gap` after a
+    verification); the other plain steps queue the MTP head's entry, added with the next draft
+    (`MtpHead.catch_up`), or leave the draft model's reading to its next draft. Measured on the qwen3.5-0.8b
     preset (bench/results/2026-12-06/mtp-drafts): a gap reset to 1 after every right draft drafted at nearly
     every step where three drafts in four were right but verifying did not pay (0.81x speculation off); a gap
     doubled after every draft, right or not, left a request whose drafts were all right but whose first
