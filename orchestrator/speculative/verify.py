@@ -106,8 +106,8 @@ class Speculation:
         self.costs = VerifyCosts()
         self.min_gap, self.max_gap = min_gap, max_gap
         self.mtp = MtpHead(engine) if drafts == "mtp" and self.widths else None
-        if drafts == "draft" and draft_model is None:
-            raise ValueError("drafts='draft' needs a draft_model")
+        if drafts == "draft" and draft_model is None and self.widths:
+            raise ValueError("drafts='draft' needs a draft_model (unless there are no widths: speculation off)")
         self.draft_model = draft_model if drafts == "draft" else None
 
     def state(self, task) -> RequestSpec | None:
