@@ -322,15 +322,17 @@ class Runtime:
             log.info("snapshot cache: %d MiB of RAM, checkpoints every %d tokens inside long messages",
                      cfg.cache_ram_mib, cfg.checkpoint_interval)
         template = load_template(engine, cfg.chat_template, cfg.max_rendered_chars)
+        draft_model = None
         if cfg.drafts == "draft" and not widths:
             log.warning("--model-draft %s is not loaded: speculative decoding is off in this layout (above)",
                         cfg.model_draft)
-        try:
-            draft_model = _draft_model(cfg, engine) if widths and cfg.drafts == "draft" else None
-        except ModelLoadError:
-            cache.close()
-            engine.close()
-            raise
+        elif cfg.drafts == "draft":
+            try:
+                draft_model = _draft_model(cfg, engine)
+            except ModelLoadError:
+                cache.close()
+                engine.close()
+                raise
         return cls(config=cfg, engine=engine, cache=cache, prompts=PromptBuilder(engine, template,
                                                                            cfg.parse_special_in_content),
                    scheduler=Scheduler(engine, cache, cfg.checkpoint_interval, n_slots=cfg.parallel,

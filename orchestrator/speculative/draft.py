@@ -110,7 +110,7 @@ class DraftModel:
             new = context[offset + len(held):end]
         if new:
             self._decode(seq, new, len(held), logits)
-            held = held + list(new)
+            held.extend(new)
         self.held[seq] = (offset, held)
         if new and horizon == end and not self.engine.cuttable:  # a prompt read to its end: kept for the next one
             self._prompt[seq] = (offset, list(held), self.engine.save_state(seq, partial=True))
@@ -144,8 +144,7 @@ class DraftModel:
             if len(out) == k:
                 break
             self._decode(seq, [tok], len(held), True)
-            held = held + [tok]
-            self.held[seq] = (offset, held)
+            held.append(tok)  # in place: self.held[seq] is this list
         return out
 
     def accepted(self, seq: int, n: int) -> None:
