@@ -374,6 +374,62 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     return tuple(widths)
 
 
+def measure_verify_costs(engine: Engine, widths: Sequence[int], context: int = 512, reps: int = 3
+                         ) -> dict[int, float]:
+    """What a verification of each width in `widths` costs in one-token decode steps (`Engine.verify` against
+    `Engine.decode` of one token), and under key 0 a rollback after a rejected one (speculative.verify.rewind
+    keeping one token), on this engine: medians of `reps` timings after one warm-up each (a new ubatch shape
+    builds llama.cpp's compute graph), every one from the same `context`-token state (pseudo-random tokens).
+    The start values of speculative.policy.VerifyCosts, which the requests' own timings then replace. {} where
+    llama.cpp fails. Uses and clears sequence 0.
+
+    Why at start: how much a row costs is the CPU's (compute- or memory-bound) and the model's: 0.6-0.9 of a
+    step per row on a 2-core AMD EPYC for both the qwen3.5-0.8b and -4b presets, where the policy's assumed
+    prior was 0.25 (bench/results/2026-12-06/sizes-verification), so a first request verified at widths that do not
+    pay until its own timings came in."""
+    if not widths:
+        return {}
+    top = max(widths)
+    n = max(2, min(context, engine.n_ctx - top - 2))
+    prompt = [1000 + (41 * i + 3) % 5000 for i in range(n)]
+    nxt = [1500 + (59 * i) % 5000 for i in range(top)]
+
+    def median(run) -> float:
+        times = []
+        for r in range(reps + 1):
+            engine.load_state(0, start)
+            t = time.perf_counter()
+            run()
+            if r:  # the first is the warm-up
+                times.append(time.perf_counter() - t)
+        return float(np.median(times))
+
+    try:
+        engine.clear(0)
+        engine.decode(0, prompt, 0, want_logits=False)
+        start = engine.save_state(0)
+        step = median(lambda: engine.decode(0, nxt[:1], n))
+        costs = {w: median(lambda: engine.verify(0, nxt[:w], n)) / step for w in widths}
+
+        def rejected() -> float:  # a rejected verification, then only its rollback timed
+            point = engine.rewind_point(0)
+            engine.verify(0, nxt, n)
+            t = time.perf_counter()
+            rewind(engine, 0, point, n, nxt[:1])
+            return time.perf_counter() - t
+
+        times = []
+        for _ in range(reps + 1):
+            engine.load_state(0, start)
+            times.append(rejected())
+        costs[0] = float(np.median(times[1:])) / step
+        return {w: round(c, 3) for w, c in costs.items()}
+    except EngineError:
+        return {}
+    finally:
+        engine.clear(0)
+
+
 def state_sizes(engine: Engine) -> tuple[int, int]:
     """(recurrent state bytes per sequence, KV bytes per token) as llama.cpp serialises them (at 2 and 4 tokens).
     Memory per slot is about recurrent + n_ctx * kv_per_token. Uses and clears sequence 0."""
@@ -473,6 +529,19 @@ class CalibrationFile:
 
     def put_widths(self, widths: tuple[int, ...]) -> None:
         self.put(list(widths), ":verify_widths")
+
+    def get_costs(self) -> dict[int, float] | None:
+        """The stored verification costs (`measure_verify_costs`), or None: not measured."""
+        value = self._read().get(self.key + ":verify_costs")
+        if isinstance(value, dict):
+            try:
+                return {int(w): float(c) for w, c in value.items()}
+            except (TypeError, ValueError):
+                return None
+        return None
+
+    def put_costs(self, costs: Mapping[int, float]) -> None:
+        self.put({str(w): c for w, c in costs.items()}, ":verify_costs")
 
     def put(self, min_segment, suffix: str = "") -> None:
         if self.file is None:

@@ -220,16 +220,18 @@ class Runtime:
         return (Attention(),)
 
     @classmethod
-    def _verify_widths(cls, cfg: Config, path: Path, file_digest: bytes) -> tuple[Attention, tuple[int, ...]]:
+    def _verify_widths(cls, cfg: Config, path: Path, file_digest: bytes
+                       ) -> tuple[Attention, tuple[int, ...], dict[int, float]]:
         """The attention layout to serve with and the speculative verification widths to use in it
         (calibration.speculation_widths). The layout is the first of `_attention` where some width was measured
         exact, else the last; it does not depend on --speculative, so that speculation on and off answer alike.
         Widths are measured on a probe context of one sequence (the same model, threads and kernels; the
         recurrent rollback is a reloaded checkpoint, Engine.rewind, so no n_rs_seq snapshots), and kept in the
-        calibration file beside min_segment (widths up to draft_max + 1)."""
+        calibration file beside min_segment (widths up to draft_max + 1), as are what verifications of the widths
+        used and a rollback cost in decode steps (calibration.measure_verify_costs: the width policy's start)."""
         layouts = cls._attention(cfg)
         if cfg.speculative == "off" and len(layouts) == 1:
-            return layouts[0], ()
+            return layouts[0], (), {}
         for attention in layouts:
             started = time.perf_counter()
             probe = _engine(cfg, path, attention, n_ctx=1024, n_seq_max=1, n_rs_seq=cfg.decode_rows - 1,
@@ -246,15 +248,32 @@ class Runtime:
                     log.info("measured the exact speculative verification widths (%s) in %.1f s: %s",
                              attention.describe(), time.perf_counter() - started,
                              ", ".join(map(str, measured)) or "none")
+                widths = calibration.speculation_widths(measured, cfg.speculative, cfg.draft_max, cfg.drafts) \
+                    if measured or attention == layouts[-1] else ()
+                costs = cls._verify_costs(file, probe, widths)
             finally:
                 probe.close()
             if measured:
                 break
-        return attention, calibration.speculation_widths(measured, cfg.speculative, cfg.draft_max, cfg.drafts)
+        return attention, widths, costs
+
+    @staticmethod
+    def _verify_costs(file: calibration.CalibrationFile, probe: Engine, widths: tuple[int, ...]) -> dict[int, float]:
+        """What verifying each of `widths` and a rollback cost in decode steps on `probe`
+        (calibration.measure_verify_costs), read from the calibration file or measured once and kept there."""
+        costs = file.get_costs() if widths else {}
+        if widths and (costs is None or not set(widths) <= set(costs)):
+            started = time.perf_counter()
+            costs = calibration.measure_verify_costs(probe, widths)
+            file.put_costs(costs)
+            log.info("measured what verifying costs in decode steps in %.1f s: %s; a rollback %.2f",
+                     time.perf_counter() - started,
+                     ", ".join(f"{w} tokens {costs[w]:.2f}" for w in widths if w in costs), costs.get(0, float("nan")))
+        return costs or {}
 
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
-        attention, widths = cls._verify_widths(cfg, path, file_digest)
+        attention, widths, verify_costs = cls._verify_widths(cfg, path, file_digest)
         log.info("%s%s", attention.describe(), " (the layout in which speculative verification is exact at one "
                  "row per decode step; prefill about 3x slower than -fa off at 12k tokens of context)"
                  if attention == VERIFYING else "")
@@ -341,7 +360,7 @@ class Runtime:
                                        prefill_chunk_alone=cfg.prefill_chunk_alone, batch_widths=batch_widths,
                                        prefill_tps=prefill_tps, driver=driver,
                                        snapshot_min_gap=cfg.snapshot_min_gap, verify_widths=widths,
-                                       drafts=cfg.drafts, draft_model=draft_model),
+                                       drafts=cfg.drafts, draft_model=draft_model, verify_costs=verify_costs),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks

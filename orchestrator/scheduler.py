@@ -30,6 +30,7 @@ import os
 import select
 import threading
 import time
+from typing import Mapping
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from .memory import IdleWork
 from .request import Collector, Event, EventKind, Job, Phase, Result, RetryAfter, Sink, Slot, Task
 from .reuse import PrefillRate, Reuse
 from .sampling import token_logprob
+from .speculative.policy import VerifyCosts
 from .speculative.verify import Speculation
 
 log = logging.getLogger("orchestrator.scheduler")
@@ -122,6 +124,8 @@ class Scheduler:
             llama_decode call (batched decode steps of several slots stay one row per slot: `_decode`).
         drafts: where drafts come from, "ngram", "mtp" or "draft" (speculative.verify.Speculation);
         draft_model: the drafting model for "draft" (speculative.draft.DraftModel), closed with the scheduler.
+        verify_costs: verification and rollback costs in decode steps measured at start
+            (calibration.measure_verify_costs), what the width policy weighs until it has timed its own.
 
     submit() never blocks on compute; events reach `sink` from the worker thread, so the sink must be
     thread-safe (the server wraps asyncio's call_soon_threadsafe). A failing job gets an ERROR event (`_fail`); the
@@ -132,7 +136,8 @@ class Scheduler:
                  queue_size: int = 64, timeout_s: float = 0.0, prefill_chunk: int = 128, prefill_chunk_alone: int = 0,
                  batch_widths: tuple[int, ...] = (), prefill_tps: float | None = None,
                  driver: EngineThread | None = None, snapshot_min_gap: int = 0,
-                 verify_widths: tuple[int, ...] = (), drafts: str = "ngram", draft_model=None) -> None:
+                 verify_widths: tuple[int, ...] = (), drafts: str = "ngram", draft_model=None,
+                 verify_costs: Mapping[int, float] | None = None) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
@@ -147,7 +152,8 @@ class Scheduler:
         self.prefill_chunk = self.reuse.chunk_size(prefill_chunk)
         self.prefill_chunk_alone = max(self.reuse.chunk_size(prefill_chunk_alone or engine.n_batch), self.prefill_chunk)
         self.batch_widths = batch_widths
-        self.speculation = Speculation(engine, verify_widths, drafts=drafts, draft_model=draft_model)
+        self.speculation = Speculation(engine, verify_widths, drafts=drafts, draft_model=draft_model,
+                                       costs=VerifyCosts(start=verify_costs))
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = _Condition()
         self._order = itertools.count()

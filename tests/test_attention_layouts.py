@@ -5,6 +5,9 @@ the cache on as off."""
 
 from __future__ import annotations
 
+import json
+import logging
+
 import numpy as np
 import pytest
 
@@ -83,6 +86,27 @@ def test_ctk_q8_0_serves_k_quants_in_the_verifying_layout_with_speculation_on_at
     assert off.scheduler.speculation.widths == () and off.engine.n_rs_seq == 0
     assert on.health()["attention"] == {"flash_attn": True, "cache_type_k": "q8_0", "cache_type_v": "f16"}
     assert on.health()["speculative_widths"] == [2, 3, 4, 5, 6, 7] and off.health()["speculative_widths"] == []
+
+
+def test_verification_costs_are_measured_once_and_start_the_width_policy(verifying_pair, caplog):
+    """The first start measures what each width and a rollback cost in decode steps (calibration.
+    measure_verify_costs) and keeps it in the calibration file; the next start reads it back and its width policy
+    starts from it (VerifyCosts.start) instead of the optimistic prior."""
+    on, _ = verifying_pair
+    stored = [v for k, v in json.loads(on.config.calibration_file.read_text()).items() if k.endswith(":verify_costs")]
+    assert len(stored) == 1 and set(stored[0]) == {"0", "2", "3", "4", "5", "6", "7"}
+    assert all(stored[0][w] > 0 for w in "234567") and stored[0]["0"] >= 0
+    with caplog.at_level(logging.INFO, logger="orchestrator"):
+        rt = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", ctx_size=2048, parallel=3,
+                                       calibration_file=on.config.calibration_file, flash_attn="auto",
+                                       cache_type_k="q8_0"))
+    try:
+        assert not any("measured what verifying costs" in r.getMessage() for r in caplog.records)
+        costs = rt.scheduler.speculation.costs
+        assert costs.start == {int(w): c for w, c in stored[0].items() if w != "0"}
+        assert costs.rewind_prior == stored[0]["0"]
+    finally:
+        rt.close()
 
 
 @pytest.mark.parametrize("case", sorted(SPECULATION_CASES))

@@ -150,6 +150,32 @@ def test_widths_not_measured_follow_the_rows_measured():
     assert costs.ratio(3) == 2.0 and abs(costs.ratio(7) - 4.0) < 1e-9 and abs(costs.ratio(2) - 1.5) < 1e-9
 
 
+def test_costs_measured_at_start_price_the_first_verifications_until_timed_here():
+    """calibration.measure_verify_costs' ratios stand in for the optimistic prior: widths measured at start keep
+    their ratio, the others follow their rows, a rollback its own; this scheduler's own timings then win."""
+    costs = VerifyCosts(prior=0.25, rewind_prior=1.0, start={2: 1.8, 4: 3.4, 0: 1.6})
+    assert costs.ratio(2) == 1.8 and costs.ratio(4) == 3.4 and costs.rewind_ratio() == 1.6
+    assert abs(costs.ratio(6) - (1 + 0.8 * 5)) < 1e-9  # 0.8 a row, the mean of the two measured widths
+    for _ in range(2):
+        costs.observe(1, 0.01)
+        costs.observe(4, 0.02)
+    assert costs.ratio(4) == 2.0 and costs.ratio(2) == 1.8
+    attention_only = VerifyCosts(start={2: 1.2, 0: 0.0})  # a KV removal: free
+    assert attention_only.rewind_ratio() == 0.0
+
+
+def test_start_costs_where_rows_are_dear_keep_a_first_request_from_verifying_at_the_prior():
+    """At 0.8 of a step a row (the qwen3.5-4b preset on 2 cores: bench/results/2026-12-06/sizes-verification)
+    drafts accepted at 0.85 do not pay at any width; at the prior's 0.25 a row they seem to, which is what a
+    request's first verifications cost before its timings came in."""
+    start = {w: 1 + 0.8 * (w - 1) for w in WIDTHS} | {0: 1.6}
+    measured, prior = DraftLength(WIDTHS, VerifyCosts(start=start)), DraftLength(WIDTHS, VerifyCosts())
+    for length in (measured, prior):
+        for i in range(40):
+            length.shadow(i % 7 != 0)
+    assert prior.width(6) > 1 and measured.width(6) == 1
+
+
 def test_partial_acceptance_where_verifying_does_not_pay_decodes_about_as_fast_as_plain():
     """Drafts accepted 75% of the time, independently, at the qwen3.5-0.8b preset's costs (a width-7
     verification 3.5 decode steps, a rollback 1.8): no width pays (about 0.7 tokens a step at best), so the

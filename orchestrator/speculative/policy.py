@@ -5,7 +5,7 @@ verification widths calibrated exact (calibration.measure_verify_widths)."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 
 class VerifyCosts:
@@ -16,7 +16,9 @@ class VerifyCosts:
     alike: ggml-cpu runs each through the same one-row kernels), `prior` before any; a rollback `rewind_prior`
     steps until measured. The prior is optimistic (memory-bound figures), so that verifying is tried and measured
     where the drafts would pay at that price; the first observation of each width and of a rollback is dropped
-    (a new ubatch shape builds llama.cpp's compute graph: a warm-up, not a cost).
+    (a new ubatch shape builds llama.cpp's compute graph: a warm-up, not a cost). `start`: ratios measured at
+    start (calibration.measure_verify_costs: width -> steps, 0 -> a rollback), used for a width, and for the
+    rows and the rollback, until this scheduler has timed its own.
 
     Why measured: exactness keeps a verification of w < 8 rows on ggml-cpu's one-row matmul kernels, so how much
     w rows cost over one depends on whether the CPU is compute- or memory-bound: about 5x for w = 7 on the
@@ -24,12 +26,18 @@ class VerifyCosts:
     from memory. A rollback (verify.rewind) is a KV removal on attention-only models, and on a recurrent memory a
     checkpoint load plus the kept tokens decoded again: about one decode step more."""
 
-    def __init__(self, alpha: float = 0.2, prior: float = 0.25, rewind_prior: float = 1.0) -> None:
+    def __init__(self, alpha: float = 0.2, prior: float = 0.25, rewind_prior: float = 1.0,
+                 start: Mapping[int, float] | None = None) -> None:
         self.alpha, self.prior, self.rewind_prior = alpha, prior, rewind_prior
+        self.start = {w: r for w, r in (start or {}).items() if w >= 2 and r > 0}
+        if start and start.get(0, -1) >= 0:
+            self.rewind_prior = start[0]
         self.seconds: dict[int, float] = {}
         self.rewind_seconds: float | None = None
         self.draft_seconds: float | None = None  # per drafted token, where drafting runs a model (MTP)
-        self.per_row: float | None = None  # extra cost of a verified row, in plain steps
+        rows = [(r - 1) / (w - 1) for w, r in self.start.items()]
+        # extra cost of a verified row, in plain steps
+        self.per_row: float | None = max(0.0, sum(rows) / len(rows)) if rows else None
         self._warm: set[int] = set()  # widths (0: rollbacks, -1: drafts) whose first observation was dropped
 
     def _average(self, key: int, old: float | None, new: float) -> float | None:
@@ -70,6 +78,8 @@ class VerifyCosts:
             return 1.0
         if one and w:
             return w / one
+        if width in self.start:
+            return self.start[width]
         return 1.0 + (self.prior if self.per_row is None else self.per_row) * (width - 1)
 
     def rewind_ratio(self) -> float:

@@ -84,7 +84,7 @@ class Speculation:
     kept to be checked against the token the plain step gives, DraftLength.shadow): the caller then runs its
     plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`.
     `costs`: seconds of verifications (timed here) and of plain decode steps (timed by the scheduler), which the
-    requests' width policies weigh.
+    requests' width policies weigh; given, it starts from the ratios measured at start (VerifyCosts `start`).
 
     MTP and draft-model drafts cost a model step each (0.33 of a plain step for the MTP head of the qwen3.5-0.8b
     preset), so unlike n-gram lookups they are made only for a verification the policy chose. While no width
@@ -98,12 +98,13 @@ class Speculation:
     estimate did not pay at 1.02x, where verifying gave 1.26x."""
 
     def __init__(self, engine, widths: Sequence[int], min_n: int = 2, max_n: int = 4, drafts: str = "ngram",
-                 min_gap: int = 4, max_gap: int = 32, draft_model: DraftModel | None = None) -> None:
+                 min_gap: int = 4, max_gap: int = 32, draft_model: DraftModel | None = None,
+                 costs: VerifyCosts | None = None) -> None:
         self.engine = engine
         self.widths = tuple(sorted(widths))
         self.min_n, self.max_n = min_n, max_n
         self.stats = SpecStats()
-        self.costs = VerifyCosts()
+        self.costs = costs if costs is not None else VerifyCosts()
         self.min_gap, self.max_gap = min_gap, max_gap
         self.mtp = MtpHead(engine) if drafts == "mtp" and self.widths else None
         if drafts == "draft" and draft_model is None and self.widths:
