@@ -20,7 +20,7 @@ from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
 from .devices import Offload, select_devices
-from .engine import VERIFYING, Attention, Engine
+from .engine import VERIFYING, Attention, Engine, ModelInfo
 from .engine_thread import EngineThread
 from .errors import ModelLoadError, OrchestratorError
 from .config import MiB, Config
@@ -91,14 +91,41 @@ def _engine(cfg: Config, path: Path, attention: Attention, **kw) -> Engine:
                   devices=cfg.devices, main_gpu=cfg.main_gpu, kv_offload=cfg.kv_offload, attention=attention, **kw)
 
 
+def _draft_context(cfg: Config) -> tuple[int, int]:
+    """(context per slot, margin) of the draft model's Engine: twice --draft-window plus room for the drafts."""
+    margin = max(64, 2 * (cfg.draft_max + 1))
+    return 2 * cfg.draft_window + 2 * margin, margin
+
+
+def _draft_footprint(cfg: Config) -> tuple[int, int]:
+    """What --model-draft keeps resident, as (bytes once, bytes per slot): its weights, its compute buffer
+    (sizing.compute_sizes at its context) and its rollback buffer; per slot the KV of its context
+    (`_draft_context`), its recurrent state and the copy kept at each prompt's end (speculative.draft.DraftModel).
+    From a probe of the draft model in a small context. Raises ModelLoadError (a missing or unreadable file)."""
+    info, recurrent, kv_token, floor, per_token = _probe_sizes(cfg, Path(cfg.model_draft), Attention())
+    n_ctx, _ = _draft_context(cfg)
+    return info.size_bytes + floor + n_ctx * per_token + recurrent, 2 * recurrent + n_ctx * kv_token
+
+
+def _probe_sizes(cfg: Config, path: Path, attention: Attention) -> tuple[ModelInfo, int, int, int, int]:
+    """(info, recurrent state bytes per sequence, KV bytes per token, compute buffer floor bytes and bytes per
+    context token: sizing.compute_sizes at --batch-size) of the model at `path`, from a probe in a small context."""
+    probe = _engine(cfg, path, attention, n_ctx=256, n_batch=min(cfg.batch_size, 256))
+    try:
+        recurrent, kv_token = calibration.state_sizes(probe)
+        info = probe.info
+        n_head = int(probe.meta(f"{info.architecture}.attention.head_count") or 0)
+    finally:
+        probe.close()
+    return (info, recurrent, kv_token) + sizing.compute_sizes(cfg.batch_size, info.n_vocab, n_head)
+
+
 def _draft_model(cfg: Config, target: Engine) -> DraftModel:
     """The draft model of --model-draft for `target`: its own Engine (threads, offload and batch as the model's;
     flash attention off over F16, since its numerics never reach an answer), one sequence per slot, a context
-    of twice --draft-window plus room for the drafts. Raises ModelLoadError (a missing file, another
-    vocabulary)."""
-    margin = max(64, 2 * (cfg.draft_max + 1))
-    engine = _engine(cfg, Path(cfg.model_draft), Attention(), n_ctx=2 * cfg.draft_window + 2 * margin,
-                     n_seq_max=target.n_seq_max)
+    of `_draft_context`. Raises ModelLoadError (a missing file, another vocabulary)."""
+    n_ctx, margin = _draft_context(cfg)
+    engine = _engine(cfg, Path(cfg.model_draft), Attention(), n_ctx=n_ctx, n_seq_max=target.n_seq_max)
     try:
         check_vocab(target, engine)
     except ModelLoadError:
@@ -182,20 +209,16 @@ class Runtime:
         return dataclasses.replace(cfg, use_extra_bufts="on" if choice.use_extra_bufts else "off")
 
     @staticmethod
-    def _fit_context(cfg: Config, path: Path, n_rs: int, attention: Attention) -> sizing.ContextFit:
+    def _fit_context(cfg: Config, path: Path, n_rs: int, attention: Attention, draft: tuple[int, int] = (0, 0)
+                     ) -> sizing.ContextFit:
         """The context per slot when --ctx-size is not given, and the slot count when --parallel is not either
         (orchestrator/sizing.py), from a probe of the model in a small context: its training context, KV bytes per
-        token, recurrent state, vocabulary and attention heads (the compute buffer). Logs the arithmetic."""
-        probe = _engine(cfg, path, attention, n_ctx=256, n_batch=min(cfg.batch_size, 256))
-        try:
-            recurrent, kv_token = calibration.state_sizes(probe)
-            info = probe.info
-            n_head = int(probe.meta(f"{info.architecture}.attention.head_count") or 0)
-        finally:
-            probe.close()
-        floor, per_token = sizing.compute_sizes(cfg.batch_size, info.n_vocab, n_head)
-        fit = sizing.fit_context(info.n_ctx_train, kv_token, recurrent * (1 + n_rs), cfg.parallel,
-                                 psutil.virtual_memory().available, info.size_bytes,
+        token, recurrent state, vocabulary and attention heads (the compute buffer). `draft`: a draft model's
+        (bytes once, bytes per slot) (`_draft_footprint`), counted with the weights and each slot's state. Logs
+        the arithmetic."""
+        info, recurrent, kv_token, floor, per_token = _probe_sizes(cfg, path, attention)
+        fit = sizing.fit_context(info.n_ctx_train, kv_token, recurrent * (1 + n_rs) + draft[1], cfg.parallel,
+                                 psutil.virtual_memory().available, info.size_bytes + draft[0],
                                  cfg.cache_ram_bytes if cfg.cache_enabled else 0, per_token, floor, cfg.parallel_auto,
                                  recurrent)
         (log.info if fit.fits else log.warning)("%s", fit.describe())
@@ -281,7 +304,11 @@ class Runtime:
         # through a reloaded checkpoint instead: Engine.rewind)
         n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, cfg.decode_rows - 1)
         if cfg.ctx_size is None:
-            fit = cls._fit_context(cfg, path, n_rs_seq, attention)
+            draft = _draft_footprint(cfg) if cfg.drafts == "draft" and widths else (0, 0)
+            if draft != (0, 0):
+                log.info("the draft model keeps %.0f MiB resident and %.0f MiB per slot: counted in the context's fit "
+                         "with the weights and each slot's state", draft[0] / MiB, draft[1] / MiB)
+            fit = cls._fit_context(cfg, path, n_rs_seq, attention, draft)
             cfg = dataclasses.replace(cfg, ctx_size=fit.ctx_size, parallel=fit.slots)
         grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
         engine = _engine(cfg, path, attention, n_ctx=cfg.ctx_size, n_seq_max=cfg.parallel, n_rs_seq=n_rs_seq,

@@ -4,6 +4,8 @@ request through acceptance and rollback; a draft model with another vocabulary i
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -155,5 +157,37 @@ def test_a_draft_model_is_not_loaded_where_speculation_is_off(tmp_path, caplog):
     try:
         assert rt.scheduler.speculation.widths == () and rt.scheduler.speculation.draft_model is None
         assert any("--model-draft" in r.getMessage() and "not loaded" in r.getMessage() for r in caplog.records)
+    finally:
+        rt.close()
+
+
+def test_a_draft_model_is_counted_in_the_memory_the_context_is_fitted_to(monkeypatch, tmp_path):
+    """Without --ctx-size the context is fitted to the memory left (sizing.fit_context): a draft model's weights,
+    compute buffer and per-slot contexts are in it, so on a machine where memory sets the context, the context
+    with a draft model is smaller by about what the draft model keeps (`_draft_footprint`), not the same."""
+    from types import SimpleNamespace
+
+    from orchestrator import runtime as runtime_module
+    from orchestrator.engine import VERIFYING
+    from orchestrator.sizing import SHARE, GiB, MiB, OVERHEAD
+
+    model = ensure_model("tiny-q4")
+    cfg = make_config(model, speculative="auto", model_draft=model, ctx_size=None, cache_enabled=False)
+    available = model.stat().st_size + OVERHEAD + GiB  # no cache budget: memory sets the context
+    monkeypatch.setattr(runtime_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    once, per_slot = runtime_module._draft_footprint(cfg)
+    assert once > model.stat().st_size + 200 * MiB  # weights and the logits of a 256-token ubatch (248k vocabulary)
+    assert per_slot > 0
+    alone = Runtime._fit_context(cfg, model, 0, VERIFYING)
+    drafted = Runtime._fit_context(cfg, model, 0, VERIFYING, (once, per_slot))
+    assert alone.limit == drafted.limit == "memory"
+    kv_token = alone.kv_bytes_per_token + alone.compute_bytes_per_token
+    assert drafted.ctx_size < alone.ctx_size
+    counted = SHARE * once + per_slot  # the weights' kind of bytes come out of the share, a slot's out of what is left
+    assert abs((alone.ctx_size - drafted.ctx_size) * kv_token - counted) < 0.05 * counted
+    rt = Runtime.start(dataclasses.replace(cfg, flash_attn="auto", cache_type_k="q8_0",
+                                           calibration_file=tmp_path / "cal.json"))
+    try:  # the start counts it where the draft model is loaded (speculation on: VERIFYING has exact widths)
+        assert rt.scheduler.speculation.draft_model is not None and rt.config.ctx_size == drafted.ctx_size
     finally:
         rt.close()
