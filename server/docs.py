@@ -96,7 +96,7 @@ def _request_properties(cfg: Config) -> dict[str, dict]:
         "max_completion_tokens": max_tokens,
         "temperature": _nullable({"type": "number", "minimum": TEMPERATURE[0], "maximum": TEMPERATURE[1]}),
         "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 20}),
+        "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": 1 << 20}),
         "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
         "seed": _nullable({"type": "integer", "minimum": -(2 ** 63), "maximum": 2 ** 64 - 1}),
         "stop": _nullable({"anyOf": [{"type": "string"},
@@ -214,7 +214,7 @@ def _anthropic_request_properties(cfg: Config) -> dict[str, dict]:
         "temperature": {"type": "number", "minimum": anthropic.TEMPERATURE[0],
                         "maximum": anthropic.TEMPERATURE[1]},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": 0, "maximum": 1 << 20},
+        "top_k": {"type": "integer", "minimum": -1, "maximum": 1 << 20},
         "metadata": {"type": "object"},
         "service_tier": {"enum": ["auto", "standard_only"], "description": "a hint"},
         "cache_prompt": {"type": "boolean", "description": "false: a cold run that neither reads nor writes the "

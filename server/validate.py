@@ -151,7 +151,7 @@ def options(body: dict, cfg: Config, budget: tuple[str, ...] = ("max_tokens", "m
     seed = number(body, "seed", *SEED, 0, integer=True)
     sampling = SamplingParams(
         temperature=float(temp),
-        top_k=int(number(body, "top_k", 0, 1 << 20, 0, integer=True)),
+        top_k=max(0, int(number(body, "top_k", -1, 1 << 20, 0, integer=True))),  # -1: off, as vLLM says it
         top_p=float(number(body, "top_p", 0.0, 1.0, 1.0)),
         min_p=float(number(body, "min_p", 0.0, 1.0, 0.0)),
         seed=int(seed),

@@ -67,6 +67,7 @@ ACCEPTED = [  # what OpenAI-compatible clients send, with values the server hono
     # thinking switch (pi sends reasoning_effort "medium" with store false: tests/fixtures/captures/pi/)
     {"store": True}, {"service_tier": "flex"}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"},
     {"reasoning_effort": "medium", "store": False},
+    {"top_k": -1},  # vLLM's "off" (its default), which LiteLLM/LangChain users pass through to it
 ]
 
 
@@ -103,6 +104,7 @@ REFUSED = [  # (extra fields, the field the error must name)
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_k": -2}, "top_k"),
     ({"messages": [{"role": "user", "content": "hi"}] * 7}, "messages"),  # above --max-messages 6
 ]
 

@@ -93,7 +93,7 @@ FIELDS: dict[str, Rule] = {
     "stream": Rule(HONOURED, (MESSAGES,), "Anthropic's events"),
     "temperature": Rule(HONOURED, (MESSAGES,), "{:g} to {:g}".format(*TEMPERATURE)),
     "top_p": Rule(HONOURED, (MESSAGES,), "0 to 1"),
-    "top_k": Rule(HONOURED, (MESSAGES,), "0 or more"),
+    "top_k": Rule(HONOURED, (MESSAGES,), "0 or more; -1 accepted as off"),
     "cache_prompt": Rule(HONOURED, (MESSAGES,), "an extension: false is a cold run"),
     "cache_salt": Rule(HONOURED, (MESSAGES,), "an extension: requests share snapshots only with the same salt"),
     "metadata": Rule(HINT, _BOTH, "an object (Claude Code's user_id)"),

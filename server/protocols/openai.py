@@ -47,7 +47,7 @@ FIELDS: dict[str, Rule] = {
     "max_completion_tokens": Rule(HONOURED, _BOTH, "wins over max_tokens, as in OpenAI's docs"),
     "temperature": Rule(HONOURED, _BOTH, "{:g} to {:g}".format(*TEMPERATURE)),
     "top_p": Rule(HONOURED, _BOTH, "0 to 1"),
-    "top_k": Rule(HONOURED, _BOTH, "an extension, as in vLLM and llama.cpp"),
+    "top_k": Rule(HONOURED, _BOTH, "an extension, as in vLLM and llama.cpp; 0 or -1 (vLLM's default): off"),
     "min_p": Rule(HONOURED, _BOTH, "an extension, as in vLLM and llama.cpp"),
     "seed": Rule(HONOURED, _BOTH, "reproducible sampling"),
     "stop": Rule(HONOURED, _BOTH, "up to 16 strings"),
