@@ -493,6 +493,8 @@ class Scheduler:
         forks = [c for c in t.choices if c.phase == Phase.FORK]
         for c in forks:  # state copies first: choice 0's end of generation may rewind its sequence
             self._guard(c, self.reuse.fork, t, c)
+            if c.phase == Phase.FORK:
+                self.speculation.forked(t, c)
         for c in [c for c in forks if c.phase == Phase.FORK] + [t]:  # all from the same logits, untouched by copies
             self._guard(c, self._start, c)
         self._guard(t, self.reuse.store_prompt_end, t)  # after the first tokens: not in their time

@@ -41,6 +41,33 @@ def test_draft_model_drafts_change_nothing(draft_pair, case):
         assert a[0].accepted_tokens > a[0].drafted_tokens // 2
 
 
+def test_the_choices_of_an_n_request_read_the_prompt_once(draft_pair):
+    """n = 2: choice 1's draft sequence is a copy of choice 0's (Speculation.forked), made after the prompt was
+    read, so the draft model reads the prompt in choice 0's sequence only; the answers are those of speculation
+    off, and choice 1 drafts from its copy."""
+    on, off = draft_pair
+    dm = on.scheduler.speculation.draft_model
+    real, reads = dm.engine.decode, []
+
+    def counting(seq, tokens, pos, *a, **kw):
+        reads.append((seq, len(tokens)))
+        return real(seq, tokens, pos, *a, **kw)
+
+    for seq in range(2):  # what earlier tests left there would spare choice 0 its read too
+        dm.restart(seq)
+    dm.engine.decode = counting
+    try:
+        prompt = on.engine.tokenize(LOOP)
+        job = Job(prompt, max_tokens=40, want_logits=True, sampling=SamplingParams(temperature=0.0), n=2)
+        a, _ = same_answers(on, off, job)
+    finally:
+        dm.engine.decode = real
+    seqs = {seq for seq, _ in reads}
+    assert len(seqs) == 2 and all(r.drafted_tokens > 0 for r in a)
+    read = {seq: sum(n for s, n in reads if s == seq and n > 8) for seq in seqs}  # prompt-sized reads
+    assert sorted(read.values())[0] == 0 and sorted(read.values())[1] >= min(len(prompt), 256) - 8
+
+
 def test_a_failing_draft_model_costs_drafts_not_the_answer(draft_pair, caplog):
     """llama.cpp failing the draft model's decode is logged, its sequence restarts, and the request answers as
     with speculation off."""

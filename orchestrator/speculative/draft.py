@@ -83,6 +83,27 @@ class DraftModel:
         self._drafted.pop(seq, None)
         self._prompt.pop(seq, None)
 
+    def copy(self, src: int, dst: int) -> None:
+        """Make `dst` hold what `src` holds, as the bytes llama.cpp wrote (the choices of an n > 1 request fork
+        from choice 0 after its prompt: the window is then read once, not once per choice). Raises EngineError
+        (`dst` restarted)."""
+        if src not in self.held:
+            self.restart(dst)
+            return
+        try:
+            self.engine.load_state(dst, self.engine.save_state_view(src))
+        except EngineError:
+            self.restart(dst)
+            raise
+        offset, held = self.held[src]
+        self.held[dst] = (offset, list(held))
+        self._drafted.pop(dst, None)
+        kept = self._prompt.get(src)
+        if kept is not None:
+            self._prompt[dst] = (kept[0], list(kept[1]), kept[2])  # the state bytes are immutable: shared
+        else:
+            self._prompt.pop(dst, None)
+
     def read(self, seq: int, context: Sequence[int], end: int, logits: bool = False,
              horizon: int | None = None) -> None:
         """Make `seq` hold context[:end] from its offset on, with logits for its last token when `logits`. Keeps

@@ -194,6 +194,15 @@ class Speculation:
             self._drafting(task.slot.seq, self.draft_model.read, task.slot.seq, task.tokens, pos + len(tokens),
                            horizon=len(task.tokens))
 
+    def forked(self, first, other) -> None:
+        """`other`, a choice of `first`'s job, was given a copy of its sequence (Reuse.fork): the draft model's
+        sequence is copied too, so that it does not read the prompt's window again; choice 0's reads it first
+        where the prefill did not (a prompt restored whole is not prefilled)."""
+        if self.draft_model is not None and self.state(first) is not None:
+            seq, n = first.slot.seq, len(first.tokens)
+            self._drafting(seq, self.draft_model.read, seq, first.tokens, n, horizon=n)
+            self._drafting(other.slot.seq, self.draft_model.copy, seq, other.slot.seq)
+
     def batched(self, tasks) -> None:
         """`tasks` are about to decode in one llama_decode call of several slots, where nothing is verified: with
         MTP drafts the head queues each one's entry, so that its sequence still follows on when the task decodes
