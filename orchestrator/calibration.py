@@ -383,10 +383,10 @@ def measure_verify_costs(engine: Engine, widths: Sequence[int], context: int = 5
     The start values of speculative.policy.VerifyCosts, which the requests' own timings then replace. {} where
     llama.cpp fails. Uses and clears sequence 0.
 
-    Why at start: how much a row costs is the CPU's (compute- or memory-bound) and the model's: 0.6-0.9 of a
-    step per row on a 2-core AMD EPYC for both the qwen3.5-0.8b and -4b presets, where the policy's assumed
-    prior was 0.25 (bench/results/2026-12-06/sizes-verification), so a first request verified at widths that do not
-    pay until its own timings came in."""
+    Why at start: how much a row costs is the CPU's (compute- or memory-bound) and the model's: on a 2-core AMD
+    EPYC the second row 0.83-0.87 of a step and each further one 0.35-1.1, for both the qwen3.5-0.8b and -4b
+    presets, where the policy's assumed prior was 0.25 a row (bench/results/2026-12-06/sizes-verification), so a
+    first request verified at widths that do not pay until its own timings came in."""
     if not widths:
         return {}
     top = max(widths)
