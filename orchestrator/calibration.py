@@ -394,35 +394,30 @@ def measure_verify_costs(engine: Engine, widths: Sequence[int], context: int = 5
     prompt = [1000 + (41 * i + 3) % 5000 for i in range(n)]
     nxt = [1500 + (59 * i) % 5000 for i in range(top)]
 
-    def median(run) -> float:
+    def seconds(call) -> float:
+        t = time.perf_counter()
+        call()
+        return time.perf_counter() - t
+
+    def median(run) -> float:  # of what run() returns, from the start state each time; the first is the warm-up
         times = []
-        for r in range(reps + 1):
+        for _ in range(reps + 1):
             engine.load_state(0, start)
-            t = time.perf_counter()
-            run()
-            if r:  # the first is the warm-up
-                times.append(time.perf_counter() - t)
-        return float(np.median(times))
+            times.append(run())
+        return float(np.median(times[1:]))
+
+    def rejected() -> float:  # a rejected verification, then only its rollback timed
+        point = engine.rewind_point(0)
+        engine.verify(0, nxt, n)
+        return seconds(lambda: rewind(engine, 0, point, n, nxt[:1]))
 
     try:
         engine.clear(0)
         engine.decode(0, prompt, 0, want_logits=False)
         start = engine.save_state(0)
-        step = median(lambda: engine.decode(0, nxt[:1], n))
-        costs = {w: median(lambda: engine.verify(0, nxt[:w], n)) / step for w in widths}
-
-        def rejected() -> float:  # a rejected verification, then only its rollback timed
-            point = engine.rewind_point(0)
-            engine.verify(0, nxt, n)
-            t = time.perf_counter()
-            rewind(engine, 0, point, n, nxt[:1])
-            return time.perf_counter() - t
-
-        times = []
-        for _ in range(reps + 1):
-            engine.load_state(0, start)
-            times.append(rejected())
-        costs[0] = float(np.median(times[1:])) / step
+        step = median(lambda: seconds(lambda: engine.decode(0, nxt[:1], n)))
+        costs = {w: median(lambda: seconds(lambda: engine.verify(0, nxt[:w], n))) / step for w in widths}
+        costs[0] = median(rejected) / step
         return {w: round(c, 3) for w, c in costs.items()}
     except EngineError:
         return {}

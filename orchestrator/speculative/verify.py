@@ -191,17 +191,21 @@ class Speculation:
         if hidden is not None:
             self._head(task.slot.seq, self.mtp.read_prompt, task.slot.seq, pos, tokens, hidden, task.n)
         elif self.draft_model is not None and self.state(task) is not None:
-            self._drafting(task.slot.seq, self.draft_model.read, task.slot.seq, task.tokens, pos + len(tokens),
-                           horizon=len(task.tokens))
+            self._read_prompt(task, pos + len(tokens))
+
+    def _read_prompt(self, task, end: int) -> None:
+        """The draft model's sequence of `task` reads its prompt up to `end` (kept at the prompt's end:
+        DraftModel.read's horizon)."""
+        seq = task.slot.seq
+        self._drafting(seq, self.draft_model.read, seq, task.tokens, end, horizon=len(task.tokens))
 
     def forked(self, first, other) -> None:
         """`other`, a choice of `first`'s job, was given a copy of its sequence (Reuse.fork): the draft model's
         sequence is copied too, so that it does not read the prompt's window again; choice 0's reads it first
         where the prefill did not (a prompt restored whole is not prefilled)."""
         if self.draft_model is not None and self.state(first) is not None:
-            seq, n = first.slot.seq, len(first.tokens)
-            self._drafting(seq, self.draft_model.read, seq, first.tokens, n, horizon=n)
-            self._drafting(other.slot.seq, self.draft_model.copy, seq, other.slot.seq)
+            self._read_prompt(first, len(first.tokens))
+            self._drafting(other.slot.seq, self.draft_model.copy, first.slot.seq, other.slot.seq)
 
     def batched(self, tasks) -> None:
         """`tasks` are about to decode in one llama_decode call of several slots, where nothing is verified: with
