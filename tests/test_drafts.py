@@ -17,10 +17,17 @@ WIDTHS = (2, 3, 4, 5, 6, 7)
 def test_ngram_drafts_what_followed_the_latest_earlier_match():
     d = NgramDrafter([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3], min_n=2, max_n=3)
     assert d.draft(3) == [4, 5, 6]  # the latest earlier "1 2 3", not the first
-    assert d.draft(10) == [4, 5, 6, 1, 2, 3]  # never past the end
+    assert d.draft(10) == [4, 5, 6, 1, 2, 3, 4, 5, 6, 1]  # past the end: the 6-token period repeats
     assert d.draft(0) == []
     d.extend([7])
     assert d.draft(4) == []  # "2 3 7", "3 7": never seen
+
+
+def test_ngram_drafts_a_loop_on_past_the_end():
+    """A run of one token, or a short loop, matches one period back: the draft repeats the period for all k tokens
+    (a draft cut at the end would give one token a verification, whatever the width allows)."""
+    assert NgramDrafter([7, 5, 5, 5, 5], min_n=2, max_n=2, long=()).draft(6) == [5] * 6
+    assert NgramDrafter([1, 8, 9, 8, 9, 8], min_n=2, max_n=3, long=()).draft(5) == [9, 8, 9, 8, 9]
 
 
 def test_ngram_prefers_the_longest_suffix():

@@ -52,7 +52,10 @@ class NgramDrafter:
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix (longest n
-        first); [] when no suffix of at least min_n tokens occurred before."""
+        first); [] when no suffix of at least min_n tokens occurred before. Where that occurrence ends fewer than
+        k tokens before the end, the text since it is a period that repeats (a loop, a run of one token, a table
+        rule): the draft repeats it up to k tokens, as llama.cpp's ngram-mod does by looking its own drafts up
+        again, instead of stopping at the end."""
         toks, end = self.tokens, len(self.tokens)
         if k <= 0:
             return []
@@ -62,5 +65,9 @@ class NgramDrafter:
             gram = toks[end - n:end]
             at = self._last[n].get(hash(tuple(gram)))
             if at is not None and toks[at - n:at] == gram:
-                return toks[at:min(at + k, end)]
+                out = toks[at:min(at + k, end)]
+                period = end - at  # a match closer than k to the end: a loop of this period, drafted on
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
