@@ -164,6 +164,10 @@ def _serve_parser(sub) -> None:
                    help="rows per one-token decode step: 2 = the token and a rolled-back copy, the kernels of a "
                         "speculative verification, so that verification is exact by construction (answers differ "
                         "from 1; each step computes a second row; default 1)")
+    p.add_argument("--decode-kernels", choices=["auto", "default", "reference"], default=d.decode_kernels,
+                   help="ggml-cpu kernels of decode steps and verifications: reference = the one-row kernels at "
+                        "every width, so speculative verification is exact beyond 7 tokens (prefill keeps the fast "
+                        "kernels); auto = reference with -ctk q8_0 where llama-cpp-python allows it (default auto)")
     p.add_argument("-fa", "--flash-attn", choices=["auto", "on", "off"], default=d.flash_attn,
                    help="flash attention: auto = off over F16 (exact prefill splits), on with -ctk/-ctv other than "
                         "f16/f32: -ctk q8_0 is the layout where speculative verification is exact at one row per "
@@ -273,7 +277,7 @@ def _config(a: argparse.Namespace) -> Config:
                  snapshot_min_gap=a.snapshot_min_gap, spare_checkpoints=a.spare_checkpoints, rs_snapshots=a.rs_snapshots,
                  decode_batching=a.decode_batching, speculative=a.speculative, draft_max=a.draft_max,
                  model_draft=a.model_draft, draft_window=a.draft_window,
-                 decode_rows=a.decode_rows, flash_attn=a.flash_attn, cache_type_k=a.cache_type_k,
+                 decode_rows=a.decode_rows, decode_kernels=a.decode_kernels, flash_attn=a.flash_attn, cache_type_k=a.cache_type_k,
                  cache_type_v=a.cache_type_v,
                  calibration_file=Path(user_cache_dir("orchestrator")) / "calibration.json",
                  api_key=a.api_key, admin_key=a.admin_key, max_body_mib=a.max_body_size, max_messages=a.max_messages,

@@ -95,7 +95,9 @@ class Config:
     speculative: str = "auto"
     model_draft: Path | None = None  # a smaller GGUF with the model's vocabulary that drafts (--model-draft)
     draft_window: int = 4096  # most prompt tokens the draft model reads of a request (its context: twice that)
-    draft_max: int = 6  # most drafted tokens per verification (the ubatch is draft_max + 1 wide)
+    # most drafted tokens per verification (the ubatch is draft_max + 1 wide); calibration measures the exact widths
+    # up to draft_max + 1 (2..7 with ggml-cpu's default kernels, 2..16 with reference ones: decode_kernels)
+    draft_max: int = 15
     # Flash attention ("on", "off", "auto") and the K / V cache types ("f16", "q8_0", ... engine.KV_TYPES, or
     # "auto"), llama-server's -fa / -ctk / -ctv. All three "auto": flash attention off over F16, whose prefill
     # splits are exact (Runtime._attention). Any of them set: that layout, the rest at those defaults; -ctk q8_0
@@ -109,6 +111,13 @@ class Config:
     # exact by construction and --speculative auto turns on (bench/results/2026-12-03/verification-widths).
     # Answers differ from 1 (both equal their cold runs); each step computes a second row.
     decode_rows: int = 1
+    # ggml-cpu kernels of decode steps and verifications (engine.Attention.kernels, orchestrator/kernels.py):
+    # "reference" = ggml-cpu's reference kernels, the one-row kernels at every width, so verifications wider than
+    # 7 tokens and batched decode steps of 8+ slots are exact, while prefill keeps the tiled ones; "auto" = that
+    # in a layout where verification can be exact (flash attention over a quantized K cache: -ctk q8_0) where this
+    # llama-cpp-python build can switch kernels; "default" = llama.cpp's choice everywhere. Answers differ between
+    # the two (both equal their cold runs).
+    decode_kernels: str = "auto"
     calibration_file: Path | None = None  # where measured kernel facts are kept across restarts; None: re-measure
     api_key: str | None = None  # Bearer key required on every endpoint but /health; None = no authentication
     # The operator's key (administration: flush, /metrics, /v1/cache/stats, /health's full view); None: api_key

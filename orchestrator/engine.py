@@ -65,6 +65,7 @@ from .request import SamplingParams, TokenLogprob
 from .sampling import Sampler, token_logprob
 from .cache.radix import CHECKPOINT
 from .speculative.mtp import NextnApi
+from . import kernels
 from .state import StateKind, state_kind
 
 log = logging.getLogger("orchestrator.engine")
@@ -117,11 +118,17 @@ class Attention:
     contexts up to 1,000 tokens): widths 2..7 exact on tiny-q4, the qwen3.5-0.8b preset and Gemma 3 270M, on an
     AMD EPYC with AVX-512, where the default layout has none (bench/results/2026-12-03/attention-layouts). Its
     cost: cold prefill about 0.75-0.8x (the one-row kernel instead of the tiled one), decode within noise, K cache
-    about half the bytes (Q8_0: 34 bytes per 32 values)."""
+    about half the bytes (Q8_0: 34 bytes per 32 values).
+
+    `kernels` "reference": decode steps and verifications run ggml-cpu's reference kernels, prefill the optimized
+    ones (kernels.py, Engine._compute). In VERIFYING that removes the other 8-row switch, the weight matmuls' tiled
+    kernel: every width up to 17 exact on the 0.8b and tiny-q4 presets and Gemma 3 270M, where "default" stops at
+    7 (bench/results/2026-12-07/reference-kernels); prefill speed unchanged."""
 
     flash: bool = False
     type_k: str = "f16"
     type_v: str = "f16"
+    kernels: str = "default"
 
     def __post_init__(self) -> None:
         for t in (self.type_k, self.type_v):
@@ -129,13 +136,23 @@ class Attention:
                 raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(KV_TYPES)})")
         if not self.flash and self.type_v not in ("f16", "f32"):
             raise ValueError(f"a {self.type_v} V cache needs flash attention (-fa on)")
+        if self.kernels not in ("default", "reference"):
+            raise ValueError(f"decode kernels {self.kernels!r}: default or reference")
+
+    @property
+    def exact_rows(self) -> bool:
+        """Whether attention runs every query row through the one-row kernel, whatever the ubatch holds: flash
+        attention over a K cache that is neither F16 nor F32 (the class docstring). Only there can a verification
+        equal one-token decoding, and only there do reference kernels (`kernels`) widen the exact widths."""
+        return self.flash and self.type_k not in ("f16", "f32")
 
     def key(self) -> str:
-        """A short name for calibration keys and fingerprints: "fa1/q8_0/f16"."""
-        return f"fa{int(self.flash)}/{self.type_k}/{self.type_v}"
+        """A short name for calibration keys and fingerprints: "fa1/q8_0/f16", "fa1/q8_0/f16/ref"."""
+        return f"fa{int(self.flash)}/{self.type_k}/{self.type_v}" + ("/ref" if self.kernels == "reference" else "")
 
     def describe(self) -> str:
-        return f"flash attention {'on' if self.flash else 'off'}, KV cache K {self.type_k} / V {self.type_v}"
+        return (f"flash attention {'on' if self.flash else 'off'}, KV cache K {self.type_k} / V {self.type_v}"
+                + (", reference kernels for decode steps and verifications" if self.kernels == "reference" else ""))
 
 
 VERIFYING = Attention(True, "q8_0", "f16")
@@ -191,6 +208,9 @@ class Engine:
         model_path = Path(model_path)
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
+        reference = attention.kernels == "reference"
+        if reference and (why := kernels.unavailable()) is not None:
+            raise ModelLoadError(f"--decode-kernels reference: this llama-cpp-python cannot switch kernels ({why})")
         if not model_path.is_file():
             raise ModelLoadError(f"model file not found: {model_path}")
         llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
@@ -231,11 +251,18 @@ class Engine:
         cparams.type_k = KV_TYPES[attention.type_k]
         cparams.type_v = KV_TYPES[attention.type_v]
         self.context_params = cparams
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        with kernels.rotation_off(reference):
+            self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for {model_path} "
                                  f"(out of memory? try a smaller --ctx-size)")
+        try:
+            self._kernels = kernels.ReferenceKernels(self.ctx) if reference else None
+        except kernels.KernelsUnavailable as e:
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
+            raise ModelLoadError(f"--decode-kernels reference: {e}") from None
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx)
@@ -418,7 +445,7 @@ class Engine:
                 b.logits[n - 1] = 1
             b.n_tokens = n
             self._last_call.pop(seq, None)
-            rc = llama_cpp.llama_decode(self.ctx, b)
+            rc = self._compute(b, step=len(tokens) == 1)  # one token: a decode step, not a prefill
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc} at position {pos + start} "
                                   f"({n} tokens; context {self.n_ctx})")
@@ -455,7 +482,7 @@ class Engine:
         b.n_tokens = n * rows
         for seq, _, _ in items:  # not a prefill call: checkpoint_back does not apply (delta-net-base.cpp)
             self._last_call.pop(seq, None)
-        rc = llama_cpp.llama_decode(self.ctx, b)
+        rc = self._compute(b, step=True)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on a decode step of {len(items)} sequences")
         for i, (seq, _, pos) in enumerate(items):
@@ -463,6 +490,14 @@ class Engine:
         for seq, _, pos in items if rows == 2 else ():  # drop the copies (their recurrent step rolled back)
             if not llama_cpp.llama_memory_seq_rm(self.mem, seq, pos + 1, -1):
                 raise EngineError(f"llama.cpp refused to drop the decode row copy of sequence {seq} at {pos + 1}")
+
+    def _compute(self, batch, step: bool) -> int:
+        """llama_decode of `batch`: a decode step or verification (`step`), or a prefill chunk; with
+        `attention.kernels` "reference" the former run ggml-cpu's reference kernels (kernels.py). Returns
+        llama_decode's code."""
+        if self._kernels is not None:
+            self._kernels.use(step)
+        return llama_cpp.llama_decode(self.ctx, batch)
 
     def verify(self, seq: int, tokens: Sequence[int], pos: int) -> None:
         """Decode `tokens` (2..n_batch) of sequence `seq` at positions pos.. in ONE ubatch with logits for every
@@ -484,7 +519,7 @@ class Engine:
             b.logits[i] = 1
         b.n_tokens = len(tokens)
         self._last_call.pop(seq, None)  # not a prefill call: checkpoint_back does not apply
-        rc = llama_cpp.llama_decode(self.ctx, b)
+        rc = self._compute(b, step=True)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} verifying {len(tokens)} tokens at {pos}")
         self._keep_hidden(seq, pos + len(tokens) - 1, len(tokens) - 1)

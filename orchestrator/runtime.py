@@ -14,13 +14,13 @@ from pathlib import Path
 import llama_cpp
 import psutil
 
-from . import calibration, repacking, sizing
+from . import calibration, kernels, repacking, sizing
 from .cache.policy import POLICIES
 from .cache.snapshots import CacheStats, SnapshotCache
 from .cache.disk import DiskTier
 from .cache.remote import RemoteTier, redacted
 from .devices import Offload, select_devices
-from .engine import VERIFYING, Attention, Engine, ModelInfo
+from .engine import Attention, Engine, ModelInfo
 from .engine_thread import EngineThread
 from .errors import ModelLoadError, OrchestratorError
 from .config import MiB, Config
@@ -231,16 +231,23 @@ class Runtime:
         (flash attention "auto" is then on when a cache type is not F16/F32, so `-ctk q8_0` alone is
         engine.VERIFYING, where speculative verification is exact at one row per decode step). VERIFYING is not
         the default: its row-wise flash attention makes prefill 1.6-3.3x slower at agent-length contexts (4k-12k
-        tokens) and decoding slower too (bench/results/2026-12-04/layouts/). Raises ModelLoadError for a layout
-        llama.cpp refuses."""
+        tokens) and decoding slower too (bench/results/2026-12-04/layouts/). Its decode steps and verifications run
+        ggml-cpu's reference kernels where --decode-kernels asks, or with auto where attention is row-wise
+        (`Attention.exact_rows`) and this build can switch them (kernels.py). Raises ModelLoadError for a layout
+        llama.cpp refuses, or a --decode-kernels value it cannot serve."""
         try:
             if (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v) != ("auto", "auto", "auto"):
                 k, v = (("f16" if t == "auto" else t) for t in (cfg.cache_type_k, cfg.cache_type_v))
                 flash = cfg.flash_attn == "on" or (cfg.flash_attn == "auto" and {k, v} - {"f16", "f32"} != set())
-                return (Attention(flash, k, v),)
+                layout = Attention(flash, k, v)
+            else:
+                layout = Attention()
+            kind = cfg.decode_kernels
+            if kind == "auto":
+                kind = "reference" if layout.exact_rows and kernels.unavailable() is None else "default"
+            return (dataclasses.replace(layout, kernels=kind),)
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
-        return (Attention(),)
 
     @classmethod
     def _verify_widths(cls, cfg: Config, path: Path, file_digest: bytes
@@ -299,7 +306,7 @@ class Runtime:
         attention, widths, verify_costs = cls._verify_widths(cfg, path, file_digest)
         log.info("%s%s", attention.describe(), " (the layout in which speculative verification is exact at one "
                  "row per decode step; prefill about 3x slower than -fa off at 12k tokens of context)"
-                 if attention == VERIFYING else "")
+                 if attention.exact_rows else "")
         # recurrent snapshots per slot: the cache's (--rs-snapshots), a decode row's (a verification rolls back
         # through a reloaded checkpoint instead: Engine.rewind)
         n_rs_seq = max(cfg.rs_snapshots if cfg.cache_enabled else 0, cfg.decode_rows - 1)

@@ -5,6 +5,7 @@ the cache on as off."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -21,6 +22,9 @@ from orchestrator.runtime import Runtime
 
 from .conftest import LOOP, SPECULATION_CASES, make_config, same_answers, verify_every_draft
 
+# what `-ctk q8_0` serves: VERIFYING with ggml-cpu's reference kernels for decode steps and verifications
+VERIFYING_REF = dataclasses.replace(VERIFYING, kernels="reference")
+
 
 def layouts(*argv: str) -> tuple[Attention, ...]:
     """The layouts `python -m orchestrator serve ARGV` tries, in order."""
@@ -35,9 +39,11 @@ def layouts(*argv: str) -> tuple[Attention, ...]:
     ((), (Attention(),)),  # VERIFYING is asked for, not the default: its prefill is slow at long contexts
     (("-fa", "off"), (Attention(),)),
     (("-fa", "on"), (Attention(True, "f16", "f16"),)),
-    (("-ctk", "q8_0"), (VERIFYING,)),  # a quantized cache type turns flash attention on
-    (("-ctk", "bf16", "-ctv", "bf16"), (Attention(True, "bf16", "bf16"),)),
-    (("-fa", "off", "-ctk", "q8_0"), (Attention(False, "q8_0", "f16"),)),
+    (("-ctk", "q8_0"), (VERIFYING_REF,)),  # a quantized cache type turns flash attention on, row-wise
+    (("-ctk", "q8_0", "--decode-kernels", "default"), (VERIFYING,)),
+    (("-ctk", "bf16", "-ctv", "bf16"), (Attention(True, "bf16", "bf16", "reference"),)),
+    (("-fa", "off", "-ctk", "q8_0"), (Attention(False, "q8_0", "f16"),)),  # not row-wise: reference gains nothing
+    (("--decode-kernels", "reference"), (Attention(kernels="reference"),)),
     (("--device", "none", "-ngl", "0"), (Attention(),)),
 ])
 def test_the_flags_resolve_to_the_layouts_tried_in_order(argv, expected):
@@ -69,9 +75,10 @@ def test_a_q8_0_k_cache_holds_about_half_the_bytes_of_f16():
 @pytest.fixture(scope="module")
 def verifying_pair(tmp_path_factory):
     """(on, off): tiny-q4 in the VERIFYING layout as `-ctk q8_0` asks for it (--flash-attn auto, one-row decode
-    steps), speculation auto and off, 3 slots, one calibration file."""
+    steps, reference kernels for them: --decode-kernels auto), speculation auto and off, drafts of up to 11
+    tokens, 3 slots, one calibration file."""
     cal = tmp_path_factory.mktemp("cal") / "calibration.json"
-    kw = dict(ctx_size=2048, parallel=3, calibration_file=cal, flash_attn="auto", cache_type_k="q8_0")
+    kw = dict(ctx_size=2048, parallel=3, calibration_file=cal, flash_attn="auto", cache_type_k="q8_0", draft_max=11)
     on = verify_every_draft(Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw)))
     off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
     yield on, off
@@ -81,11 +88,11 @@ def verifying_pair(tmp_path_factory):
 
 def test_ctk_q8_0_serves_k_quants_in_the_verifying_layout_with_speculation_on_at_one_row(verifying_pair):
     on, off = verifying_pair
-    assert on.engine.attention == off.engine.attention == VERIFYING  # --speculative does not change the layout
-    assert on.scheduler.speculation.widths == (2, 3, 4, 5, 6, 7) and on.engine.decode_rows == 1
+    assert on.engine.attention == off.engine.attention == VERIFYING_REF  # --speculative does not change it
+    assert on.scheduler.speculation.widths == tuple(range(2, 13)) and on.engine.decode_rows == 1
     assert off.scheduler.speculation.widths == () and off.engine.n_rs_seq == 0
     assert on.health()["attention"] == {"flash_attn": True, "cache_type_k": "q8_0", "cache_type_v": "f16"}
-    assert on.health()["speculative_widths"] == [2, 3, 4, 5, 6, 7] and off.health()["speculative_widths"] == []
+    assert on.health()["speculative_widths"] == list(range(2, 13)) and off.health()["speculative_widths"] == []
 
 
 def test_verification_costs_are_measured_once_and_start_the_width_policy(verifying_pair, caplog):
@@ -94,12 +101,12 @@ def test_verification_costs_are_measured_once_and_start_the_width_policy(verifyi
     starts from it (VerifyCosts.start) instead of the optimistic prior."""
     on, _ = verifying_pair
     stored = [v for k, v in json.loads(on.config.calibration_file.read_text()).items() if k.endswith(":verify_costs")]
-    assert len(stored) == 1 and set(stored[0]) == {"0", "2", "3", "4", "5", "6", "7"}
-    assert all(stored[0][w] > 0 for w in "234567") and stored[0]["0"] >= 0
+    assert len(stored) == 1 and set(stored[0]) == {"0", *map(str, range(2, 13))}
+    assert all(stored[0][str(w)] > 0 for w in range(2, 13)) and stored[0]["0"] >= 0
     with caplog.at_level(logging.INFO, logger="orchestrator"):
         rt = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", ctx_size=2048, parallel=3,
                                        calibration_file=on.config.calibration_file, flash_attn="auto",
-                                       cache_type_k="q8_0"))
+                                       cache_type_k="q8_0", draft_max=11))
     try:
         assert not any("measured what verifying costs" in r.getMessage() for r in caplog.records)
         costs = rt.scheduler.speculation.costs
@@ -113,12 +120,15 @@ def test_verification_costs_are_measured_once_and_start_the_width_policy(verifyi
 def test_speculation_at_one_row_changes_nothing_in_the_verifying_layout(verifying_pair, case):
     """Tokens, text, finish, logprobs and first-step logits with speculation equal those without, for greedy,
     seeded, logprobs, stop strings, a cold request and n = 2; the looping random model's greedy answer gets drafted
-    and accepted."""
+    and accepted, in verifications wider than the 7 tokens that ggml-cpu's default kernels keep exact."""
     on, off = verifying_pair
     job = Job(on.engine.tokenize(LOOP), max_tokens=48, want_logits=True, **SPECULATION_CASES[case])
+    before = dataclasses.replace(on.scheduler.speculation.stats)
     a, _ = same_answers(on, off, job)
     if job.sampling.temperature == 0.0:  # sampled at 0.15 it may not repeat itself enough to be drafted
         assert sum(r.drafted_tokens for r in a) > 0 and sum(r.accepted_tokens for r in a) > 0
+        stats = on.scheduler.speculation.stats
+        assert stats.drafted - before.drafted > 6 * (stats.verifications - before.verifications)  # some > 7 wide
     on.scheduler.drain()
     off.scheduler.drain()
 
@@ -138,3 +148,60 @@ def test_a_restored_prefix_answers_as_a_cold_prefill_in_the_verifying_layout(ver
     assert warm.completion_tokens == cold.completion_tokens
     assert np.array_equal(warm.first_logits, cold.first_logits)
     on.scheduler.drain()
+
+
+def test_reference_kernels_make_verification_exact_beyond_the_8_row_switch():
+    """In VERIFYING, ggml-cpu's default kernels keep a verification exact up to 7 tokens (the tiled K-quant matmul
+    takes 8+ rows); with the reference kernels for decode steps and verifications (kernels.py) every width
+    measured is exact. This build must expose the switch (kernels.unavailable): a llama-cpp-python upgrade that
+    drops it would silently narrow speculation back to 7."""
+    from orchestrator import kernels
+    from orchestrator.calibration import measure_verify_widths
+
+    assert kernels.unavailable() is None
+    widths = {}
+    for att in (VERIFYING, VERIFYING_REF):
+        e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=64, attention=att)
+        try:
+            widths[att.kernels] = measure_verify_widths(e, 12, contexts=(40, 300))
+        finally:
+            e.close()
+    assert widths == {"default": tuple(range(2, 8)), "reference": tuple(range(2, 13))}
+
+
+def test_prefill_keeps_the_optimized_kernels_under_reference_decode_kernels(monkeypatch):
+    """Only decode steps and verifications switch (Engine._compute): a 60-token prefill gives the logits of the
+    same layout with default kernels (made with the Hadamard rotation off, as reference contexts are: kernels.
+    rotation_off), while the same prefill with the reference kernels switched on by hand gives others."""
+    from orchestrator import kernels
+
+    prompt = [1000 + (37 * i) % 4000 for i in range(60)]
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    plain = Engine(ensure_model("tiny-q4"), n_ctx=256, n_batch=64, attention=VERIFYING)
+    try:
+        plain.decode(0, prompt, 0)
+        expected = plain.logits()
+    finally:
+        plain.close()
+    monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE")
+    e = Engine(ensure_model("tiny-q4"), n_ctx=256, n_batch=64, attention=VERIFYING_REF)
+    try:
+        e.decode(0, prompt, 0)
+        assert np.array_equal(e.logits(), expected)
+        e.clear(0)
+        e._kernels.use(True)
+        llama_prefill_under_reference(e, prompt)
+        assert not np.array_equal(e.logits(), expected)
+    finally:
+        e.close()
+
+
+def llama_prefill_under_reference(e: Engine, prompt: list[int]) -> None:
+    """`prompt` prefilled in one llama_decode with the reference kernels left on (what Engine._compute avoids)."""
+    import llama_cpp
+
+    b = e._batch
+    for i, tok in enumerate(prompt):
+        b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = tok, i, 1, 0, i == len(prompt) - 1
+    b.n_tokens = len(prompt)
+    assert llama_cpp.llama_decode(e.ctx, b) == 0

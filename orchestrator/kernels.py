@@ -1,0 +1,115 @@
+"""ggml-cpu's reference kernels for a llama.cpp context's decode steps and verifications, its optimized kernels
+for prefill: the switch that makes speculative verification exact at any width.
+
+Why. On ggml-cpu a K-quant matmul of 8 or more rows takes the tiled kernel (ggml/src/ggml-cpu/tiled/), fewer take
+the one-row `vec_dot` kernels, and the two round differently; so a verification of 8+ tokens differs from
+one-token decoding, and exact widths stop at 7 (docs/correctness.md). `ggml_backend_cpu_set_use_ref` (ggml-cpu.h)
+makes a CPU backend compute with its reference paths: the tiled matmul and flash attention's tiled and split-KV
+paths are skipped and ops are not fused, so every row of a ubatch runs the kernels a one-row ubatch runs. Set
+for decode steps and verifications only, they agree at every width, while prefill keeps the tiled kernels
+(which min_segment is measured for). The environment's `GGML_CPU_TILED_MM=0` does the same for verification but
+for prefill too, at 0.44x prefill speed on the qwen3.5-0.8b preset (bench/results/2026-12-05/tiled-matmul).
+
+One more kernel depends on the row count under the reference paths: with a quantized K cache llama.cpp rotates Q
+and K by a Hadamard matrix (llama-kv-cache.cpp `attn_rot_k`), as a dedicated op normally, as a plain F32 matmul
+under them; with one KV head (Gemma 3 270M) that matmul has one row per token, which takes `vec_dot` for one
+token and llamafile's tinyBLAS for more. So contexts that use reference kernels are made with the rotation off
+(`LLAMA_ATTN_ROT_DISABLE`, read when a context is created: `rotation_off`).
+
+How the context's backend is reached: llama.h has no accessor for a context's backends, but libllama exports
+`llama_context::get_sched() const` (the C++ method behind the C `struct llama_context`; Itanium ABI: `this` is
+the first argument), and libggml the scheduler's `ggml_backend_sched_get_n_backends/get_backend`. Where a build
+lacks any of them (`KernelsUnavailable`) the runtime keeps the default kernels: calibration then measures the
+widths those give, as before."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+from typing import Iterator
+
+import llama_cpp
+
+_GET_SCHED = "_ZNK13llama_context9get_schedEv"  # llama_context::get_sched() const
+_ROTATION = "LLAMA_ATTN_ROT_DISABLE"
+
+
+class KernelsUnavailable(Exception):
+    """This llama-cpp-python build exposes no way to switch a context's CPU kernels."""
+
+
+def _library(name: str) -> ctypes.CDLL:
+    """llama-cpp-python's bundled shared library `name` (libggml-base, libggml-cpu), already loaded by llama_cpp."""
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for candidate in (f"lib{name}.so", f"lib{name}.dylib", f"{name}.dll"):
+        if (lib_dir / candidate).exists():
+            return ctypes.CDLL(str(lib_dir / candidate))
+    raise KernelsUnavailable(f"llama-cpp-python {llama_cpp.__version__} has no {name} library in {lib_dir}")
+
+
+def _api() -> tuple:
+    """(get_sched, n_backends, get_backend, is_cpu, set_use_ref) from the loaded libraries, typed. Raises
+    KernelsUnavailable where one is missing."""
+    try:
+        get_sched = llama_cpp.llama_cpp._lib[_GET_SCHED]
+        base, cpu = _library("ggml-base"), _library("ggml-cpu")
+        n_backends, get_backend = base.ggml_backend_sched_get_n_backends, base.ggml_backend_sched_get_backend
+        is_cpu, set_use_ref = cpu.ggml_backend_is_cpu, cpu.ggml_backend_cpu_set_use_ref
+    except (AttributeError, OSError) as e:
+        raise KernelsUnavailable(f"llama-cpp-python {llama_cpp.__version__}: {e}") from None
+    get_sched.argtypes, get_sched.restype = [ctypes.c_void_p], ctypes.c_void_p
+    n_backends.argtypes, n_backends.restype = [ctypes.c_void_p], ctypes.c_int
+    get_backend.argtypes, get_backend.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_void_p
+    is_cpu.argtypes, is_cpu.restype = [ctypes.c_void_p], ctypes.c_bool
+    set_use_ref.argtypes, set_use_ref.restype = [ctypes.c_void_p, ctypes.c_bool], None
+    return get_sched, n_backends, get_backend, is_cpu, set_use_ref
+
+
+def unavailable() -> str | None:
+    """Why this build cannot switch a context's kernels, or None where it can."""
+    try:
+        _api()
+    except KernelsUnavailable as e:
+        return str(e)
+    return None
+
+
+class ReferenceKernels:
+    """The CPU backends of one llama.cpp context, switched between reference (`use(True)`) and optimized kernels
+    (`use(False)`, llama.cpp's default). The setting is read at each graph computation (ggml-cpu.cpp
+    `ggml_backend_cpu_graph_compute`), so it applies to the next llama_decode; switching costs a ctypes call per
+    CPU backend, made only when it changes. Raises KernelsUnavailable (constructor) where the build exports no
+    way in, or the context has no CPU backend. Engine thread only, like the context."""
+
+    def __init__(self, ctx) -> None:
+        get_sched, n_backends, get_backend, is_cpu, self._set = _api()
+        sched = get_sched(ctx)
+        if not sched:
+            raise KernelsUnavailable("the context has no backend scheduler")
+        self._backends = [b for b in (get_backend(sched, i) for i in range(n_backends(sched))) if b and is_cpu(b)]
+        if not self._backends:
+            raise KernelsUnavailable("the context has no CPU backend")
+        self.reference = False
+
+    def use(self, reference: bool) -> None:
+        """Compute the next llama_decode calls with the reference kernels (True) or the optimized ones."""
+        if reference != self.reference:
+            for backend in self._backends:
+                self._set(backend, reference)
+            self.reference = reference
+
+
+@contextlib.contextmanager
+def rotation_off(off: bool) -> Iterator[None]:
+    """While creating a context with reference kernels (`off`): llama.cpp's Hadamard rotation of Q and K over a
+    quantized K cache turned off (module docstring), unless the environment already sets it; restored after."""
+    if not off or _ROTATION in os.environ:
+        yield
+        return
+    os.environ[_ROTATION] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(_ROTATION, None)
