@@ -472,7 +472,8 @@ class Runtime:
         s = self.cache.stats()
         a = self.engine.attention
         return {**out, "queue_length": self.scheduler.queue_length,
-                "attention": {"flash_attn": a.flash, "cache_type_k": a.type_k, "cache_type_v": a.type_v},
+                "attention": {"flash_attn": a.flash, "cache_type_k": a.type_k, "cache_type_v": a.type_v,
+                              "decode_kernels": a.kernels},
                 "speculative_widths": list(self.scheduler.speculation.widths),
                 "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
                           "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}}

@@ -91,7 +91,8 @@ def test_ctk_q8_0_serves_k_quants_in_the_verifying_layout_with_speculation_on_at
     assert on.engine.attention == off.engine.attention == VERIFYING_REF  # --speculative does not change it
     assert on.scheduler.speculation.widths == tuple(range(2, 13)) and on.engine.decode_rows == 1
     assert off.scheduler.speculation.widths == () and off.engine.n_rs_seq == 0
-    assert on.health()["attention"] == {"flash_attn": True, "cache_type_k": "q8_0", "cache_type_v": "f16"}
+    assert on.health()["attention"] == {"flash_attn": True, "cache_type_k": "q8_0", "cache_type_v": "f16",
+                                          "decode_kernels": "reference"}
     assert on.health()["speculative_widths"] == list(range(2, 13)) and off.health()["speculative_widths"] == []
 
 
