@@ -42,6 +42,7 @@ from pathlib import Path
 from platformdirs import user_cache_dir
 
 from bench.common import results_dir, write_json
+from orchestrator.config import Config
 
 CALIBRATION = Path(user_cache_dir("orchestrator")) / "calibration.json"  # as `serve`: measured once
 
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-draft", type=Path, default=None, help="the draft model of --mode draft")
     ap.add_argument("--lines", type=int, default=150, help="lines of the file the edit rewrites")
     ap.add_argument("--max-tokens", type=int, default=300)
-    ap.add_argument("--draft-max", type=int, default=6)
+    ap.add_argument("--draft-max", type=int, default=Config.draft_max,
+                    help=f"--draft-max of orchestrator's modes (default {Config.draft_max}, serve's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-rows", type=int, choices=[1, 2], default=1)
     ap.add_argument("--flash-attn", choices=["verifying", "auto", "off"], default="verifying",
