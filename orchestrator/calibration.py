@@ -202,8 +202,8 @@ def check_batch_invariance(engine: Engine) -> bool:
 def exact_batch_widths(engine: Engine) -> tuple[int, ...]:
     """The batch widths, 2..n_seq_max, at which a decode step batched over sequences gives each sequence
     bit-identical logits to decoding it alone (`batch_deltas`): all of them where check_batch_invariance holds;
-    on x86 K-quant models 2..7 (8 rows switch kernels); with ARM i8mm the odd ones (an even width pairs rows,
-    chunks.py). Clears the sequences it uses."""
+    on x86 K-quant models 2..7 (8 rows switch kernels; every width with reference decode kernels, kernels.py);
+    with ARM i8mm the odd ones (an even width pairs rows, chunks.py). Clears the sequences it uses."""
     return tuple(w for w, d in batch_deltas(engine).items() if d == 0.0)
 
 
