@@ -86,8 +86,8 @@ class Config:
     decode_batching: str = "auto"  # "auto": batch slots' decode steps when bit-identical to alone; "on"; "off"
     # Speculative decoding (orchestrator/speculative/): "auto" = n-gram drafts verified only in widths that
     # calibration measured bit-identical to one-token decoding on this model, CPU and attention layout (K-quant
-    # models in engine.VERIFYING: 2..7, 2..16 with reference decode kernels; none found: off, logged), each request's width weighed by its acceptance
-    # and the measured cost of a verification (speculative/policy.py);
+    # models in engine.VERIFYING: 2..7, 2..16 with reference decode kernels; none found: off, logged), each
+    # request's width weighed by its acceptance and the measured cost of a verification (speculative/policy.py);
     # "ngram" = also where none were measured exact, at widths up to draft_max + 1 (outputs may then differ
     # from "off", as --decode-batching on); "mtp" = the model's MTP head drafts (a GGUF with nextn layers: loaded
     # with them, speculative/mtp.py), verified in the exact widths only, as "auto"; "draft" = drafts from
