@@ -209,8 +209,6 @@ class Engine:
         if n_batch < 3:
             raise ModelLoadError("--batch-size must be at least 3 tokens")
         reference = attention.kernels == "reference"
-        if reference and (why := kernels.unavailable()) is not None:
-            raise ModelLoadError(f"--decode-kernels reference: this llama-cpp-python cannot switch kernels ({why})")
         if not model_path.is_file():
             raise ModelLoadError(f"model file not found: {model_path}")
         llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
@@ -262,7 +260,8 @@ class Engine:
         except kernels.KernelsUnavailable as e:
             llama_cpp.llama_free(self.ctx)
             llama_cpp.llama_model_free(self.model)
-            raise ModelLoadError(f"--decode-kernels reference: {e}") from None
+            raise ModelLoadError(f"--decode-kernels reference: this llama-cpp-python cannot switch kernels ({e})") \
+                from None
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx)
