@@ -173,9 +173,8 @@ def test_reference_kernels_make_verification_exact_beyond_the_8_row_switch():
 def test_prefill_keeps_the_optimized_kernels_under_reference_decode_kernels(monkeypatch):
     """Only decode steps and verifications switch (Engine._compute): a 60-token prefill gives the logits of the
     same layout with default kernels (made with the Hadamard rotation off, as reference contexts are: kernels.
-    rotation_off), while the same prefill with the reference kernels switched on by hand gives others."""
-    from orchestrator import kernels
-
+    rotation_off), while the same 60 tokens in one ubatch under the reference kernels (a verification) give
+    others."""
     prompt = [1000 + (37 * i) % 4000 for i in range(60)]
     monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
     plain = Engine(ensure_model("tiny-q4"), n_ctx=256, n_batch=64, attention=VERIFYING)
@@ -190,19 +189,7 @@ def test_prefill_keeps_the_optimized_kernels_under_reference_decode_kernels(monk
         e.decode(0, prompt, 0)
         assert np.array_equal(e.logits(), expected)
         e.clear(0)
-        e._kernels.use(True)
-        llama_prefill_under_reference(e, prompt)
+        e.verify(0, prompt, 0)
         assert not np.array_equal(e.logits(), expected)
     finally:
         e.close()
-
-
-def llama_prefill_under_reference(e: Engine, prompt: list[int]) -> None:
-    """`prompt` prefilled in one llama_decode with the reference kernels left on (what Engine._compute avoids)."""
-    import llama_cpp
-
-    b = e._batch
-    for i, tok in enumerate(prompt):
-        b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = tok, i, 1, 0, i == len(prompt) - 1
-    b.n_tokens = len(prompt)
-    assert llama_cpp.llama_decode(e.ctx, b) == 0
