@@ -37,7 +37,7 @@ import numpy as np
 from .devices import Offload
 from .cache.radix import CHECKPOINT
 from .speculative.verify import rewind
-from .engine import Engine
+from .engine import Attention, Engine
 from .errors import EngineError
 
 log = logging.getLogger("orchestrator.calibration")
@@ -46,7 +46,7 @@ log = logging.getLogger("orchestrator.calibration")
 UNEXACT_MIN_SEGMENT = 24  # the largest size measure_min_segment tests: what a device backend that fails it serves at
 
 
-def measure_min_segment(engine: Engine, sizes: Sequence[int] = tuple(range(2, 25))) -> int:
+def measure_min_segment(engine: Engine, sizes: Sequence[int] = tuple(range(2, 25)), tiled: int = 0) -> int:
     """The fewest tokens a prefill ubatch may have for its result to be bit-identical to the same tokens inside one
     larger ubatch: the smallest tested size above every size that differed, confirmed at untested sizes above it.
 
@@ -65,10 +65,24 @@ def measure_min_segment(engine: Engine, sizes: Sequence[int] = tuple(range(2, 25
     tested (an earlier list, 2..10, 12, 16, 24, read 12 and 16 there), and the found size m is confirmed at
     m + 1, m + 2, m + 3 and 2m + 1 where not tested and the reference holds them.
 
+    `tiled` (Attention.tiled_queries): kernels that switch at that many rows, past the 56-token reference, as
+    ggml-cpu's tiled flash attention does at 64 queries. The size found is then probed again against a reference
+    long enough to reach them (2 * (2 * tiled + 1) + 8 tokens, n_batch permitting) at itself, tiled / 2,
+    tiled - 1, tiled and 2 * tiled, and confirmed above the new size as before. Measured on tiny-q4 with flash
+    attention over F16, AMD EPYC: 8 without it (wrong: a 63-token ubatch differs by 0.037), 64 with it.
+
     Uses and clears sequence 0; raises EngineError if even the largest size differs, or a confirming size does or
     does not fit the reference (m = 24).
     """
-    n = min(2 * max(sizes) + 8, engine.n_batch)  # the reference must be one ubatch
+    found = _smallest_exact(engine, sizes, min(2 * max(sizes) + 8, engine.n_batch))
+    if tiled and found < tiled:
+        longer = (found, tiled // 2, tiled - 1, tiled, 2 * tiled)
+        found = _smallest_exact(engine, longer, min(2 * (2 * tiled + 1) + 8, engine.n_batch))
+    return found
+
+
+def _smallest_exact(engine: Engine, sizes: Sequence[int], n: int) -> int:
+    """measure_min_segment's search over `sizes` against an n-token reference prefilled as one ubatch."""
     sizes = [m for m in sizes if 2 * m + 8 <= n] or [2]
     tokens = [1000 + (37 * i) % 5000 for i in range(n)]
 
@@ -150,13 +164,23 @@ class Segments:
     odd: bool = False
 
 
+def segment_key(attention: Attention) -> bytes:
+    """The attention layout's part of min_segment's CalibrationFile key, with the probe that measured it: a layout
+    with tiled flash attention names it (`measure_min_segment`'s `tiled`), so that a value stored before that
+    probe existed (8 on tiny-q4, where 64 is exact) is measured again rather than read back."""
+    return attention.key().encode() + (b"/tiled%d" % attention.tiled_queries if attention.tiled_queries else b"")
+
+
 def measure_segments(engine: Engine) -> Segments:
     """measure_min_segment; where it finds no exact size, measure_odd_segment (kept at odd lengths, logged why).
     Raises measure_min_segment's EngineError where neither finds one."""
     try:
-        return Segments(measure_min_segment(engine))
+        return Segments(measure_min_segment(engine, tiled=engine.attention.tiled_queries))
     except EngineError as e:
         first = e
+    if engine.attention.tiled_queries:  # odd ubatches are probed below 24 tokens only, short of the tiled path
+        raise EngineError(f"{first.message}; odd-length ubatches are not probed with flash attention over an F16/F32 "
+                          f"cache: run with -fa off") from None
     try:
         m = measure_odd_segment(engine)
     except EngineError:

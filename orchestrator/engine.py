@@ -143,8 +143,20 @@ class Attention:
     def exact_rows(self) -> bool:
         """Whether attention runs every query row through the one-row kernel, whatever the ubatch holds: flash
         attention over a K cache that is neither F16 nor F32 (the class docstring). Only there can a verification
-        equal one-token decoding, and only there do reference kernels (`kernels`) widen the exact widths."""
+        equal one-token decoding under the default kernels. Flash attention over F16 (`tiled_queries`) gets there
+        with reference kernels for decode steps and verifications, which skip the tiled and split-KV paths."""
         return self.flash and self.type_k not in ("f16", "f32")
+
+    @property
+    def tiled_queries(self) -> int:
+        """The fewest query rows for which ggml-cpu's optimized kernels take their tiled flash attention, else 0:
+        flash attention over an F16/F32 K of V's type, 64 queries or more (ops.cpp
+        ggml_compute_forward_flash_attn_ext_f16, `use_tiled`; GGML_FA_TILE_Q in ggml-cpu/common.h). A ubatch of
+        fewer rows runs the one-row kernel, which computes other logits: on tiny-q4 a 240-token prompt prefilled
+        as 63 + 177 tokens differs from it whole by 0.037, as 64 + 176 it is bit-identical. So min_segment must be
+        probed past it (calibration.measure_min_segment's `tiled`). Decode steps and verifications under
+        reference kernels run the one-row kernel at every width (kernels.py)."""
+        return 64 if self.flash and self.type_k == self.type_v and self.type_k in ("f16", "f32") else 0
 
     def key(self) -> str:
         """A short name for calibration keys and fingerprints: "fa1/q8_0/f16", "fa1/q8_0/f16/ref"."""

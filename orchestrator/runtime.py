@@ -67,7 +67,8 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
     version, and the context parameters that shape the state layout: n_ctx, sequences, flash attention and the KV
     cache types (`Engine.attention`), the layout of saved entries (`StateKind.layout`), and CPU weight repacking
     (`use_extra_bufts`: other matmul
-    kernels, so other numerics). A changed model file (even touched, or copied without -p) therefore empties
+    kernels, so other numerics), and the prefill chunk rule (min_segment, odd ubatches: a state prefilled in
+    ubatches a newer measurement forbids is not what a cold prefill computes). A changed model file (even touched, or copied without -p) therefore empties
     the disk tier, which costs only misses.
 
     It also covers where the state was computed (`devices.Offload.key`: backend and device, layer split, KV
@@ -78,7 +79,7 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
     h = hashlib.blake2b(digest_size=32)
     h.update(file_digest if file_digest is not None else model_file_digest(model_path))
     for part in (llama_cpp.__version__, engine.n_ctx, engine.n_seq_max, engine.attention.key(), engine.state.layout,
-                 engine.offload.key(), engine.use_extra_bufts):
+                 engine.offload.key(), engine.use_extra_bufts, engine.min_segment, engine.odd_ubatches):
         h.update(repr(part).encode())
     return h.digest()
 
@@ -232,8 +233,9 @@ class Runtime:
         engine.VERIFYING, where speculative verification is exact at one row per decode step). VERIFYING is not
         the default: its row-wise flash attention makes prefill 1.6-3.3x slower at agent-length contexts (4k-12k
         tokens) and decoding slower too (bench/results/2026-12-04/layouts/). Its decode steps and verifications run
-        ggml-cpu's reference kernels where --decode-kernels asks, or with auto where attention is row-wise
-        (`Attention.exact_rows`) and this build can switch them (kernels.py). Raises ModelLoadError for a layout
+        ggml-cpu's reference kernels where --decode-kernels asks, or with auto where flash attention is on (row-wise,
+        `Attention.exact_rows`, or tiled over F16, `Attention.tiled_queries`, whose one-token steps take a split-KV
+        path verifications never take) and this build can switch them (kernels.py). Raises ModelLoadError for a layout
         llama.cpp refuses, or a --decode-kernels value it cannot serve."""
         try:
             if (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v) != ("auto", "auto", "auto"):
@@ -244,7 +246,7 @@ class Runtime:
                 layout = Attention()
             kind = cfg.decode_kernels
             if kind == "auto":
-                kind = "reference" if layout.exact_rows and kernels.unavailable() is None else "default"
+                kind = "reference" if layout.flash and kernels.unavailable() is None else "default"
             return (dataclasses.replace(layout, kernels=kind),)
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
@@ -327,7 +329,7 @@ class Runtime:
                                  f"is 0 or absent); --speculative auto drafts from n-grams")
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
         facts = calibration.calibrate(engine, calibration.CalibrationFile(
-            cfg.calibration_file, file_digest + attention.key().encode(), cfg.batch_size, cfg.extra_bufts,
+            cfg.calibration_file, file_digest + calibration.segment_key(attention), cfg.batch_size, cfg.extra_bufts,
             engine.offload),
             cfg.decode_batching)
         log.info("prefill ubatches of %d tokens or more are bit-identical to larger ones on this model and %s "

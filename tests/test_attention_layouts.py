@@ -38,7 +38,8 @@ def layouts(*argv: str) -> tuple[Attention, ...]:
 @pytest.mark.parametrize("argv, expected", [
     ((), (Attention(),)),  # VERIFYING is asked for, not the default: its prefill is slow at long contexts
     (("-fa", "off"), (Attention(),)),
-    (("-fa", "on"), (Attention(True, "f16", "f16"),)),
+    (("-fa", "on"), (Attention(True, "f16", "f16", "reference"),)),  # the one-token split-KV path is skipped
+    (("-fa", "on", "--decode-kernels", "default"), (Attention(True, "f16", "f16"),)),
     (("-ctk", "q8_0"), (VERIFYING_REF,)),  # a quantized cache type turns flash attention on, row-wise
     (("-ctk", "q8_0", "--decode-kernels", "default"), (VERIFYING,)),
     (("-ctk", "bf16", "-ctv", "bf16"), (Attention(True, "bf16", "bf16", "reference"),)),
@@ -117,12 +118,75 @@ def test_verification_costs_are_measured_once_and_start_the_width_policy(verifyi
         rt.close()
 
 
+@pytest.fixture(scope="module")
+def flash_pair(tmp_path_factory):
+    """(on, off): tiny-q4 as `-fa on` serves it (flash attention over F16, tiled in prefill ubatches of 64 tokens
+    or more; reference kernels for decode steps and verifications), speculation auto and off, as verifying_pair."""
+    cal = tmp_path_factory.mktemp("cal") / "calibration.json"
+    kw = dict(ctx_size=2048, parallel=3, calibration_file=cal, flash_attn="on", draft_max=11)
+    on = verify_every_draft(Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw)))
+    off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
+    yield on, off
+    on.close()
+    off.close()
+
+
+def test_flash_attention_over_f16_is_probed_past_its_tiled_kernel():
+    """ggml-cpu's flash attention over F16 takes a tiled kernel for ubatches of 64 queries or more and a one-row
+    one below (Attention.tiled_queries): the 56-token probe alone reads min_segment 8, at which a 63-token ubatch
+    differs from the same tokens inside a longer one. The probe past the tile finds 64, and there splits are
+    exact."""
+    from orchestrator import calibration
+
+    e = Engine(ensure_model("tiny-q4"), n_ctx=512, n_batch=512, attention=Attention(True, "f16", "f16"))
+    try:
+        prompt = [1000 + (41 * i) % 5000 for i in range(240)]
+        e.decode(0, prompt, 0)
+        whole = e.logits()
+        assert calibration.measure_min_segment(e) == 8  # what this layout was served at before
+        assert calibration.split_delta(e, prompt, whole, 63) > 0
+        assert calibration.measure_segments(e).min_segment == 64
+        assert calibration.split_delta(e, prompt, whole, 64) == 0
+        assert calibration.segment_key(e.attention) != e.attention.key().encode()  # a stored 8 is not read back
+        assert calibration.segment_key(Attention()) == Attention().key().encode()  # other layouts keep theirs
+    finally:
+        e.close()
+
+
+def test_fa_on_serves_speculation_with_reference_decode_kernels(flash_pair):
+    on, off = flash_pair
+    assert on.engine.attention == off.engine.attention == Attention(True, "f16", "f16", "reference")
+    assert on.engine.min_segment == off.engine.min_segment == 64
+    assert on.scheduler.speculation.widths == tuple(range(2, 13)) and off.scheduler.speculation.widths == ()
+
+
+def test_a_short_turn_over_a_restored_prefix_answers_as_cold_with_fa_on(flash_pair):
+    """A second turn that adds fewer tokens than the tiled kernel takes: restored where a cold prefill's ubatches
+    are matched (at least min_segment tokens prefilled after the restore), its tokens and first-step logits equal
+    a cold prefill's. With min_segment 8 it restored the whole first turn and prefilled the rest in a one-row
+    ubatch."""
+    on, _ = flash_pair
+    greedy = SPECULATION_CASES["greedy"]["sampling"]
+    first = on.engine.tokenize(LOOP)
+    on.scheduler.run(Job(first, max_tokens=8, sampling=greedy))
+    second = first + on.engine.tokenize("ok<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+    assert len(second) - len(first) < 64
+    warm = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, sampling=greedy))
+    cold = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, use_cache=False, sampling=greedy))
+    assert np.array_equal(warm.first_logits, cold.first_logits)
+    assert warm.completion_tokens == cold.completion_tokens
+    assert 0 < warm.cached_tokens <= len(second) - 64 and cold.cached_tokens == 0
+    on.scheduler.drain()
+
+
+@pytest.mark.parametrize("layout", ["verifying_pair", "flash_pair"])
 @pytest.mark.parametrize("case", sorted(SPECULATION_CASES))
-def test_speculation_at_one_row_changes_nothing_in_the_verifying_layout(verifying_pair, case):
+def test_speculation_changes_nothing_in_the_speculating_layouts(layout, case, request):
     """Tokens, text, finish, logprobs and first-step logits with speculation equal those without, for greedy,
-    seeded, logprobs, stop strings, a cold request and n = 2; the looping random model's greedy answer gets drafted
-    and accepted, in verifications wider than the 7 tokens that ggml-cpu's default kernels keep exact."""
-    on, off = verifying_pair
+    seeded, logprobs, stop strings, a cold request and n = 2, with `-ctk q8_0` and with `-fa on`; the looping
+    random model's greedy answer gets drafted and accepted, in verifications wider than the 7 tokens that
+    ggml-cpu's default kernels keep exact."""
+    on, off = request.getfixturevalue(layout)
     job = Job(on.engine.tokenize(LOOP), max_tokens=48, want_logits=True, **SPECULATION_CASES[case])
     before = dataclasses.replace(on.scheduler.speculation.stats)
     a, _ = same_answers(on, off, job)

@@ -157,9 +157,10 @@ def test_a_calibration_is_never_reused_under_other_kernel_switches(tmp_path, tin
 
 
 def test_a_state_of_one_offload_layout_is_refused_by_another(tiny_model):
-    def engine(offload):
+    def engine(offload, min_segment=8):
         return types.SimpleNamespace(n_ctx=1024, n_seq_max=1, attention=Attention(), use_extra_bufts=False,
-                                     state=HybridState(split_layout=True), offload=offload)
+                                     state=HybridState(split_layout=True), offload=offload,
+                                     min_segment=min_segment, odd_ubatches=False)
 
     digest = model_file_digest(tiny_model)
     cpu = state_fingerprint(tiny_model, engine(Offload.of([], -1, 8, True)), digest)
@@ -168,6 +169,9 @@ def test_a_state_of_one_offload_layout_is_refused_by_another(tiny_model):
                Offload.of([CUDA0], -1, 8, True), Offload((), 0, 9, False, "another CPU | AVX2 = 1 |")]
     prints = {state_fingerprint(tiny_model, engine(o), digest) for o in layouts}
     assert cpu not in prints and len(prints) == len(layouts)
+    # a state prefilled under another chunk rule (min_segment 8 where 64 is exact: flash attention over F16) is
+    # not what a cold prefill computes now
+    assert state_fingerprint(tiny_model, engine(Offload.of([], -1, 8, True), 64), digest) != cpu
 
 
 def test_a_device_backend_where_no_split_is_exact_serves_anyway_and_says_so(tiny_model, monkeypatch, caplog):
