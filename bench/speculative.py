@@ -291,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"--draft-max of orchestrator's modes (default {Config.draft_max}, serve's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-rows", type=int, choices=[1, 2], default=1)
-    ap.add_argument("--flash-attn", choices=["verifying", "auto", "off"], default="verifying",
+    ap.add_argument("--flash-attn", choices=["verifying", "auto", "on", "off"], default="verifying",
                     help="the attention layout of off and on (verifying: engine.VERIFYING, as -ctk q8_0 serves it; "
-                         "auto, off: --flash-attn's; default verifying)")
+                         "auto, on, off: --flash-attn's, on = tiled flash attention over F16; default verifying)")
     ap.add_argument("--forced", default="", metavar="P,P,...",
                     help="percentages of corrupted forced drafts, one 'on' mode each (module docstring)")
     ap.add_argument("--peer", default="", metavar="TYPE,TYPE,...",
@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.only:
         texts = {k: v for k, v in texts.items() if k in a.only.split(",")}
     # (name, --speculative, decode rows, --flash-attn); with --decode-rows 2 also one-row decoding without
-    # speculation (what the second row costs); with --flash-attn verifying also speculation off with flash attention
-    # off over F16 (the default layout). Rounds interleave the modes, so machine drift
+    # speculation (what the second row costs); with --flash-attn verifying or on also speculation off with flash
+    # attention off over F16 (the default layout). Rounds interleave the modes, so machine drift
     # hits all alike.
     modes = [("off", "off", a.decode_rows, a.flash_attn), ("on", a.mode, a.decode_rows, a.flash_attn)]
     rates = [(f"forced{p}", float(p) / 100) for p in a.forced.split(",") if p]
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         modes[1:] = [(name, a.mode, a.decode_rows, a.flash_attn) for name, _ in rates]
     if a.decode_rows == 2:
         modes.append(("one_row_off", "off", 1, a.flash_attn))
-    if a.flash_attn == "verifying":
+    if a.flash_attn in ("verifying", "on"):
         modes.append(("fa_off_off", "off", 1, "off"))
     peers = [f"llama-server-{t}" for t in a.peer.split(",") if t]
     runs: dict[str, list[dict]] = {name: [] for name in [m[0] for m in modes] + peers}

@@ -233,10 +233,12 @@ class Runtime:
         engine.VERIFYING, where speculative verification is exact at one row per decode step). VERIFYING is not
         the default: its row-wise flash attention makes prefill 1.6-3.3x slower at agent-length contexts (4k-12k
         tokens) and decoding slower too (bench/results/2026-12-04/layouts/). Its decode steps and verifications run
-        ggml-cpu's reference kernels where --decode-kernels asks, or with auto where flash attention is on (row-wise,
-        `Attention.exact_rows`, or tiled over F16, `Attention.tiled_queries`, whose one-token steps take a split-KV
-        path verifications never take) and this build can switch them (kernels.py). Raises ModelLoadError for a layout
-        llama.cpp refuses, or a --decode-kernels value it cannot serve."""
+        ggml-cpu's reference kernels where --decode-kernels asks, or with auto where flash attention is on and this
+        build can switch them (kernels.py): row-wise attention (`Attention.exact_rows`), and `-fa on` over F16,
+        whose one-token steps otherwise take a split-KV path that verifications never take; there the reference
+        steps made widths 2..16 exact on the 0.8b and decoded 1.18x faster than the default kernels at 12k
+        tokens of context, both about half as fast as flash attention off (bench/results/2026-12-07/flash-f16).
+        Raises ModelLoadError for a layout llama.cpp refuses, or a --decode-kernels value it cannot serve."""
         try:
             if (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v) != ("auto", "auto", "auto"):
                 k, v = (("f16" if t == "auto" else t) for t in (cfg.cache_type_k, cfg.cache_type_v))

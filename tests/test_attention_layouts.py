@@ -38,7 +38,7 @@ def layouts(*argv: str) -> tuple[Attention, ...]:
 @pytest.mark.parametrize("argv, expected", [
     ((), (Attention(),)),  # VERIFYING is asked for, not the default: its prefill is slow at long contexts
     (("-fa", "off"), (Attention(),)),
-    (("-fa", "on"), (Attention(True, "f16", "f16", "reference"),)),  # the one-token split-KV path is skipped
+    (("-fa", "on"), (Attention(True, "f16", "f16", "reference"),)),  # its one-token split-KV path skipped
     (("-fa", "on", "--decode-kernels", "default"), (Attention(True, "f16", "f16"),)),
     (("-ctk", "q8_0"), (VERIFYING_REF,)),  # a quantized cache type turns flash attention on, row-wise
     (("-ctk", "q8_0", "--decode-kernels", "default"), (VERIFYING,)),
@@ -121,7 +121,8 @@ def test_verification_costs_are_measured_once_and_start_the_width_policy(verifyi
 @pytest.fixture(scope="module")
 def flash_pair(tmp_path_factory):
     """(on, off): tiny-q4 as `-fa on` serves it (flash attention over F16, tiled in prefill ubatches of 64 tokens
-    or more; reference kernels for decode steps and verifications), speculation auto and off, as verifying_pair."""
+    or more; reference kernels for decode steps and verifications: --decode-kernels auto), speculation auto and
+    off, as verifying_pair."""
     cal = tmp_path_factory.mktemp("cal") / "calibration.json"
     kw = dict(ctx_size=2048, parallel=3, calibration_file=cal, flash_attn="on", draft_max=11)
     on = verify_every_draft(Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw)))
@@ -168,15 +169,16 @@ def test_a_short_turn_over_a_restored_prefix_answers_as_cold_with_fa_on(flash_pa
     on, _ = flash_pair
     greedy = SPECULATION_CASES["greedy"]["sampling"]
     first = on.engine.tokenize(LOOP)
-    on.scheduler.run(Job(first, max_tokens=8, sampling=greedy))
-    second = first + on.engine.tokenize("ok<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
-    assert len(second) - len(first) < 64
-    warm = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, sampling=greedy))
-    cold = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, use_cache=False, sampling=greedy))
-    assert np.array_equal(warm.first_logits, cold.first_logits)
-    assert warm.completion_tokens == cold.completion_tokens
-    assert 0 < warm.cached_tokens <= len(second) - 64 and cold.cached_tokens == 0
-    on.scheduler.drain()
+    answer = on.scheduler.run(Job(first, max_tokens=8, sampling=greedy)).completion_tokens
+    turn = on.engine.tokenize("<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+    for second in (first + on.engine.tokenize("ok") + turn, first + answer + turn):  # the answer's own tokens too
+        assert len(second) - len(first) < 64
+        warm = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, sampling=greedy))
+        cold = on.scheduler.run(Job(second, max_tokens=24, want_logits=True, use_cache=False, sampling=greedy))
+        assert np.array_equal(warm.first_logits, cold.first_logits)
+        assert warm.completion_tokens == cold.completion_tokens
+        assert 0 < warm.cached_tokens <= len(second) - 64 and cold.cached_tokens == 0
+        on.scheduler.drain()
 
 
 @pytest.mark.parametrize("layout", ["verifying_pair", "flash_pair"])
