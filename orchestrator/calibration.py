@@ -76,6 +76,10 @@ def measure_min_segment(engine: Engine, sizes: Sequence[int] = tuple(range(2, 25
     """
     found = _smallest_exact(engine, sizes, min(2 * max(sizes) + 8, engine.n_batch))
     if tiled and found < tiled:
+        if engine.n_batch < 2 * tiled + 8:
+            raise EngineError(f"flash attention over an F16/F32 cache changes kernels at {tiled} tokens per ubatch, "
+                              f"which --batch-size {engine.n_batch} is too small to measure (at least "
+                              f"{2 * tiled + 8}); use a larger --batch-size, or -fa off")
         longer = (found, tiled // 2, tiled - 1, tiled, 2 * tiled)
         found = _smallest_exact(engine, longer, min(2 * (2 * tiled + 1) + 8, engine.n_batch))
     return found

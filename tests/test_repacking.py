@@ -70,6 +70,32 @@ def test_min_segment_is_confirmed_above_the_size_found():
         calibration.measure_min_segment(SplitEngine(lambda n: n > 24))
 
 
+class TiledEngine(SplitEngine):
+    """A split engine whose kernels change at `tile` rows, as ggml-cpu's flash attention over F16 does at 64: a
+    ubatch computes as the whole prompt did only when both are on the same side of the tile."""
+
+    def __init__(self, tile, n_batch=512):
+        super().__init__(lambda n: True)
+        self.tile, self.n_batch = tile, n_batch
+
+    def logits(self):
+        sides = [n >= self.tile for n in self.segments]
+        return np.array([min(sides), max(sides)], dtype=float)
+
+
+def test_min_segment_is_probed_past_a_tiled_kernel():
+    """The 56-token probe cannot see a switch at 64 rows: it reads 2, and a 40-token ubatch then differs from a
+    200-token prompt's whole. Told of the tile (Attention.tiled_queries), the probe finds it; a switch further up
+    than the longer reference confirms, or a --batch-size too small to hold it, is refused rather than served
+    inexact."""
+    assert calibration.measure_min_segment(TiledEngine(64)) == 2
+    assert calibration.measure_min_segment(TiledEngine(64), tiled=64) == 64
+    with pytest.raises(EngineError, match="at 64 tokens .* 128 cannot be confirmed"):  # a switch above the one
+        calibration.measure_min_segment(TiledEngine(80), tiled=64)  # the layout names is refused, not served
+    with pytest.raises(EngineError, match="--batch-size 128 is too small"):
+        calibration.measure_min_segment(TiledEngine(64, n_batch=128), tiled=64)
+
+
 def test_choice_round_trips_through_the_calibration_file_format():
     choice = decide(EXACT, Measured(8, True, 0.5, 0.0))
     assert Choice.from_json(json.loads(json.dumps(choice.to_json()))) == choice
