@@ -65,11 +65,11 @@ def state_fingerprint(model_path: Path, engine: Engine, file_digest: bytes | Non
 
     Covers the model file (`model_file_digest`, computed here unless given), the llama-cpp-python / llama.cpp
     version, and the context parameters that shape the state layout: n_ctx, sequences, flash attention and the KV
-    cache types (`Engine.attention`), the layout of saved entries (`StateKind.layout`), and CPU weight repacking
-    (`use_extra_bufts`: other matmul
-    kernels, so other numerics), and the prefill chunk rule (min_segment, odd ubatches: a state prefilled in
-    ubatches a newer measurement forbids is not what a cold prefill computes). A changed model file (even touched, or copied without -p) therefore empties
-    the disk tier, which costs only misses.
+    cache types (`Engine.attention`), the layout of saved entries (`StateKind.layout`), CPU weight repacking
+    (`use_extra_bufts`: other matmul kernels, so other numerics), and the prefill chunk rule (min_segment, odd
+    ubatches: a state prefilled in ubatches a newer measurement forbids is not what a cold prefill computes). A
+    changed model file (even touched, or copied without -p) therefore empties the disk tier, which costs only
+    misses.
 
     It also covers where the state was computed (`devices.Offload.key`: backend and device, layer split, KV
     placement, the CPU's kernel features): llama.cpp's state bytes do not depend on the device, so a state
