@@ -203,7 +203,8 @@ def test_fingerprint_sees_a_change_in_the_middle_of_the_file_even_with_the_old_m
     model = tmp_path / "model.gguf"
     shutil.copy(tiny_model, model)
     eng = types.SimpleNamespace(n_ctx=1024, n_seq_max=1, attention=Attention(), state=HybridState(split_layout=True),
-                                offload=Offload.of([], -1, 8, True), use_extra_bufts=False)
+                                offload=Offload.of([], -1, 8, True), use_extra_bufts=False, min_segment=8,
+                                odd_ubatches=False)
     st = model.stat()
     before = state_fingerprint(model, eng)
     assert state_fingerprint(model, eng) == before
