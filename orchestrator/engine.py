@@ -305,7 +305,7 @@ class Engine:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._pieces: dict[int, bytes] = {}  # piece() by token id: at most the vocabulary
         self._scratch = bytearray()  # the kept buffer of load_state (states given in parts) and save_state_view
-        self._rewind = bytearray()  # the kept buffer of rewind_point
+        self._rewind: list[bytearray] = []  # the kept buffers of rewind_point
         self._view: memoryview | None = None  # the view save_state_view returned last (load_state reads it in place)
         self._new_bytes = bytes_writer()  # save_state's bytes objects, filled in place by llama.cpp
         self.spares = SpareBuffers(self._new_bytes)  # checkpoint-sized, faulted in while idle (keep_spares)
@@ -521,19 +521,38 @@ class Engine:
         without n_rs_seq: `rewind_point` before, speculative.verify.rewind after."""
         if not 2 <= len(tokens) <= self.n_batch:
             raise ValueError(f"a verification takes 2..{self.n_batch} tokens, got {len(tokens)}")
+        self.verify_many([(seq, tokens, pos)])
+
+    def verify_many(self, items: Sequence[tuple[int, Sequence[int], int]]) -> list[int]:
+        """`verify` of several sequences in one llama_decode call: `items` are (seq, tokens, pos), one per
+        sequence, in increasing seq order, 1.. tokens each (one token: that sequence's decode step), n_batch
+        in all; logits for every token. Returns each item's first batch index (its token i's logits at that + i).
+        llama.cpp cuts the call into ubatches of equal tokens per sequence (llama_batch_allocr::split_equal):
+        whether each sequence then gets what it gets alone is measured (calibration.check_batched_verification;
+        bit-identical under reference kernels, bench/results/2026-12-07/batched-verification). Raises EngineError
+        when llama_decode fails (the sequences' states are then unspecified)."""
+        if not items or any(not tokens for _, tokens, _ in items) or sum(len(t) for _, t, _ in items) > self.n_batch:
+            raise ValueError(f"a verification takes 1.. tokens per sequence, {self.n_batch} in all")
         b = self._batch
-        for i, tok in enumerate(tokens):
-            b.token[i] = tok
-            b.pos[i] = pos + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = 1
-        b.n_tokens = len(tokens)
-        self._last_call.pop(seq, None)  # not a prefill call: checkpoint_back does not apply
+        starts, j = [], 0
+        for seq, tokens, pos in items:
+            starts.append(j)
+            for i, tok in enumerate(tokens):
+                b.token[j] = tok
+                b.pos[j] = pos + i
+                b.n_seq_id[j] = 1
+                b.seq_id[j][0] = seq
+                b.logits[j] = 1
+                j += 1
+            self._last_call.pop(seq, None)  # not a prefill call: checkpoint_back does not apply
+        b.n_tokens = j
         rc = self._compute(b, step=True)
         if rc != 0:
-            raise EngineError(f"llama_decode failed with code {rc} verifying {len(tokens)} tokens at {pos}")
-        self._keep_hidden(seq, pos + len(tokens) - 1, len(tokens) - 1)
+            raise EngineError(f"llama_decode failed with code {rc} verifying {j} tokens of "
+                              f"{len(items)} sequence(s) at {items[0][2]}")
+        for (seq, tokens, pos), start in zip(items, starts):
+            self._keep_hidden(seq, pos + len(tokens) - 1, start + len(tokens) - 1)
+        return starts
 
     @property
     def cuttable(self) -> bool:
@@ -541,22 +560,26 @@ class Engine:
         attention-only memory. A recurrent part needs a checkpoint reloaded first (`rewind_point`)."""
         return CHECKPOINT not in self.state.entry_kinds
 
-    def rewind_point(self, seq: int) -> memoryview | None:
+    def rewind_point(self, seq: int, buffer: int = 0) -> memoryview | None:
         """Before a verification of `seq`: what speculative.verify.rewind needs to bring it back here. On a memory
-        with a recurrent part, its checkpoint (the recurrent state: 19 MiB on the 0.8b), written into a buffer this engine keeps for
-        it (valid until the next rewind_point); None on an attention-only memory, where KV removal suffices.
-        Raises EngineError when llama.cpp writes nothing."""
+        with a recurrent part, its checkpoint (the recurrent state: 19 MiB on the 0.8b), written into kept buffer
+        number `buffer` (valid until the next rewind_point into it: a verification of several sequences at once
+        takes one each, so as many buffers as sequences verified together are kept); None on an attention-only
+        memory, where KV removal suffices. Raises EngineError when llama.cpp writes nothing."""
         if self.cuttable:
             return None
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, PARTIAL)
-        if len(self._rewind) < size:
-            self._rewind = bytearray(size)
-        buf = (ctypes.c_uint8 * size).from_buffer(self._rewind)
+        while len(self._rewind) <= buffer:
+            self._rewind.append(bytearray())
+        if len(self._rewind[buffer]) < size:
+            self._rewind[buffer] = bytearray(size)
+        kept = self._rewind[buffer]
+        buf = (ctypes.c_uint8 * size).from_buffer(kept)
         n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, PARTIAL)
         del buf
         if n == 0:
             raise EngineError(f"llama_state_seq_get_data_ext wrote nothing for sequence {seq}")
-        return memoryview(self._rewind)[:n]
+        return memoryview(kept)[:n]
 
     def sampler(self, params: SamplingParams, deadline: float | None = None) -> Sampler:
         """A sampler chain over this context's logits (close it when done). With `params.grammar`, the grammar is
@@ -750,8 +773,8 @@ class Engine:
             size, src = len(data), address(data)
         elif data is self._view and data.obj is self._scratch:  # the last view, whole: it starts the buffer
             size, src = data.nbytes, (ctypes.c_uint8 * data.nbytes).from_buffer(self._scratch)
-        elif isinstance(data, memoryview) and data.obj is self._rewind:  # a rewind_point: it starts that buffer
-            size, src = data.nbytes, (ctypes.c_uint8 * data.nbytes).from_buffer(self._rewind)
+        elif isinstance(data, memoryview) and any(data.obj is kept for kept in self._rewind):  # a rewind_point:
+            size, src = data.nbytes, (ctypes.c_uint8 * data.nbytes).from_buffer(data.obj)  # it starts that buffer
         else:
             parts = data if isinstance(data, tuple) else (data,)
             # a part that lies in the kept buffer itself is copied out first: the join below overwrites it
