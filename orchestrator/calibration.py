@@ -402,6 +402,60 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     return tuple(widths)
 
 
+def check_batched_verification(engine: Engine, width: int, contexts: Sequence[int] = (40, 170, 300)) -> bool:
+    """Whether verifications of several sequences in one llama_decode call (`Engine.verify_many`; a sequence with
+    one token is a decode step there) give each sequence bit-identical logits to its own call alone, and leave
+    the states one-token steps continue from exactly: sequences 0..k-1 (k = min(n_seq_max, 3), after prefills
+    of `contexts`) verify widths like (width, 1, 1), (1, width, 2), (width, width, width), (2, 1, width) at
+    once, against each alone, then each decodes one more token. The scheduler verifies the drafts of slots that
+    decode together only where this holds (speculative.verify.Speculation.step_group); where it does not, they
+    decode their one token each, batched, as before.
+
+    Why it can hold: llama.cpp cuts such a call into ubatches of equal tokens per sequence (split_equal), and
+    under reference decode kernels (kernels.py) every row runs the one-row kernels, so a row's result depends
+    on neither the ubatch nor its neighbours. Measured on tiny-q4 with reference kernels (flash attention over a
+    Q8_0 or an F16 K cache): bit-identical in every case; with the default kernels, 3.6e-7 to 0.033
+    (bench/results/2026-12-07/batched-verification). Uses and clears sequences 0..k-1; False where llama.cpp
+    fails or fewer than two sequences or width < 2."""
+    k = min(engine.n_seq_max, 3)
+    if k < 2 or width < 2 or k * width > engine.n_batch:
+        return False
+    cases = [(width, 1, 1), (1, width, 2), (width, width, width), (2, 1, width)]
+    cases = [c[:k] for c in cases]
+    starts, nxt, ends = [], [], []
+    try:
+        for s in range(k):
+            n = min(contexts[s % len(contexts)], engine.n_ctx - width - 2)
+            engine.clear(s)
+            engine.decode(s, [1000 + (43 * i + 11 * s) % 5000 for i in range(n)], 0, want_logits=False)
+            starts.append(engine.save_state(s))
+            nxt.append([1500 + (61 * i + 7 * s) % 5000 for i in range(width + 1)])
+            ends.append(n)
+
+        def run(seqs: Sequence[int], case: Sequence[int]) -> list[list[np.ndarray]]:
+            """The logits of each sequence's rows, then of its next one-token step."""
+            for s in seqs:
+                engine.load_state(s, starts[s])
+            first = engine.verify_many([(s, nxt[s][:case[s]], ends[s]) for s in seqs])
+            rows = [[engine.logits(at + i) for i in range(case[s])] for s, at in zip(seqs, first)]
+            for s, got in zip(seqs, rows):
+                engine.decode(s, nxt[s][case[s]:case[s] + 1], ends[s] + case[s])
+                got.append(engine.logits())
+            return rows
+
+        for case in cases:
+            alone = [run([s], case)[0] for s in range(k)]
+            together = run(range(k), case)
+            if not all(np.array_equal(a, b) for s in range(k) for a, b in zip(alone[s], together[s])):
+                return False
+        return True
+    except EngineError:
+        return False
+    finally:
+        for s in range(k):
+            engine.clear(s)
+
+
 def measure_verify_costs(engine: Engine, widths: Sequence[int], context: int = 512, reps: int = 3
                          ) -> dict[int, float]:
     """What a verification of each width in `widths` costs in one-token decode steps (`Engine.verify` against
