@@ -305,6 +305,27 @@ class Runtime:
                      ", ".join(f"{w} tokens {costs[w]:.2f}" for w in widths if w in costs), costs.get(0, float("nan")))
         return costs or {}
 
+    @staticmethod
+    def _verify_together(cfg: Config, file: calibration.CalibrationFile, engine: Engine, widths: tuple[int, ...],
+                         batch_widths: tuple[int, ...]) -> bool:
+        """Whether slots that decode in one llama_decode call verify their drafts in it (Speculation.step_group):
+        n-gram drafts, one-row decode steps, batched decoding on, and calibration.check_batched_verification
+        exact at the widest width on the served engine (measured once, kept in the calibration file)."""
+        if not widths or not batch_widths or cfg.drafts != "ngram" or cfg.decode_rows != 1:
+            return False
+        key = ":verify_together:%d" % widths[-1]
+        together = file.get_value(key)
+        if not isinstance(together, bool):
+            started = time.perf_counter()
+            together = calibration.check_batched_verification(engine, widths[-1])
+            file.put(together, key)
+            log.info("checked verifications of several slots in one call against each alone in %.1f s: %s",
+                     time.perf_counter() - started, "bit-identical" if together else "they differ")
+        if not together:
+            log.info("slots that decode together do not verify drafts (a slot decoding alone does): verifying "
+                     "several in one call is not bit-identical to each alone on this model and CPU")
+        return together
+
     @classmethod
     def _start(cls, cfg: Config, path: Path, file_digest: bytes, driver: EngineThread) -> "Runtime":
         attention, widths, verify_costs = cls._verify_widths(cfg, path, file_digest)
@@ -330,10 +351,9 @@ class Runtime:
             raise ModelLoadError(f"--speculative mtp: {path} has no MTP block (GGUF {arch}.nextn_predict_layers "
                                  f"is 0 or absent); --speculative auto drafts from n-grams")
         log.info("backend %s: %s", engine.offload.backend, engine.offload.describe())
-        facts = calibration.calibrate(engine, calibration.CalibrationFile(
-            cfg.calibration_file, file_digest + calibration.segment_key(attention), cfg.batch_size, cfg.extra_bufts,
-            engine.offload),
-            cfg.decode_batching)
+        facts_file = calibration.CalibrationFile(cfg.calibration_file, file_digest + calibration.segment_key(attention),
+                                                 cfg.batch_size, cfg.extra_bufts, engine.offload)
+        facts = calibration.calibrate(engine, facts_file, cfg.decode_batching)
         log.info("prefill ubatches of %d tokens or more are bit-identical to larger ones on this model and %s "
                  "(min_segment)", facts.min_segment, engine.offload.backend)
         info = engine.info
@@ -346,6 +366,7 @@ class Runtime:
                  "KiB/token x %d tokens), %.0f MiB for all", cfg.parallel, per_slot / MiB, recurrent / MiB,
                  engine.n_rs_seq, kv_token / 1024, engine.n_ctx, cfg.parallel * per_slot / MiB)
         batch_widths = calibration.decode_batching(facts, engine.n_seq_max, cfg.decode_batching)
+        together = cls._verify_together(cfg, facts_file, engine, widths, batch_widths)
         if "random" in info.name.lower():
             log.warning("model %r has RANDOM weights: output text is meaningless", info.name)
         spare_bytes = 0
@@ -398,7 +419,8 @@ class Runtime:
                                        prefill_chunk_alone=cfg.prefill_chunk_alone, batch_widths=batch_widths,
                                        prefill_tps=prefill_tps, driver=driver,
                                        snapshot_min_gap=cfg.snapshot_min_gap, verify_widths=widths,
-                                       drafts=cfg.drafts, draft_model=draft_model, verify_costs=verify_costs),
+                                       drafts=cfg.drafts, draft_model=draft_model, verify_costs=verify_costs,
+                                       verify_together=together),
                    model_id=cfg.model_alias or path.stem)
 
     # ------------------------------------------------------------------ what server/ asks
@@ -467,7 +489,8 @@ class Runtime:
     def health(self, full: bool = True) -> dict:
         """/health: slots (total, busy, free), the backend and devices computing the model; with `full`, also the
         queue length, the cache figures (which tell one tenant that another is active: behind the API key), the
-        attention layout served and the speculative verification widths in use (empty: speculation off)."""
+        attention layout served, the speculative verification widths in use (empty: speculation off) and whether
+        slots decoding together verify together (Speculation.step_group)."""
         busy = self.scheduler.slots_busy
         out = {"backend": self.engine.offload.backend, "devices": self.engine.offload.device_names,
                "slots": len(self.scheduler.slots), "slots_busy": busy, "slots_free": len(self.scheduler.slots) - busy}
@@ -479,6 +502,7 @@ class Runtime:
                 "attention": {"flash_attn": a.flash, "cache_type_k": a.type_k, "cache_type_v": a.type_v,
                               "decode_kernels": a.kernels},
                 "speculative_widths": list(self.scheduler.speculation.widths),
+                "speculative_together": self.scheduler.speculation.together,
                 "cache": {"ram_entries": s.ram_entries, "ram_bytes": s.ram_bytes,
                           "ram_budget_bytes": s.ram_budget_bytes, "disk_entries": s.disk_entries}}
 

@@ -120,8 +120,11 @@ class Scheduler:
             llama_decode calls, since calls from a second thread are slower (engine_thread.EngineThread); None: a
             new one.
         verify_widths: speculative decoding's verification widths (calibration.measure_verify_widths and
-            `speculation`); empty: off. A request verifies drafts only in a step where it decodes alone in its
-            llama_decode call (batched decode steps of several slots stay one row per slot: `_decode`).
+            `speculation`); empty: off. A request verifies drafts in a step where it decodes alone in its
+            llama_decode call, and in a batched decode step of several slots where `verify_together`.
+        verify_together: slots decoding in one llama_decode call verify their n-gram drafts in it
+            (calibration.check_batched_verification measured it exact; Speculation.step_group); False: batched
+            decode steps stay one row per slot.
         drafts: where drafts come from, "ngram", "mtp" or "draft" (speculative.verify.Speculation);
         draft_model: the drafting model for "draft" (speculative.draft.DraftModel), closed with the scheduler.
         verify_costs: verification and rollback costs in decode steps measured at start
@@ -137,7 +140,7 @@ class Scheduler:
                  batch_widths: tuple[int, ...] = (), prefill_tps: float | None = None,
                  driver: EngineThread | None = None, snapshot_min_gap: int = 0,
                  verify_widths: tuple[int, ...] = (), drafts: str = "ngram", draft_model=None,
-                 verify_costs: Mapping[int, float] | None = None) -> None:
+                 verify_costs: Mapping[int, float] | None = None, verify_together: bool = False) -> None:
         if not 1 <= n_slots <= engine.n_seq_max:
             raise ValueError(f"n_slots must be 1..{engine.n_seq_max} (the engine's sequences), got {n_slots}")
         self.engine = engine
@@ -153,7 +156,7 @@ class Scheduler:
         self.prefill_chunk_alone = max(self.reuse.chunk_size(prefill_chunk_alone or engine.n_batch), self.prefill_chunk)
         self.batch_widths = batch_widths
         self.speculation = Speculation(engine, verify_widths, drafts=drafts, draft_model=draft_model,
-                                       costs=VerifyCosts(start=verify_costs))
+                                       costs=VerifyCosts(start=verify_costs), together=verify_together)
         self._waiting: collections.deque[Task] = collections.deque()
         self._cond = _Condition()
         self._order = itertools.count()
@@ -437,8 +440,8 @@ class Scheduler:
             self._fail(task, EngineError(f"internal error: {e}"))
 
     def _decode(self, tasks: list[Task]) -> None:
-        """One decode step for the generating slots, in groups of `decode_groups` (one llama_decode each; a slot
-        alone may verify drafts: `_decode_one`), then sample."""
+        """One decode step for the generating slots, in groups of `decode_groups` (one llama_decode each, in which
+        the slots may verify drafts: `_decode_one` alone, Speculation.step_group together), then sample."""
         tasks.sort(key=lambda t: t.slot.seq)
         start = 0
         for width in decode_groups(len(tasks), self.batch_widths):
@@ -446,8 +449,10 @@ class Scheduler:
             if width == 1:
                 self._guard(group[0], self._decode_one, group[0])
                 continue
-            self.speculation.batched(group)
             try:
+                if self.speculation.step_group(group, self._sample, self._guard):
+                    continue
+                self.speculation.batched(group)
                 self.engine.decode_step([(t.slot.seq, t.pending, t.pending_pos) for t in group])
             except EngineError as e:
                 for t in group:

@@ -22,7 +22,10 @@ What it models, so that the tests can catch what the real numerics would punish:
   * Speculative verification (`verify`): a ubatch of w tokens of one sequence marks its tokens like one-token
     steps only when w is in `exact_widths` (else with 200 + w), and gives each position the logits of the state
     after it; `truncate` may then cut the recurrent history back into the last call's last n_rs_seq + 1
-    tokens (llama.cpp's n_rs_seq rollback), and nowhere else.
+    tokens (llama.cpp's n_rs_seq rollback), and nowhere else. `verify_many` does it for several sequences in one
+    call, each marked as alone only while `batched_verify_exact` (the hardware's answer, which
+    calibration.check_batched_verification finds), else with 300 + its width; `verify_many_calls` records the
+    widths of each call.
   * Byte sizes like the real ones at 1/64 scale: a checkpoint of `checkpoint_bytes` (19.3 MiB / 64 for
     Qwen3.5-0.8B) and `kv_bytes_per_token` of KV per token (12 KiB / 64), in llama.cpp's layout: header, KV part,
     recurrent part for a full state; header and recurrent part for a partial one.
@@ -145,6 +148,9 @@ class FakeEngine:
         self.markov = markov  # logits from the last token and the set of marks only: greedy answers repeat
         self._verified: dict[int, tuple[int, int]] = {}  # seq -> positions [lo, hi) of its last verify call
         self.verify_calls: list[int] = []  # widths of the verify calls made
+        self.batched_verify_exact = True
+        self.decode_rows = 1
+        self.verify_many_calls: list[list[int]] = []
         self.prefilled_tokens = 0  # tokens computed by decode() in ubatches of more than one token
         self.on_decode: Callable[[int, Sequence[int], int], None] | None = None  # called before each decode()
         self.fail_loads = False  # load_state refuses everything (llama.cpp rejecting a state)
@@ -241,6 +247,28 @@ class FakeEngine:
         self._verified[seq] = (pos, pos + len(tokens))
         self.verify_calls.append(len(tokens))
 
+    def verify_many(self, items: Sequence[tuple[int, Sequence[int], int]]) -> list[int]:
+        self._running.wait()
+        self.verify_many_calls.append([len(tokens) for _, tokens, _ in items])
+        exact = self.hw_batch_invariant
+        exact = len(items) in exact if isinstance(exact, tuple) else exact
+        logits, starts = [], []
+        for seq, tokens, pos in items:
+            s = self._seqs[seq]
+            if not tokens or pos != len(s.kv) or pos + len(tokens) > self.n_ctx:
+                raise EngineError(f"fake verify_many of {len(tokens)} tokens at {pos}")
+            if len(tokens) == 1:
+                mark = 1 if len(items) == 1 or exact else 100 + len(items)
+            else:
+                mark = 1 if len(tokens) in self.exact_widths and self.batched_verify_exact else 300 + len(tokens)
+            starts.append(len(logits))
+            for tok in tokens:
+                self._append(s, [tok], mark)
+                logits.append(self._vector(s))
+            self._verified[seq] = (pos, pos + len(tokens))
+        self._logits = logits
+        return starts
+
     def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
         self._running.wait()
         if not 0 < len(items) <= self.n_batch:
@@ -330,7 +358,7 @@ class FakeEngine:
             self.clear(seq)
             raise
 
-    def rewind_point(self, seq: int) -> bytes | None:
+    def rewind_point(self, seq: int, buffer: int = 0) -> bytes | None:
         """As the engine's: the recurrent checkpoint, or None on an attention-only memory."""
         return self.save_state(seq, partial=True) if self._seqs[seq].rec is not None else None
 

@@ -259,3 +259,44 @@ def test_prefill_keeps_the_optimized_kernels_under_reference_decode_kernels(monk
         assert not np.array_equal(e.logits(), expected)
     finally:
         e.close()
+
+
+def test_verifications_of_several_slots_in_one_call_are_exact_only_under_reference_kernels():
+    """calibration.check_batched_verification on tiny-q4, 3 sequences, 7-token verifications beside one-token
+    steps: with the reference decode kernels every sequence gets in one call what it gets alone (and goes on
+    from the same state); with the default kernels three 7-token verifications are 21 rows, which take the
+    tiled matmul that none alone takes, so the check refuses them."""
+    from orchestrator.calibration import check_batched_verification
+
+    found = {}
+    for att in (VERIFYING, VERIFYING_REF):
+        e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=64, n_seq_max=3, attention=att)
+        try:
+            found[att.kernels] = check_batched_verification(e, 7)
+        finally:
+            e.close()
+    assert found == {"default": False, "reference": True}
+
+
+def test_slots_that_decode_together_verify_their_drafts_together(verifying_pair, monkeypatch):
+    """Three greedy choices of the looping prompt decode in one llama_decode call per step (batched decoding is
+    exact under reference kernels); with speculation each step verifies their drafts in that call
+    (Speculation.step_group, measured exact at start and kept in the calibration file), and every choice answers
+    as with speculation off."""
+    on, off = verifying_pair
+    assert on.scheduler.speculation.together and not off.scheduler.speculation.together
+    assert on.health()["speculative_together"] is True and off.health()["speculative_together"] is False
+    stored = {k: v for k, v in json.loads(on.config.calibration_file.read_text()).items() if ":verify_together:" in k}
+    assert list(stored.values()) == [True] and next(iter(stored)).endswith(":verify_together:12")
+    calls = []
+    verify_many = on.engine.verify_many
+    monkeypatch.setattr(on.engine, "verify_many", lambda items: calls.append([len(t) for _, t, _ in items])
+                        or verify_many(items))
+    job = Job(on.engine.tokenize(LOOP), max_tokens=48, want_logits=True, n=3,
+              sampling=SPECULATION_CASES["greedy"]["sampling"])
+    a, _ = same_answers(on, off, job)
+    together = [c for c in calls if len(c) > 1 and max(c) > 1]
+    assert together, calls  # some step verified drafts of slots decoding together
+    assert sum(r.accepted_tokens for r in a) > 0
+    on.scheduler.drain()
+    off.scheduler.drain()

@@ -39,12 +39,13 @@ def test_speculation_widths_decision():
 def make():
     made = []
 
-    def _make(widths=WIDTHS, hw=WIDTHS, hybrid=True, n_slots=3, batch_decode=False):
+    def _make(widths=WIDTHS, hw=WIDTHS, hybrid=True, n_slots=3, batch_decode=False, together=False):
         eng = FakeEngine(n_seq_max=n_slots, hybrid=hybrid, exact_from=MS, n_ctx=4096, exact_widths=hw,
                          n_rs_seq=0, markov=True, n_vocab=48)  # no n_rs_seq: verifications rewind
         eng.calibrate(MS, True)
         s = Scheduler(eng, SnapshotCache([RamTier(64 << 20)], state=eng.state), n_slots=n_slots,
-                      batch_widths=every_width(n_slots, batch_decode), prefill_chunk=16, prefill_chunk_alone=16, verify_widths=widths)
+                      batch_widths=every_width(n_slots, batch_decode), prefill_chunk=16, prefill_chunk_alone=16,
+                      verify_widths=widths, verify_together=together)
         made.append(s)
         return eng, s
 
@@ -137,6 +138,88 @@ def test_batched_decode_steps_do_not_verify(make):
     for seed in (1, 2):
         ref = alone.run(Job(PROMPT, max_tokens=30, sampling=SamplingParams(temperature=0.8, seed=seed)))
         assert any(ev.result.completion_tokens == ref.completion_tokens for ev in out)
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "kv"])
+@pytest.mark.parametrize("case", ["n3", "greedy3"])
+def test_slots_decoding_together_verify_together_and_change_nothing(make, case, hybrid):
+    """With `verify_together` (calibration.check_batched_verification's answer), slots that decode in one call
+    verify their drafts in it (Speculation.step_group): three choices, or three requests at once, answer as
+    without speculation, and some calls verified drafts of several slots."""
+    _, off = make(widths=(), hybrid=hybrid, batch_decode=True)
+    eng, on = make(hybrid=hybrid, batch_decode=True, together=True)
+    on.speculation.costs = FreeCosts()
+    if case == "n3":
+        jobs = [Job(PROMPT, max_tokens=60, **CASES["n3"])]
+    else:  # three requests submitted together, each its own prompt
+        jobs = [Job(PROMPT[k:] + PROMPT[:k], max_tokens=60, sampling=SamplingParams(temperature=0.0))
+                for k in (0, 7, 13)]
+
+    def run_all(s):
+        eng_ = s.engine
+        eng_.pause()
+        boxes = []
+        for job in jobs:
+            results, done = {}, threading.Event()
+            boxes.append((results, done))
+            s.submit(job, lambda ev, r=results, d=done, n=job.n: (r.__setitem__(ev.index, ev.result or ev.error),
+                                                                    len(r) == n and d.set())
+                     if ev.kind != EventKind.TEXT else None)
+        eng_.resume()
+        for _, done in boxes:
+            assert done.wait(30)
+        s.drain()
+        return [outputs([r[i] for i in range(len(r))]) for r, _ in boxes]
+
+    assert run_all(off) == run_all(on)
+    assert any(len(c) > 1 and max(c) > 1 for c in eng.verify_many_calls)
+
+
+def test_the_check_sees_an_inexact_batched_verification(make):
+    """The same comparison where verifying in one call is not exact: the answers differ (so the test above would
+    catch a batched verification that is)."""
+    _, off = make(widths=(), batch_decode=True)
+    eng, on = make(batch_decode=True, together=True)
+    on.speculation.costs = FreeCosts()
+    eng.batched_verify_exact = False
+    job = Job(PROMPT, max_tokens=60, sampling=SamplingParams(temperature=0.0), n=3)
+    assert outputs(run(off, job)[0]) != outputs(run(on, job)[0])
+
+
+def test_a_failing_slot_in_a_verification_together_fails_alone(make, monkeypatch):
+    """A request whose sampling raises inside a step verified together fails with an error; the others in that
+    call answer as without speculation."""
+    _, off = make(widths=(), batch_decode=True)
+    eng, on = make(batch_decode=True, together=True)
+    on.speculation.costs = FreeCosts()
+    sample, verify_many, raised = on._sample, eng.verify_many, []
+
+    def counted(items):
+        raised.append(None)  # a verification together is running: its sampling follows
+        return verify_many(items)
+
+    def failing(t, idx, logits=None):
+        if t.job.tenant == "bad" and len(raised) > 2 and raised[-1] is None:
+            raised[-1] = "raised"
+            raise RuntimeError("injected")
+        return sample(t, idx, logits)
+
+    monkeypatch.setattr(eng, "verify_many", counted)
+    for name in ("decode_step", "decode", "verify"):  # any other call: its sampling is not the one to fail
+        call = getattr(eng, name)
+        monkeypatch.setattr(eng, name, lambda *a, call=call, **kw: (raised.append("other"), call(*a, **kw))[1])
+    monkeypatch.setattr(on, "_sample", failing)
+    good = [Job(PROMPT[k:] + PROMPT[:k], max_tokens=60, sampling=SamplingParams(temperature=0.0)) for k in (0, 7)]
+    bad = Job(PROMPT[13:] + PROMPT[:13], max_tokens=60, sampling=SamplingParams(temperature=0.0), tenant="bad")
+    events = {}
+    eng.pause()
+    for name, job in (("a", good[0]), ("bad", bad), ("b", good[1])):
+        on.submit(job, lambda ev, n=name: events.__setitem__(n, ev) if ev.kind != EventKind.TEXT else None)
+    eng.resume()
+    assert on.drain(30)
+    assert events["bad"].kind == EventKind.ERROR and "raised" in raised
+    assert [events[n].result.completion_tokens for n in ("a", "b")] == \
+        [off.run(job).completion_tokens for job in good]
 
 
 def test_a_request_that_never_matches_rarely_verifies(make):

@@ -85,6 +85,8 @@ class Speculation:
     plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`.
     `costs`: seconds of verifications (timed here) and of plain decode steps (timed by the scheduler), which the
     requests' width policies weigh; given, it starts from the ratios measured at start (VerifyCosts `start`).
+    `together`: slots that decode in one llama_decode call verify their n-gram drafts in it too (`step_group`),
+    where calibration.check_batched_verification measured that exact (one-row decode steps only).
 
     MTP and draft-model drafts cost a model step each (0.33 of a plain step for the MTP head of the qwen3.5-0.8b
     preset), so unlike n-gram lookups they are made only for a verification the policy chose. While no width
@@ -99,8 +101,9 @@ class Speculation:
 
     def __init__(self, engine, widths: Sequence[int], min_n: int = 2, max_n: int = 4, drafts: str = "ngram",
                  min_gap: int = 4, max_gap: int = 32, draft_model: DraftModel | None = None,
-                 costs: VerifyCosts | None = None) -> None:
+                 costs: VerifyCosts | None = None, together: bool = False) -> None:
         self.engine = engine
+        self.together = together and engine.decode_rows == 1
         self.widths = tuple(sorted(widths))
         self.min_n, self.max_n = min_n, max_n
         self.stats = SpecStats()
@@ -121,9 +124,72 @@ class Speculation:
         return task.spec
 
     def step(self, task, sample: Callable[[object, int], None]) -> bool:
+        plan = self._plan(task)
+        if plan is None:
+            return False
+        spec, tokens = plan
+        width, seq, pos = len(tokens), task.slot.seq, task.pending_pos
+        started = time.perf_counter()
+        point = self.engine.rewind_point(seq)
+        self.engine.verify(seq, tokens, pos)
+        spent = time.perf_counter() - started
+        hidden = [self.engine.hidden(j) for j in range(width - 1)] if self.mtp is not None else None
+        i = self._accept(task, spec, tokens, 0, sample)
+        self.costs.observe(width, spent)  # against a plain step
+        if self.draft_model is not None:
+            self.draft_model.accepted(seq, i)
+        if task.pending is None:
+            return True
+        if hidden is not None:  # the accepted drafts' entries, from the target's hidden states
+            self._head(seq, self.mtp.catch_up, seq, pos + 1, tokens[1:i + 1], hidden[:i])
+        self._keep(seq, point, pos, tokens, i)
+        return True
+
+    def step_group(self, tasks, sample: Callable[[object, int], None],
+                   guard: Callable[..., None]) -> bool:
+        """One step for `tasks` (in increasing seq order), which decode together: each one's n-gram drafts, where
+        it has any its policy verifies, and each other one's pending token, in ONE llama_decode call
+        (Engine.verify_many); then each samples its rows as in `step`, and those that rejected a draft are
+        rewound. Returns False without touching a sequence where nothing is to be verified, or the drafts come
+        from a model (MTP head, draft model: not batched), or verifying together was not measured exact
+        (`together`): the caller then decodes their one token each, batched. `guard(task, fn, *args)` runs a
+        task's part so that its failure fails that task only. Raises EngineError where the call fails (every
+        task's state is then unspecified). Costs are not timed here: the width policy weighs what a
+        verification costs alone, which the rows a verification adds to a batched step roughly cost too (rows
+        run the one-row kernels)."""
+        if not self.together or self.mtp is not None or self.draft_model is not None:
+            return False
+        plans = [self._plan(t) for t in tasks]
+        if not any(plans):
+            return False
+        items = [(t.slot.seq, plan[1] if plan else [t.pending], t.pending_pos) for t, plan in zip(tasks, plans)]
+        if sum(len(tokens) for _, tokens, _ in items) > self.engine.n_batch:
+            return False
+        points = [self.engine.rewind_point(seq, b) if plan else None
+                  for b, ((seq, _, _), plan) in enumerate(zip(items, plans))]
+        firsts = self.engine.verify_many(items)
+        accepted: dict[int, int] = {}
+
+        def accept(k: int) -> None:
+            accepted[k] = self._accept(tasks[k], plans[k][0], items[k][1], firsts[k], sample)
+
+        for k, t in enumerate(tasks):  # every task samples before any rewind: a rewind decodes, overwriting logits
+            if plans[k]:
+                guard(t, accept, k)
+            else:
+                guard(t, sample, t, firsts[k])
+        for k, i in accepted.items():
+            if tasks[k].pending is not None:
+                seq, tokens, pos = items[k]
+                guard(tasks[k], self._keep, seq, points[k], pos, tokens, i)
+        return True
+
+    def _plan(self, task) -> tuple[RequestSpec, list[int]] | None:
+        """(the task's state, [pending] + the drafts to verify now), or None: a plain step (no usable draft, a
+        grammar, a held token, no width pays)."""
         spec = self.state(task)
         if spec is None or task.pending is None or task.held is not None:
-            return False
+            return None
         pos = task.pending_pos  # where `pending` goes
         room = min(self.engine.n_ctx - pos, task.job.max_tokens - len(task.out) + 1)
         if spec.shadow is not None and len(task.out) > spec.shadow[0]:  # the token decoded where a draft was not
@@ -139,39 +205,33 @@ class Speculation:
             tokens = self._draft_model(task, spec, most)
         else:
             tokens = self._draft_ngram(task, spec, most)
-        if tokens is None:
-            return False
-        width = len(tokens)
-        seq = task.slot.seq
-        started = time.perf_counter()
-        point = self.engine.rewind_point(seq)
-        self.engine.verify(seq, tokens, pos)
-        spent = time.perf_counter() - started
-        hidden = [self.engine.hidden(j) for j in range(width - 1)] if self.mtp is not None else None
-        i = 0
+        return None if tokens is None else (spec, tokens)
+
+    def _accept(self, task, spec: RequestSpec, tokens: list[int], at: int, sample: Callable[[object, int], None]
+                ) -> int:
+        """Sample the task's verified rows (batch indices at..) in order, stopping at the first token that differs
+        from the draft, at the end of generation or after the last row; count them. Returns how many drafts were
+        accepted (their computed state is kept)."""
+        width, i = len(tokens), 0
         while True:
-            sample(task, i)
+            sample(task, at + i)
             if task.pending is None or i == width - 1 or task.pending != tokens[i + 1]:
                 break
             i += 1
-        accepted = i  # drafts whose sampled token matched and whose computed state is kept
-        spec.length.observe(width - 1, accepted)
+        spec.length.observe(width - 1, i)
         for s in (spec.stats, self.stats):
             s.drafted += width - 1
-            s.accepted += accepted
+            s.accepted += i
             s.verifications += 1
-        self.costs.observe(width, spent)  # against a plain step
-        if self.draft_model is not None:
-            self.draft_model.accepted(seq, accepted)
-        if task.pending is None:
-            return True
-        if hidden is not None:  # the accepted drafts' entries, from the target's hidden states
-            self._head(seq, self.mtp.catch_up, seq, pos + 1, tokens[1:i + 1], hidden[:i])
-        if i + 1 < width:  # still generating: keep ubatch[0..i]
+        return i
+
+    def _keep(self, seq: int, point, pos: int, tokens: list[int], i: int) -> None:
+        """After a verification of `tokens` at pos whose first i drafts were accepted: keep tokens[0..i]
+        (`rewind`, timed for the policy) where some were rejected."""
+        if i + 1 < len(tokens):
             started = time.perf_counter()
             rewind(self.engine, seq, point, pos, tokens[:i + 1])
             self.costs.observe_rewind(time.perf_counter() - started)
-        return True
 
     def admitted(self, task) -> None:
         """`task` was given its slot: the MTP head forgets what that slot's sequence held."""
