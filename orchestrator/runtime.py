@@ -320,10 +320,12 @@ class Runtime:
             together = calibration.check_batched_verification(engine, widths[-1])
             file.put(together, key)
             log.info("checked verifications of several slots in one call against each alone in %.1f s: %s",
-                     time.perf_counter() - started, "bit-identical" if together else "they differ")
+                     time.perf_counter() - started, "bit-identical" if together else "not shown bit-identical")
         if not together:
             log.info("slots that decode together do not verify drafts (a slot decoding alone does): verifying "
-                     "several in one call is not bit-identical to each alone on this model and CPU")
+                     "several in one call was not shown bit-identical to each alone on this model and CPU (or "
+                     "%d slots of %d tokens do not fit --batch-size %d)", min(engine.n_seq_max, 3), widths[-1],
+                     engine.n_batch)
         return together
 
     @classmethod
