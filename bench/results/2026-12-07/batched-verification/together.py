@@ -127,7 +127,7 @@ def main() -> None:
                 rt.scheduler.drain()
             for t in peers:
                 m = f"llama-server {t}"
-                wall, answers, drafted, accepted = peer_round(model, t, [j.tokens for j in jobs], a.max_tokens,
+                wall, answers, drafted, accepted = peer_round(model, t, [j.prompt_tokens for j in jobs], a.max_tokens,
                                                               a.port, log_dir)
                 if peer_reference is None and t == "none":
                     peer_reference = answers
