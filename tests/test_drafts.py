@@ -209,19 +209,3 @@ def test_the_cautious_estimate_is_below_the_mean_and_closes_on_it():
         length.shadow(False)
     assert abs(length.acceptance() - 0.5) < 0.05
     assert 0.5 - 0.5 * (0.25 / 10) ** 0.5 - 0.05 < length.cautious() < length.acceptance()
-
-
-def test_a_slot_decoding_with_others_verifies_only_what_beats_its_share_of_the_step():
-    """In a batched step of g slots a plain step costs each slot ratio(g) / g of a step alone (0.47 at 0.2 a row
-    for 3 slots), so its drafts must beat that: an acceptance that pays alone (a cautious 0.64) pays narrower or
-    not at all beside two other slots, and every draft accepted still pays there. One slot (group 1) decides as
-    alone."""
-    length = DraftLength(WIDTHS, fixed_costs(0.2))
-    for _ in range(20):
-        length.observe(4, 3)
-    assert length.width(6, 1) == length.width(6) > 1
-    assert length.width(6, 3) < length.width(6)
-    sure = DraftLength(WIDTHS, fixed_costs(0.2))
-    for _ in range(10):
-        sure.observe(6, 6)
-    assert sure.width(6, 3) == 7

@@ -132,23 +132,18 @@ class DraftLength:
         a, n = self.acceptance(), self._hits + self._misses
         return max(0.0, a - self.z * math.sqrt(a * (1 - a) / n))
 
-    def width(self, available: int, group: int = 1) -> int:
-        """The width to use with `available` drafted tokens (the ubatch is the pending token + drafts). `group`:
-        the slots decoding in the same llama_decode call (Speculation.step_group). A plain step then costs this
-        request its share of the batched step, `costs.ratio(group) / group` (a batched step of g rows runs the
-        one-row kernels as a g-token verification does), and its drafts add their rows' cost on top, so verifying
-        has to beat that share: on Gemma 3 270M on 2 cores, about 0.6 of a step alone for 3 slots."""
+    def width(self, available: int) -> int:
+        """The width to use with `available` drafted tokens (the ubatch is the pending token + drafts)."""
         if not self.widths or available <= 0:
             return 1
         a = self.cautious()
         rewind, draft = self.costs.rewind_ratio(), self.costs.draft_ratio()
-        share = self.costs.ratio(group) / group if group > 1 else 1.0
-        best, rate = 1, 1.0 / share  # tokens per plain-step time
+        best, rate = 1, 1.0  # tokens per plain-step time
         for w in self.widths:
             if w > available + 1:
                 break
             tokens = (1 - a ** w) / (1 - a) if a < 1 else float(w)
-            cost = share + self.costs.ratio(w) - 1 + (w - 1) * draft + (1 - a ** (w - 1)) * rewind
+            cost = self.costs.ratio(w) + (w - 1) * draft + (1 - a ** (w - 1)) * rewind
             if tokens / cost > rate:
                 best, rate = w, tokens / cost
         return best

@@ -104,7 +104,6 @@ class Speculation:
                  costs: VerifyCosts | None = None, together: bool = False) -> None:
         self.engine = engine
         self.together = together and engine.decode_rows == 1
-        self.group_share = True  # step_group weighs a slot's share of the batched step (DraftLength.width's group)
         self.widths = tuple(sorted(widths))
         self.min_n, self.max_n = min_n, max_n
         self.stats = SpecStats()
@@ -160,7 +159,7 @@ class Speculation:
         run the one-row kernels)."""
         if not self.together or self.mtp is not None or self.draft_model is not None:
             return False
-        plans = [self._plan(t, len(tasks) if self.group_share else 1) for t in tasks]
+        plans = [self._plan(t) for t in tasks]
         if not any(plans):
             return False
         items = [(t.slot.seq, plan[1] if plan else [t.pending], t.pending_pos) for t, plan in zip(tasks, plans)]
@@ -185,9 +184,9 @@ class Speculation:
                 guard(tasks[k], self._keep, seq, points[k], pos, tokens, i)
         return True
 
-    def _plan(self, task, group: int = 1) -> tuple[RequestSpec, list[int]] | None:
+    def _plan(self, task) -> tuple[RequestSpec, list[int]] | None:
         """(the task's state, [pending] + the drafts to verify now), or None: a plain step (no usable draft, a
-        grammar, a held token, no width pays). `group`: the slots decoding in the same call (DraftLength.width)."""
+        grammar, a held token, no width pays)."""
         spec = self.state(task)
         if spec is None or task.pending is None or task.held is not None:
             return None
@@ -205,7 +204,7 @@ class Speculation:
         elif self.draft_model is not None:
             tokens = self._draft_model(task, spec, most)
         else:
-            tokens = self._draft_ngram(task, spec, most, group)
+            tokens = self._draft_ngram(task, spec, most)
         return None if tokens is None else (spec, tokens)
 
     def _accept(self, task, spec: RequestSpec, tokens: list[int], at: int, sample: Callable[[object, int], None]
@@ -283,12 +282,12 @@ class Speculation:
             if last is not None and last[0] == pos - 1:
                 self._head(seq, self.mtp.catch_up, seq, pos, [task.pending], [last[1]])
 
-    def _draft_ngram(self, task, spec: RequestSpec, most: int, group: int = 1) -> list[int] | None:
+    def _draft_ngram(self, task, spec: RequestSpec, most: int) -> list[int] | None:
         """[pending] + the n-gram drafts to verify, or None (a plain step; the first draft kept as the shadow)."""
         drafter = spec.drafter
         drafter.extend(task.out[len(drafter.tokens) - len(task.tokens):])  # the last one is `pending`
         draft = drafter.draft(most)
-        width = spec.length.width(len(draft), group)
+        width = spec.length.width(len(draft))
         if width < 2:
             spec.shadow = (len(task.out), draft[0]) if draft else None
             return None

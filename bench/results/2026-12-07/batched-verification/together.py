@@ -4,7 +4,7 @@ slots decoding together too (Speculation.step_group), interleaved per round.
 
     PYTHONPATH=. python bench/results/2026-12-07/batched-verification/together.py [--reps 3] [--model GGUF]
         [--template gemma|chatml] [--flash-attn verifying|on] [--lines 150] [--max-tokens 300]
-        [--peer none,ngram-simple,ngram-map-k,ngram-mod] [--flat]
+        [--peer none,ngram-simple,ngram-map-k,ngram-mod]
 
 One Runtime (cache off, -ctk q8_0 as `bench speculative` serves VERIFYING, or -fa on), modes switched on its
 scheduler's Speculation (widths, together) so they share its weights' placement in memory. Wall: from the three
@@ -82,7 +82,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peer", default="", help="llama-server --spec-types to run beside, e.g. none,ngram-mod")
     ap.add_argument("--port", type=int, default=8391)
-    ap.add_argument("--flat", action="store_true", help="also together with the width policy blind to the group")
     a = ap.parse_args()
     model = a.model
     if model is None:
@@ -100,11 +99,7 @@ def main() -> None:
           f"{rt.engine.attention.key()}", flush=True)
     fmt, bos = TEMPLATES[a.template]
     texts = prompts(a.lines)
-    # (widths, together, group_share): "together_flat" weighs a verification against a step alone, as before
-    # the policy knew the group (DraftLength.width's `group`)
-    modes = {"off": ((), False, True), "alone": (widths, False, True), "together": (widths, together, True)}
-    if a.flat:
-        modes["together_flat"] = (widths, together, False)
+    modes = {"off": ((), False), "alone": (widths, False), "together": (widths, together)}
     peers = [t for t in a.peer.split(",") if t]
     totals = {m: {"wall": [], "tokens": 0, "drafted": 0, "accepted": 0, "same": True}
               for m in [*modes, *(f"llama-server {t}" for t in peers)]}
@@ -112,8 +107,8 @@ def main() -> None:
     log_dir = Path("/tmp/together-logs")
     try:
         for r in range(a.reps):
-            for m, (w, tog, share) in modes.items():
-                spec.widths, spec.together, spec.group_share = w, tog, share
+            for m, (w, tog) in modes.items():
+                spec.widths, spec.together = w, tog
                 jobs = [Job(rt.engine.tokenize(fmt.format(t), add_special=bos), max_tokens=a.max_tokens,
                             sampling=SamplingParams(temperature=0.0), use_cache=False) for t in texts.values()]
                 wall, res = round_of(rt, jobs)
