@@ -57,8 +57,9 @@ def make():
 PROMPT = [(5 * i) % 40 + 1 for i in range(60)]
 
 
-def run(s: Scheduler, job: Job):
-    """(results by choice, TEXT events as (choice, text, logprobs) in arrival order)."""
+def submit(s: Scheduler, job: Job):
+    """Submit `job`; returns wait(): (results by choice, TEXT events as (choice, text, logprobs) in arrival
+    order), once every choice ended."""
     events, done, results = [], threading.Event(), {}
 
     def sink(ev: Event) -> None:
@@ -70,9 +71,19 @@ def run(s: Scheduler, job: Job):
                 done.set()
 
     s.submit(job, sink)
-    assert done.wait(30)
+
+    def wait():
+        assert done.wait(30)
+        return [results[i] for i in range(job.n)], events
+
+    return wait
+
+
+def run(s: Scheduler, job: Job):
+    """submit, wait, drain: (results by choice, TEXT events)."""
+    out = submit(s, job)()
     s.drain()
-    return [results[i] for i in range(job.n)], events
+    return out
 
 
 def outputs(results):
@@ -156,20 +167,12 @@ def test_slots_decoding_together_verify_together_and_change_nothing(make, case, 
                 for k in (0, 7, 13)]
 
     def run_all(s):
-        eng_ = s.engine
-        eng_.pause()
-        boxes = []
-        for job in jobs:
-            results, done = {}, threading.Event()
-            boxes.append((results, done))
-            s.submit(job, lambda ev, r=results, d=done, n=job.n: (r.__setitem__(ev.index, ev.result or ev.error),
-                                                                    len(r) == n and d.set())
-                     if ev.kind != EventKind.TEXT else None)
-        eng_.resume()
-        for _, done in boxes:
-            assert done.wait(30)
+        s.engine.pause()  # every job queued before the first step, so that they decode together
+        waits = [submit(s, job) for job in jobs]
+        s.engine.resume()
+        out = [outputs(wait()[0]) for wait in waits]
         s.drain()
-        return [outputs([r[i] for i in range(len(r))]) for r, _ in boxes]
+        return out
 
     assert run_all(off) == run_all(on)
     assert any(len(c) > 1 and max(c) > 1 for c in eng.verify_many_calls)
