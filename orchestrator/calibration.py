@@ -418,7 +418,11 @@ def check_batched_verification(engine: Engine, width: int, contexts: Sequence[in
     (bench/results/2026-12-07/batched-verification). Uses and clears sequences 0..k-1; False where llama.cpp
     fails or fewer than two sequences or width < 2."""
     k = min(engine.n_seq_max, 3)
-    if k < 2 or width < 2 or k * width > engine.n_batch:
+    if k < 2 or width < 2:
+        return False
+    if k * width > engine.n_batch:
+        log.info("verifications of %d slots of %d tokens do not fit --batch-size %d: not checked", k, width,
+                 engine.n_batch)
         return False
     cases = [(width, 1, 1), (1, width, 2), (width, width, width), (2, 1, width)]
     cases = [c[:k] for c in cases]

@@ -323,9 +323,7 @@ class Runtime:
                      time.perf_counter() - started, "bit-identical" if together else "not shown bit-identical")
         if not together:
             log.info("slots that decode together do not verify drafts (a slot decoding alone does): verifying "
-                     "several in one call was not shown bit-identical to each alone on this model and CPU (or "
-                     "%d slots of %d tokens do not fit --batch-size %d)", min(engine.n_seq_max, 3), widths[-1],
-                     engine.n_batch)
+                     "several in one call was not shown bit-identical to each alone on this model and CPU")
         return together
 
     @classmethod
