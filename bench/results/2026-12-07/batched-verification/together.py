@@ -24,19 +24,24 @@ from bench.speculative import CALIBRATION, TEMPLATES, prompts
 from orchestrator.request import Job, SamplingParams
 
 
-def round_of(rt, jobs) -> tuple[float, list]:
-    results = [None] * len(jobs)
+def at_once(call, n: int) -> tuple[float, list]:
+    """(wall seconds, [call(0), ..., call(n - 1)]) with the n calls made at once, each on a thread of its own."""
+    results = [None] * n
 
     def one(i):
-        results[i] = rt.scheduler.run(jobs[i])
+        results[i] = call(i)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return time.perf_counter() - started, results
+
+
+def round_of(rt, jobs) -> tuple[float, list]:
+    return at_once(lambda i: rt.scheduler.run(jobs[i]), len(jobs))
 
 
 def peer_round(model: Path, spec_type: str, prompts_: list[list[int]], max_tokens: int, port: int,
@@ -49,22 +54,11 @@ def peer_round(model: Path, spec_type: str, prompts_: list[list[int]], max_token
     extra = ("-np", str(len(prompts_)), "--spec-type", spec_type, "-fa", "auto")
     server = launch(System(f"llama-server-{spec_type}", "llama-server", "chat", extra=extra), model, port, 2, 8192,
                     log_dir, omp_wait_policy=None)
-    out: list = [None] * len(prompts_)
     try:
         with httpx.Client(timeout=900.0) as c:
-            def one(i):
-                r = c.post(server.url + "/completion", json={"prompt": prompts_[i], "n_predict": max_tokens,
-                                                             "temperature": 0.0, "cache_prompt": False,
-                                                             "return_tokens": True, "seed": 1234})
-                out[i] = r.json()
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts_))]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - started
+            wall, out = at_once(lambda i: c.post(server.url + "/completion", json={
+                "prompt": prompts_[i], "n_predict": max_tokens, "temperature": 0.0, "cache_prompt": False,
+                "return_tokens": True, "seed": 1234}).json(), len(prompts_))
     finally:
         server.stop()
     timings = [o.get("timings") or {} for o in out]
