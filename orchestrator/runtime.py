@@ -210,15 +210,17 @@ class Runtime:
         return dataclasses.replace(cfg, use_extra_bufts="on" if choice.use_extra_bufts else "off")
 
     @staticmethod
-    def _fit_context(cfg: Config, path: Path, n_rs: int, attention: Attention, draft: tuple[int, int] = (0, 0)
-                     ) -> sizing.ContextFit:
+    def _fit_context(cfg: Config, path: Path, n_rs: int, attention: Attention, draft: tuple[int, int] = (0, 0),
+                     rewind: bool = False) -> sizing.ContextFit:
         """The context per slot when --ctx-size is not given, and the slot count when --parallel is not either
         (orchestrator/sizing.py), from a probe of the model in a small context: its training context, KV bytes per
-        token, recurrent state, vocabulary and attention heads (the compute buffer). `draft`: a draft model's
-        (bytes once, bytes per slot) (`_draft_footprint`), counted with the weights and each slot's state. Logs
-        the arithmetic."""
+        token, recurrent state, vocabulary and attention heads (the compute buffer). A slot's recurrent bytes are
+        its state, its `n_rs` snapshots and, with `rewind` (speculation verifies), the checkpoint
+        Engine.rewind_point keeps for it (one per slot verified in one call: Speculation.step_group). `draft`: a
+        draft model's (bytes once, bytes per slot) (`_draft_footprint`), counted with the weights and each slot's
+        state. Logs the arithmetic."""
         info, recurrent, kv_token, floor, per_token = _probe_sizes(cfg, path, attention)
-        fit = sizing.fit_context(info.n_ctx_train, kv_token, recurrent * (1 + n_rs) + draft[1], cfg.parallel,
+        fit = sizing.fit_context(info.n_ctx_train, kv_token, recurrent * (1 + n_rs + rewind) + draft[1], cfg.parallel,
                                  psutil.virtual_memory().available, info.size_bytes + draft[0],
                                  cfg.cache_ram_bytes if cfg.cache_enabled else 0, per_token, floor, cfg.parallel_auto,
                                  recurrent)
@@ -340,7 +342,7 @@ class Runtime:
             if draft != (0, 0):
                 log.info("the draft model keeps %.0f MiB resident and %.0f MiB per slot: counted in the context's fit "
                          "with the weights and each slot's state", draft[0] / MiB, draft[1] / MiB)
-            fit = cls._fit_context(cfg, path, n_rs_seq, attention, draft)
+            fit = cls._fit_context(cfg, path, n_rs_seq, attention, draft, rewind=bool(widths))
             cfg = dataclasses.replace(cfg, ctx_size=fit.ctx_size, parallel=fit.slots)
         grammars = GrammarPool(path, GrammarLimits(cfg.grammar_budget, cfg.grammar_memory_mib), keep=cfg.parallel + 1)
         engine = _engine(cfg, path, attention, n_ctx=cfg.ctx_size, n_seq_max=cfg.parallel, n_rs_seq=n_rs_seq,
@@ -361,10 +363,12 @@ class Runtime:
                  path, info.name, info.architecture, info.size_bytes / MiB, info.n_params, engine.n_ctx,
                  engine.n_batch, engine.n_threads)
         recurrent, kv_token = calibration.state_sizes(engine)
-        per_slot = recurrent * (1 + engine.n_rs_seq) + kv_token * engine.n_ctx
-        log.info("%d slots; memory per slot %.1f MiB (recurrent state %.1f MiB x (1 + %d snapshots) + KV %.1f "
+        rewind = bool(widths and recurrent)  # a slot's rollback checkpoint (Engine.rewind_point)
+        per_slot = recurrent * (1 + engine.n_rs_seq + rewind) + kv_token * engine.n_ctx
+        log.info("%d slots; memory per slot %.1f MiB (recurrent state %.1f MiB x (1 + %d snapshots%s) + KV %.1f "
                  "KiB/token x %d tokens), %.0f MiB for all", cfg.parallel, per_slot / MiB, recurrent / MiB,
-                 engine.n_rs_seq, kv_token / 1024, engine.n_ctx, cfg.parallel * per_slot / MiB)
+                 engine.n_rs_seq, " + 1 rollback checkpoint" if rewind else "", kv_token / 1024, engine.n_ctx,
+                 cfg.parallel * per_slot / MiB)
         batch_widths = calibration.decode_batching(facts, engine.n_seq_max, cfg.decode_batching)
         together = cls._verify_together(cfg, facts_file, engine, widths, batch_widths)
         if "random" in info.name.lower():

@@ -3,8 +3,9 @@
 What a started server keeps resident, besides the snapshot cache's RAM budget (`cache_bytes`, --cache-ram):
 
 * the weights (`model_bytes`, mmap'd, all of them touched by every decode);
-* per slot, its recurrent state times 1 + the rollback snapshots, and the KV of every token of its context, which
-  llama.cpp allocates and clears when the context is made (one KV stream per slot: engine.py);
+* per slot, its recurrent state times 1 + the rollback snapshots (+ 1 where speculation verifies: the checkpoint
+  Engine.rewind_point keeps), and the KV of every token of its context, which llama.cpp allocates and clears when
+  the context is made (one KV stream per slot: engine.py);
 * llama.cpp's compute buffer, once for all slots (measured on the 0.8b, `bench/results/2026-12-03/sizes/`: the
   same at 1 and 4 slots): the larger of the logits of one ubatch (n_ubatch x n_vocab float32, 485 MiB on Qwen3.5's
   vocabulary) and, with flash attention off as this server runs it, the attention scores and mask of one ubatch

@@ -12,6 +12,8 @@ from orchestrator.models.synth import PADDED_VOCAB_SIZE, PRESETS
 from orchestrator.runtime import Runtime
 from orchestrator.sizing import AGENT_CTX, LIVE_CHECKPOINTS, MIN_CTX, OVERHEAD, SHARE, STEP, MiB, compute_sizes, fit_context
 
+from .conftest import make_config
+
 GiB = 1024 * MiB
 
 
@@ -50,6 +52,27 @@ def test_a_runtime_without_ctx_size_fits_its_context_and_logs_the_arithmetic(tin
         assert any("tokens per slot, 1 slot, set by" in r.getMessage() for r in caplog.records)
     finally:
         rt.close()
+
+
+def test_speculation_counts_each_slots_rollback_checkpoint_where_memory_sets_the_context(tiny_model, monkeypatch):
+    """A verification on a recurrent memory keeps the slot's state from before it (Engine.rewind_point), one
+    buffer per slot verified in one call: where memory sets the context, that is one more recurrent state per
+    slot out of the share, so the context is smaller by about slots x state / (KV + compute bytes per token)."""
+    from types import SimpleNamespace
+
+    from orchestrator import runtime as runtime_module
+    from orchestrator.engine import Attention
+
+    cfg = make_config(tiny_model, parallel=4, ctx_size=None, cache_enabled=False)
+    available = tiny_model.stat().st_size + OVERHEAD + GiB // 2  # memory, not the training context, sets it
+    monkeypatch.setattr(runtime_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    plain = Runtime._fit_context(cfg, tiny_model, 0, Attention())
+    verifying = Runtime._fit_context(cfg, tiny_model, 0, Attention(), rewind=True)
+    assert plain.limit == verifying.limit == "memory" and plain.recurrent_bytes > 0
+    assert verifying.recurrent_bytes == 2 * plain.recurrent_bytes
+    per_token = 4 * plain.kv_bytes_per_token + plain.compute_bytes_per_token
+    expected = 4 * plain.recurrent_bytes / per_token
+    assert abs(plain.ctx_size - verifying.ctx_size - expected) <= STEP
 
 
 # ------------------------------------------------------------------ the defaults at size (issue 42 item 5)
