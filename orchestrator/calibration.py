@@ -405,9 +405,10 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
 def check_batched_verification(engine: Engine, width: int, contexts: Sequence[int] = (40, 170, 300)) -> bool:
     """Whether verifications of several sequences in one llama_decode call (`Engine.verify_many`; a sequence with
     one token is a decode step there) give each sequence bit-identical logits to its own call alone, and leave
-    the states one-token steps continue from exactly: sequences 0..k-1 (k = min(n_seq_max, 3), after prefills
-    of `contexts`) verify widths like (width, 1, 1), (1, width, 2), (width, width, width), (2, 1, width) at
-    once, against each alone, then each decodes one more token. The scheduler verifies the drafts of slots that
+    the states one-token steps continue from exactly: every sequence 0..k-1 (k = n_seq_max, the slots that can
+    decode together; after prefills of `contexts`) verifies, at once, widths like (width, 1, 1, width, ..),
+    (1, width, 2, 1, ..), (width, width, ..) and (2, 1, width, 2, ..) (each pattern repeated over the k
+    sequences), against each alone, then each decodes one more token. The scheduler verifies the drafts of slots that
     decode together only where this holds (speculative.verify.Speculation.step_group); where it does not, they
     decode their one token each, batched, as before.
 
@@ -417,15 +418,15 @@ def check_batched_verification(engine: Engine, width: int, contexts: Sequence[in
     Q8_0 or an F16 K cache): bit-identical in every case; with the default kernels, 3.6e-7 to 0.033
     (bench/results/2026-12-07/batched-verification). Uses and clears sequences 0..k-1; False where llama.cpp
     fails or fewer than two sequences or width < 2."""
-    k = min(engine.n_seq_max, 3)
+    k = engine.n_seq_max
     if k < 2 or width < 2:
         return False
     if k * width > engine.n_batch:
         log.info("verifications of %d slots of %d tokens do not fit --batch-size %d: not checked", k, width,
                  engine.n_batch)
         return False
-    cases = [(width, 1, 1), (1, width, 2), (width, width, width), (2, 1, width)]
-    cases = [c[:k] for c in cases]
+    patterns = [(width, 1, 1), (1, width, 2), (width, width, width), (2, 1, width)]
+    cases = [tuple(p[s % len(p)] for s in range(k)) for p in patterns]
     starts, nxt, ends = [], [], []
     try:
         for s in range(k):

@@ -262,20 +262,23 @@ def test_prefill_keeps_the_optimized_kernels_under_reference_decode_kernels(monk
 
 
 def test_verifications_of_several_slots_in_one_call_are_exact_only_under_reference_kernels():
-    """calibration.check_batched_verification on tiny-q4, 3 sequences, 7-token verifications beside one-token
-    steps: with the reference decode kernels every sequence gets in one call what it gets alone (and goes on
-    from the same state); with the default kernels three 7-token verifications are 21 rows, which take the
+    """calibration.check_batched_verification on tiny-q4, 4 sequences (every slot), 7-token verifications beside
+    one-token steps: with the reference decode kernels every sequence gets in one call what it gets alone (and goes on
+    from the same state); with the default kernels four 7-token verifications are 28 rows, which take the
     tiled matmul that none alone takes, so the check refuses them."""
     from orchestrator.calibration import check_batched_verification
 
-    found = {}
+    found, slots = {}, set()
     for att in (VERIFYING, VERIFYING_REF):
-        e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=64, n_seq_max=3, attention=att)
+        e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=64, n_seq_max=4, attention=att)
+        verify_many = e.verify_many
+        e.verify_many = lambda items: slots.add(len(items)) or verify_many(items)
         try:
             found[att.kernels] = check_batched_verification(e, 7)
         finally:
             e.close()
     assert found == {"default": False, "reference": True}
+    assert max(slots) == 4  # every slot that can decode together is checked together
 
 
 def test_slots_that_decode_together_verify_their_drafts_together(verifying_pair, monkeypatch):
@@ -287,7 +290,7 @@ def test_slots_that_decode_together_verify_their_drafts_together(verifying_pair,
     assert on.scheduler.speculation.together and not off.scheduler.speculation.together
     assert on.health()["speculative_together"] is True and off.health()["speculative_together"] is False
     stored = {k: v for k, v in json.loads(on.config.calibration_file.read_text()).items() if ":verify_together:" in k}
-    assert list(stored.values()) == [True] and next(iter(stored)).endswith(":verify_together:12")
+    assert list(stored.values()) == [True] and next(iter(stored)).endswith(":verify_together:12:3")
     calls = []
     verify_many = on.engine.verify_many
     monkeypatch.setattr(on.engine, "verify_many", lambda items: calls.append([len(t) for _, t, _ in items])
