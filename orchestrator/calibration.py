@@ -408,7 +408,8 @@ def check_batched_verification(engine: Engine, width: int, contexts: Sequence[in
     the states one-token steps continue from exactly: every sequence 0..k-1 (k = n_seq_max, the slots that can
     decode together; after prefills of `contexts`) verifies, at once, widths like (width, 1, 1, width, ..),
     (1, width, 2, 1, ..), (width, width, ..) and (2, 1, width, 2, ..) (each pattern repeated over the k
-    sequences), against each alone, then each decodes one more token. The scheduler verifies the drafts of slots that
+    sequences), against each alone, then each decodes one more token; and the same calls with logits for each
+    sequence's last token only (a rollback's replay: speculative.verify.replay) continue exactly too. The scheduler verifies the drafts of slots that
     decode together only where this holds (speculative.verify.Speculation.step_group); where it does not, they
     decode their one token each, batched, as before.
 
@@ -437,12 +438,13 @@ def check_batched_verification(engine: Engine, width: int, contexts: Sequence[in
             nxt.append([1500 + (61 * i + 7 * s) % 5000 for i in range(width + 1)])
             ends.append(n)
 
-        def run(seqs: Sequence[int], case: Sequence[int]) -> list[list[np.ndarray]]:
-            """The logits of each sequence's rows, then of its next one-token step."""
+        def run(seqs: Sequence[int], case: Sequence[int], every: bool = True) -> list[list[np.ndarray]]:
+            """The logits of each sequence's rows (none where not `every`: a rollback's replay), then of its next
+            one-token step."""
             for s in seqs:
                 engine.load_state(s, starts[s])
-            first = engine.verify_many([(s, nxt[s][:case[s]], ends[s]) for s in seqs])
-            rows = [[engine.logits(at + i) for i in range(case[s])] for s, at in zip(seqs, first)]
+            first = engine.verify_many([(s, nxt[s][:case[s]], ends[s]) for s in seqs], every)
+            rows = [[engine.logits(at + i) for i in range(case[s])] if every else [] for s, at in zip(seqs, first)]
             for s, got in zip(seqs, rows):
                 engine.decode(s, nxt[s][case[s]:case[s] + 1], ends[s] + case[s])
                 got.append(engine.logits())
@@ -451,7 +453,9 @@ def check_batched_verification(engine: Engine, width: int, contexts: Sequence[in
         for case in cases:
             alone = [run([s], case)[0] for s in range(k)]
             together = run(range(k), case)
-            if not all(np.array_equal(a, b) for s in range(k) for a, b in zip(alone[s], together[s])):
+            replayed = run(range(k), case, every=False)  # speculative.verify.replay: the next step alone compared
+            if not all(np.array_equal(a, b) for s in range(k) for a, b in zip(alone[s], together[s])) or \
+                    not all(np.array_equal(alone[s][-1], replayed[s][-1]) for s in range(k)):
                 return False
         return True
     except EngineError:

@@ -510,9 +510,10 @@ class Engine:
             self._kernels.use(step)
         return llama_cpp.llama_decode(self.ctx, batch)
 
-    def verify(self, seq: int, tokens: Sequence[int], pos: int) -> None:
+    def verify(self, seq: int, tokens: Sequence[int], pos: int, every: bool = True) -> None:
         """Decode `tokens` (2..n_batch) of sequence `seq` at positions pos.. in ONE ubatch with logits for every
-        token (token i's at batch index i: `logits(i)`, `Sampler.sample(i)`): a speculative verification. Whether
+        token (token i's at batch index i: `logits(i)`, `Sampler.sample(i)`; `every` False: the last token's
+        only, as a rollback's replay needs): a speculative verification. Whether
         the logits and the state equal those of one-token steps depends on the width, the model and the CPU
         (calibration.measure_verify_widths). Afterwards `truncate(seq, pos + j + 1)` keeps the first j + 1 tokens:
         on a recurrent memory only while len(tokens) - j - 1 <= n_rs_seq (llama.cpp keeps the recurrent state
@@ -521,12 +522,14 @@ class Engine:
         without n_rs_seq: `rewind_point` before, speculative.verify.rewind after."""
         if not 2 <= len(tokens) <= self.n_batch:
             raise ValueError(f"a verification takes 2..{self.n_batch} tokens, got {len(tokens)}")
-        self.verify_many([(seq, tokens, pos)])
+        self.verify_many([(seq, tokens, pos)], every)
 
-    def verify_many(self, items: Sequence[tuple[int, Sequence[int], int]]) -> list[int]:
+    def verify_many(self, items: Sequence[tuple[int, Sequence[int], int]], every: bool = True) -> list[int]:
         """`verify` of several sequences in one llama_decode call: `items` are (seq, tokens, pos), one per
         sequence, in increasing seq order, 1.. tokens each (one token: that sequence's decode step), n_batch
-        in all; logits for every token. Returns each item's first batch index (its token i's logits at that + i).
+        in all; logits for every token (`every` False: for each item's last token only; the other rows then skip
+        the output projection, a vocabulary-sized matmul per row, and the last layer's FFN, neither of which
+        reaches the memory's state). Returns each item's first batch index (its token i's logits at that + i).
         llama.cpp cuts the call into ubatches of equal tokens per sequence (llama_batch_allocr::split_equal):
         whether each sequence then gets what it gets alone is measured (calibration.check_batched_verification;
         bit-identical under reference kernels, bench/results/2026-12-07/batched-verification). Raises EngineError
@@ -542,7 +545,7 @@ class Engine:
                 b.pos[j] = pos + i
                 b.n_seq_id[j] = 1
                 b.seq_id[j][0] = seq
-                b.logits[j] = 1
+                b.logits[j] = 1 if every or i == len(tokens) - 1 else 0
                 j += 1
             self._last_call.pop(seq, None)  # not a prefill call: checkpoint_back does not apply
         b.n_tokens = j

@@ -273,8 +273,8 @@ class Runtime:
             probe = _engine(cfg, path, attention, n_ctx=1024, n_seq_max=1, n_rs_seq=cfg.decode_rows - 1,
                             decode_rows=cfg.decode_rows)
             try:
-                file = calibration.CalibrationFile(
-                    cfg.calibration_file, file_digest + b"%d/%d/%s/rewind" % (cfg.draft_max, cfg.decode_rows,
+                file = calibration.CalibrationFile(  # "replay": rollbacks replay with the last row's logits only
+                    cfg.calibration_file, file_digest + b"%d/%d/%s/replay" % (cfg.draft_max, cfg.decode_rows,
                                                                              attention.key().encode()),
                     cfg.batch_size, cfg.extra_bufts, probe.offload)
                 measured = file.get_widths()

@@ -25,7 +25,8 @@ What it models, so that the tests can catch what the real numerics would punish:
     tokens (llama.cpp's n_rs_seq rollback), and nowhere else. `verify_many` does it for several sequences in one
     call, each marked as alone only while `batched_verify_exact` (the hardware's answer, which
     calibration.check_batched_verification finds), else with 300 + its width; `verify_many_calls` records the
-    widths of each call.
+    widths of each call, `replay_calls` those of each call with logits for each sequence's last token only
+    (`every` False: a rollback's replay).
   * Byte sizes like the real ones at 1/64 scale: a checkpoint of `checkpoint_bytes` (19.3 MiB / 64 for
     Qwen3.5-0.8B) and `kv_bytes_per_token` of KV per token (12 KiB / 64), in llama.cpp's layout: header, KV part,
     recurrent part for a full state; header and recurrent part for a partial one.
@@ -151,6 +152,7 @@ class FakeEngine:
         self.batched_verify_exact = True
         self.decode_rows = 1
         self.verify_many_calls: list[list[int]] = []
+        self.replay_calls: list[list[int]] = []
         self.prefilled_tokens = 0  # tokens computed by decode() in ubatches of more than one token
         self.on_decode: Callable[[int, Sequence[int], int], None] | None = None  # called before each decode()
         self.fail_loads = False  # load_state refuses everything (llama.cpp rejecting a state)
@@ -233,7 +235,7 @@ class FakeEngine:
                 self.prefilled_tokens += n
         self._logits = [self._vector(s)] if want_logits else []
 
-    def verify(self, seq: int, tokens: Sequence[int], pos: int) -> None:
+    def verify(self, seq: int, tokens: Sequence[int], pos: int, every: bool = True) -> None:
         self._running.wait()
         s = self._seqs[seq]
         if not 2 <= len(tokens) <= self.n_batch or pos != len(s.kv) or pos + len(tokens) > self.n_ctx:
@@ -247,9 +249,9 @@ class FakeEngine:
         self._verified[seq] = (pos, pos + len(tokens))
         self.verify_calls.append(len(tokens))
 
-    def verify_many(self, items: Sequence[tuple[int, Sequence[int], int]]) -> list[int]:
+    def verify_many(self, items: Sequence[tuple[int, Sequence[int], int]], every: bool = True) -> list[int]:
         self._running.wait()
-        self.verify_many_calls.append([len(tokens) for _, tokens, _ in items])
+        (self.verify_many_calls if every else self.replay_calls).append([len(tokens) for _, tokens, _ in items])
         exact = self.hw_batch_invariant
         exact = len(items) in exact if isinstance(exact, tuple) else exact
         logits, starts = [], []

@@ -272,7 +272,7 @@ def test_verifications_of_several_slots_in_one_call_are_exact_only_under_referen
     for att in (VERIFYING, VERIFYING_REF):
         e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=64, n_seq_max=4, attention=att)
         verify_many = e.verify_many
-        e.verify_many = lambda items: slots.add(len(items)) or verify_many(items)
+        e.verify_many = lambda items, every=True: slots.add(len(items)) or verify_many(items, every)
         try:
             found[att.kernels] = check_batched_verification(e, 7)
         finally:
@@ -293,8 +293,8 @@ def test_slots_that_decode_together_verify_their_drafts_together(verifying_pair,
     assert list(stored.values()) == [True] and next(iter(stored)).endswith(":verify_together:12:3")
     calls = []
     verify_many = on.engine.verify_many
-    monkeypatch.setattr(on.engine, "verify_many", lambda items: calls.append([len(t) for _, t, _ in items])
-                        or verify_many(items))
+    monkeypatch.setattr(on.engine, "verify_many", lambda items, every=True:
+                        calls.append([len(t) for _, t, _ in items]) or verify_many(items, every))
     job = Job(on.engine.tokenize(LOOP), max_tokens=48, want_logits=True, n=3,
               sampling=SPECULATION_CASES["greedy"]["sampling"])
     a, _ = same_answers(on, off, job)

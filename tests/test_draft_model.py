@@ -205,8 +205,9 @@ def test_a_draft_model_is_counted_in_the_memory_the_context_is_fitted_to(monkeyp
     once, per_slot = runtime_module._draft_footprint(cfg)
     assert once > model.stat().st_size + 200 * MiB  # weights and the logits of a 256-token ubatch (248k vocabulary)
     assert per_slot > 0
-    alone = Runtime._fit_context(cfg, model, 0, VERIFYING)
-    drafted = Runtime._fit_context(cfg, model, 0, VERIFYING, (once, per_slot))
+    # rewind: speculation verifies, so each slot keeps a rollback checkpoint (counted with or without drafts)
+    alone = Runtime._fit_context(cfg, model, 0, VERIFYING, rewind=True)
+    drafted = Runtime._fit_context(cfg, model, 0, VERIFYING, (once, per_slot), rewind=True)
     assert alone.limit == drafted.limit == "memory"
     kv_token = alone.kv_bytes_per_token + alone.compute_bytes_per_token
     assert drafted.ctx_size < alone.ctx_size

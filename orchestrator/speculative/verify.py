@@ -37,18 +37,44 @@ def rewind(engine, seq: int, point, pos: int, kept: Sequence[int]) -> None:
     after them is removed. Otherwise the recurrent state cannot be cut back without llama.cpp's n_rs_seq
     snapshots, which cost every decode step a state copy (+6.5% on the 0.8b:
     bench/results/2026-12-03/attention-layouts) and a recurrent state per snapshot and slot: so the checkpoint
-    `point` is loaded, the KV from `pos` removed, and `kept` decoded again at `pos` in one ubatch (one token: a
-    decode step; more: a verification of that width, exact where the width is; calibration.
-    measure_verify_widths checks this path). Raises EngineError (sequence cleared)."""
+    `point` is loaded, the KV from `pos` removed (`cut`), and `kept` decoded again at `pos` in one ubatch
+    (`replay`). Raises EngineError (sequence cleared)."""
+    item = cut(engine, seq, point, pos, kept)
+    if item is not None:
+        replay(engine, [item])
+
+
+def cut(engine, seq: int, point, pos: int, kept: Sequence[int]) -> tuple[int, Sequence[int], int] | None:
+    """The first part of `rewind`: on an attention-only memory the whole of it (None); otherwise the checkpoint
+    loaded and the KV from `pos` removed, and the (seq, kept, pos) that `replay` must decode again. Raises
+    EngineError (sequence cleared)."""
     if point is None:
         engine.truncate(seq, pos + len(kept))
-        return
+        return None
     engine.load_state(seq, point, partial=True, clear=False)
     engine.truncate(seq, pos)
-    if len(kept) == 1:
+    return seq, kept, pos
+
+
+def replay(engine, items: Sequence[tuple[int, Sequence[int], int]]) -> None:
+    """The second part of `rewind`, for one or several sequences (`cut`'s items, in increasing seq order) in ONE
+    llama_decode call: one token of one sequence is a decode step, otherwise a verification (Engine.verify_many)
+    with logits for each sequence's last token only, since the tokens that follow were sampled already; the
+    skipped rows change nothing the memory keeps. Exact where the widths are (calibration.
+    measure_verify_widths checks this path, one sequence) and where several sequences verify together
+    (calibration.check_batched_verification checks replays too). Raises EngineError (the sequences' states are
+    then unspecified)."""
+    if len(items) == 1 and len(items[0][1]) == 1:
+        seq, kept, pos = items[0]
         engine.decode(seq, kept, pos)
-    else:
-        engine.verify(seq, kept, pos)
+    elif len(items) == 1:
+        engine.verify(*items[0], every=False)
+    elif items:
+        engine.verify_many(items, every=False)
+
+
+def _reraise(error: Exception) -> None:
+    raise error
 
 
 @dataclass
@@ -150,13 +176,13 @@ class Speculation:
         """One step for `tasks` (in increasing seq order), which decode together: each one's n-gram drafts, where
         it has any its policy verifies, and each other one's pending token, in ONE llama_decode call
         (Engine.verify_many); then each samples its rows as in `step`, and those that rejected a draft are
-        rewound. Returns False without touching a sequence where nothing is to be verified, or the drafts come
-        from a model (MTP head, draft model: not batched), or verifying together was not measured exact
-        (`together`): the caller then decodes their one token each, batched. `guard(task, fn, *args)` runs a
-        task's part so that its failure fails that task only. Raises EngineError where the call fails (every
-        task's state is then unspecified). Costs are not timed here: the width policy weighs what a
-        verification costs alone, which the rows a verification adds to a batched step roughly cost too (rows
-        run the one-row kernels)."""
+        rewound, their replays in one more call (`_keep_group`). Returns False without touching a sequence where
+        nothing is to be verified, or the drafts come from a model (MTP head, draft model: not batched), or
+        verifying together was not measured exact (`together`): the caller then decodes their one token each,
+        batched. `guard(task, fn, *args)` runs a task's part so that its failure fails that task only. Raises
+        EngineError where the first call fails (every task's state is then unspecified). Costs are not timed
+        here: the width policy weighs what a verification costs alone, which the rows a verification adds to a
+        batched step roughly cost too (rows run the one-row kernels)."""
         if not self.together or self.mtp is not None or self.draft_model is not None:
             return False
         plans = [self._plan(t) for t in tasks]
@@ -178,11 +204,31 @@ class Speculation:
                 guard(t, accept, k)
             else:
                 guard(t, sample, t, firsts[k])
-        for k, i in accepted.items():
-            if tasks[k].pending is not None:
-                seq, tokens, pos = items[k]
-                guard(tasks[k], self._keep, seq, points[k], pos, tokens, i)
+        self._keep_group(tasks, items, points, accepted, guard)
         return True
+
+    def _keep_group(self, tasks, items, points, accepted: dict[int, int], guard: Callable[..., None]) -> None:
+        """`_keep` for the tasks of one `step_group` (`accepted`: task index -> drafts accepted) that rejected a
+        draft: each is cut back (`cut`; its failure fails that task), then every replay runs in ONE llama_decode
+        call (`replay`; its failure fails the tasks in it), not one call per task. Not timed (as `step_group`)."""
+        replays, owners = [], []
+        for k, i in accepted.items():
+            task, (seq, tokens, pos) = tasks[k], items[k]
+            if task.pending is None or i + 1 == len(tokens):
+                continue
+
+            def one(task=task, seq=seq, point=points[k], pos=pos, kept=tokens[:i + 1]) -> None:
+                item = cut(self.engine, seq, point, pos, kept)
+                if item is not None:
+                    replays.append(item)
+                    owners.append(task)
+
+            guard(task, one)
+        try:
+            replay(self.engine, replays)
+        except EngineError as e:
+            for task in owners:
+                guard(task, _reraise, e)
 
     def _plan(self, task) -> tuple[RequestSpec, list[int]] | None:
         """(the task's state, [pending] + the drafts to verify now), or None: a plain step (no usable draft, a
