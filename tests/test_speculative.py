@@ -12,6 +12,7 @@ import pytest
 from orchestrator.cache.snapshots import SnapshotCache
 from orchestrator.cache.tiers import RamTier
 from orchestrator.calibration import speculation_widths
+from orchestrator.errors import EngineError
 from orchestrator.request import Event, EventKind, Job, SamplingParams
 from orchestrator.scheduler import Scheduler
 from orchestrator.speculative.ngram import NgramDrafter
@@ -225,6 +226,33 @@ def test_a_failing_slot_in_a_verification_together_fails_alone(make, monkeypatch
     assert events["bad"].kind == EventKind.ERROR and "raised" in raised
     assert [events[n].result.completion_tokens for n in ("a", "b")] == \
         [off.run(job).completion_tokens for job in good]
+
+
+def test_a_failing_replay_together_fails_only_the_slots_in_it(make, monkeypatch):
+    """Slots of one batched step that rejected drafts replay their kept tokens in one call
+    (Speculation._keep_group); where llama.cpp fails that call, the choices in it end with an error, the others
+    answer as without speculation, and the next request is served normally."""
+    _, off = make(widths=(), batch_decode=True)
+    eng, on = make(batch_decode=True, together=True)
+    on.speculation.costs = FreeCosts()
+    verify_many, failed = eng.verify_many, []
+
+    def failing(items, every=True):
+        if not every and len(items) > 1 and not failed:
+            failed.append([seq for seq, _, _ in items])
+            raise EngineError("injected replay failure")
+        return verify_many(items, every)
+
+    monkeypatch.setattr(eng, "verify_many", failing)
+    job = Job(PROMPT, max_tokens=60, **CASES["n3"])  # choices that reject drafts in the same steps
+    got = run(on, job)[0]
+    assert failed and 2 <= len(failed[0]) < job.n  # some choices in the failed call, one outside it
+    errors = [r for r in got if isinstance(r, EngineError)]
+    assert len(errors) == len(failed[0]) and all("injected" in e.message for e in errors)
+    expected = run(off, job)[0]
+    assert [a.completion_tokens for a, b in zip(got, expected) if not isinstance(a, EngineError)] == \
+        [b.completion_tokens for a, b in zip(got, expected) if not isinstance(a, EngineError)]
+    assert outputs(run(on, job)[0]) == outputs(expected)  # the next request is served normally
 
 
 def test_a_request_that_never_matches_rarely_verifies(make):
