@@ -315,10 +315,10 @@ class Runtime:
     def _verify_together(cfg: Config, file: calibration.CalibrationFile, engine: Engine, widths: tuple[int, ...],
                          batch_widths: tuple[int, ...]) -> bool:
         """Whether slots that decode in one llama_decode call verify their drafts in it (Speculation.step_group):
-        n-gram drafts, one-row decode steps, batched decoding on, and calibration.check_batched_verification
+        one-row decode steps, batched decoding on, and calibration.check_batched_verification
         exact at the widest width over every slot of the served engine (measured once per slot count, kept in the
         calibration file)."""
-        if not widths or not batch_widths or cfg.drafts != "ngram" or cfg.decode_rows != 1:
+        if not widths or not batch_widths or cfg.decode_rows != 1:
             return False
         key = ":verify_together:%d:%d" % (widths[-1], engine.n_seq_max)  # the check runs every slot
         together = file.get_value(key)

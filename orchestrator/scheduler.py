@@ -122,7 +122,7 @@ class Scheduler:
         verify_widths: speculative decoding's verification widths (calibration.measure_verify_widths and
             `speculation`); empty: off. A request verifies drafts in a step where it decodes alone in its
             llama_decode call, and in a batched decode step of several slots where `verify_together`.
-        verify_together: slots decoding in one llama_decode call verify their n-gram drafts in it
+        verify_together: slots decoding in one llama_decode call verify their drafts in it
             (calibration.check_batched_verification measured it exact; Speculation.step_group); False: batched
             decode steps stay one row per slot.
         drafts: where drafts come from, "ngram", "mtp" or "draft" (speculative.verify.Speculation);

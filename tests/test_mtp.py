@@ -14,7 +14,7 @@ from orchestrator.models.synth import PRESETS, SynthError, ensure_model, with_mt
 from orchestrator.request import Job, SamplingParams
 from orchestrator.speculative.mtp import MtpHead, MtpUnavailable, NextnApi, mtp_context
 
-from .conftest import LOOP, SPECULATION_CASES, make_config, same_answers, speculation_pair
+from .conftest import LOOP, SPECULATION_CASES, FreeCosts, make_config, same_answers, speculation_pair
 
 PROMPT = [1000 + (41 * i) % 5000 for i in range(120)]
 FOLLOW = [1500 + (59 * i) % 5000 for i in range(6)]
@@ -323,3 +323,42 @@ def test_the_head_reads_the_prompt_from_where_its_prefill_starts(mtp_pair):
     on.scheduler.drain()
     assert 0 < r.cached_tokens < len(longer)
     assert any(lo == r.cached_tokens + 1 and hi >= len(longer) - 1 for lo, hi in spans()), spans()
+
+
+@pytest.mark.parametrize("drafts", ["mtp", "draft"])
+def test_slots_decoding_together_verify_model_drafts_together(tmp_path, drafts):
+    """In the layout `-ctk q8_0` serves (reference decode kernels: verifying several slots in one call measured
+    exact at start), three greedy choices decode in one llama_decode call per step and verify their drafts from
+    the MTP head (forced to the answer, one in five corrupted: accepted, rejected and rolled back) or from a
+    draft model (tiny-q4 drafting for itself) in that call too (Speculation.step_group), and answer as with
+    speculation off."""
+    from orchestrator.runtime import Runtime
+
+    model = ensure_model(with_mtp("tiny-q4")) if drafts == "mtp" else ensure_model("tiny-q4")
+    extra = dict(speculative="mtp") if drafts == "mtp" else dict(speculative="auto", model_draft=model,
+                                                                   draft_window=256)
+    kw = dict(ctx_size=2048, parallel=3, calibration_file=tmp_path / "cal.json", flash_attn="auto",
+              cache_type_k="q8_0", draft_max=7)
+    on = Runtime.start(make_config(model, **kw, **extra))
+    off = Runtime.start(make_config(model, speculative="off", **kw))
+    try:
+        spec = on.scheduler.speculation
+        spec.costs = FreeCosts()
+        assert spec.together and spec.widths == tuple(range(2, 9))
+        prompt = on.engine.tokenize(LOOP)
+        job = Job(prompt, max_tokens=40, want_logits=True, n=3, sampling=SamplingParams(temperature=0.0))
+        if drafts == "mtp":
+            want = off.scheduler.run(Job(prompt, max_tokens=40, sampling=SamplingParams(temperature=0.0)))
+            spec.mtp = _Forced(spec.mtp, want.completion_tokens, len(prompt), every=5)
+        calls = []
+        verify_many = on.engine.verify_many
+        on.engine.verify_many = lambda items, every=True: calls.append(([len(t) for _, t, _ in items], every)) \
+            or verify_many(items, every)
+        a, _ = same_answers(on, off, job)
+        assert any(every and len(c) == 3 and max(c) > 1 for c, every in calls), calls
+        assert sum(r.accepted_tokens for r in a) > 0
+        if drafts == "mtp":
+            assert any(not every and len(c) > 1 for c, every in calls), calls  # rejections replayed together
+    finally:
+        on.close()
+        off.close()

@@ -111,8 +111,8 @@ class Speculation:
     plain decode step. `sample(task, idx)` is the scheduler's `_sample`. Totals for /metrics: `stats`.
     `costs`: seconds of verifications (timed here) and of plain decode steps (timed by the scheduler), which the
     requests' width policies weigh; given, it starts from the ratios measured at start (VerifyCosts `start`).
-    `together`: slots that decode in one llama_decode call verify their n-gram drafts in it too (`step_group`),
-    where calibration.check_batched_verification measured that exact (one-row decode steps only).
+    `together`: slots that decode in one llama_decode call verify their drafts in it too (`step_group`), where
+    calibration.check_batched_verification measured that exact (one-row decode steps only).
 
     MTP and draft-model drafts cost a model step each (0.33 of a plain step for the MTP head of the qwen3.5-0.8b
     preset), so unlike n-gram lookups they are made only for a verification the policy chose. While no width
@@ -159,45 +159,65 @@ class Speculation:
         point = self.engine.rewind_point(seq)
         self.engine.verify(seq, tokens, pos)
         spent = time.perf_counter() - started
-        hidden = [self.engine.hidden(j) for j in range(width - 1)] if self.mtp is not None else None
+        hidden = self._hidden(0, width)
         i = self._accept(task, spec, tokens, 0, sample)
         self.costs.observe(width, spent)  # against a plain step
-        if self.draft_model is not None:
-            self.draft_model.accepted(seq, i)
+        self._follow(task, pos, tokens, i, hidden)
         if task.pending is None:
             return True
-        if hidden is not None:  # the accepted drafts' entries, from the target's hidden states
-            self._head(seq, self.mtp.catch_up, seq, pos + 1, tokens[1:i + 1], hidden[:i])
         self._keep(seq, point, pos, tokens, i)
         return True
 
+    def _hidden(self, first: int, width: int) -> list | None:
+        """With MTP drafts, the target's hidden states at batch indices first.. of a verification of `width`
+        tokens, but its last (the entries of its drafts, should they be accepted); read before anything decodes
+        again. None otherwise."""
+        return [self.engine.hidden(first + j) for j in range(width - 1)] if self.mtp is not None else None
+
+    def _follow(self, task, pos: int, tokens: list[int], i: int, hidden: list | None) -> None:
+        """The drafting model follows a verification of `tokens` at pos whose first i drafts were accepted: the
+        draft model's sequence keeps them; the MTP head queues their entries from the target's hidden states
+        (`_hidden`), unless generation ended."""
+        seq = task.slot.seq
+        if self.draft_model is not None:
+            self.draft_model.accepted(seq, i)
+        if hidden is not None and task.pending is not None:
+            self._head(seq, self.mtp.catch_up, seq, pos + 1, tokens[1:i + 1], hidden[:i])
+
     def step_group(self, tasks, sample: Callable[[object, int], None],
                    guard: Callable[..., None]) -> bool:
-        """One step for `tasks` (in increasing seq order), which decode together: each one's n-gram drafts, where
-        it has any its policy verifies, and each other one's pending token, in ONE llama_decode call
-        (Engine.verify_many); then each samples its rows as in `step`, and those that rejected a draft are
-        rewound, their replays in one more call (`_keep_group`). Returns False without touching a sequence where
-        nothing is to be verified, or the drafts come from a model (MTP head, draft model: not batched), or
-        verifying together was not measured exact (`together`): the caller then decodes their one token each,
-        batched. `guard(task, fn, *args)` runs a task's part so that its failure fails that task only. Raises
+        """One step for `tasks` (in increasing seq order), which decode together: each one's drafts, where it has
+        any its policy verifies, and each other one's pending token, in ONE llama_decode call
+        (Engine.verify_many; drafts past n_batch in all are dropped, widest first); then each samples its rows
+        as in `step`, the drafting model follows (`_follow`), and those that rejected a draft are rewound, their
+        replays in one more call (`_keep_group`). MTP and draft-model drafts are made one task at a time, as
+        alone. Returns False without touching a sequence where verifying together was not measured exact
+        (`together`), or n-gram drafts left nothing to verify: the caller then decodes their one token each,
+        batched (`batched` and Engine.decode_step). With drafts from a model it always takes the step, since
+        planning it queued the head's entries. `guard(task, fn, *args)` runs a task's part so that its failure fails that task only. Raises
         EngineError where the first call fails (every task's state is then unspecified). Costs are not timed
         here: the width policy weighs what a verification costs alone, which the rows a verification adds to a
         batched step roughly cost too (rows run the one-row kernels)."""
-        if not self.together or self.mtp is not None or self.draft_model is not None:
+        if not self.together:
             return False
         plans = [self._plan(t) for t in tasks]
-        if not any(plans):
-            return False
+        modelled = self.mtp is not None or self.draft_model is not None
+        if not any(plans) and not modelled:
+            return False  # (a model's plans queued the head's entries: the step is this one's, drafts or not)
+        while sum(len(plan[1]) if plan else 1 for plan in plans) > self.engine.n_batch:
+            widest = max(range(len(plans)), key=lambda k: len(plans[k][1]) if plans[k] else 0)
+            plans[widest] = None  # made, not verified: as a draft the policy did not choose
         items = [(t.slot.seq, plan[1] if plan else [t.pending], t.pending_pos) for t, plan in zip(tasks, plans)]
-        if sum(len(tokens) for _, tokens, _ in items) > self.engine.n_batch:
-            return False
         points = [self.engine.rewind_point(seq, b) if plan else None
                   for b, ((seq, _, _), plan) in enumerate(zip(items, plans))]
         firsts = self.engine.verify_many(items)
+        hidden = [self._hidden(at, len(tokens)) if plan else None
+                  for at, (_, tokens, _), plan in zip(firsts, items, plans)]
         accepted: dict[int, int] = {}
 
         def accept(k: int) -> None:
             accepted[k] = self._accept(tasks[k], plans[k][0], items[k][1], firsts[k], sample)
+            self._follow(tasks[k], items[k][2], items[k][1], accepted[k], hidden[k])
 
         for k, t in enumerate(tasks):  # every task samples before any rewind: a rewind decodes, overwriting logits
             if plans[k]:
