@@ -194,10 +194,10 @@ class Speculation:
         alone. Returns False without touching a sequence where verifying together was not measured exact
         (`together`), or n-gram drafts left nothing to verify: the caller then decodes their one token each,
         batched (`batched` and Engine.decode_step). With drafts from a model it always takes the step, since
-        planning it queued the head's entries. `guard(task, fn, *args)` runs a task's part so that its failure fails that task only. Raises
-        EngineError where the first call fails (every task's state is then unspecified). Costs are not timed
-        here: the width policy weighs what a verification costs alone, which the rows a verification adds to a
-        batched step roughly cost too (rows run the one-row kernels)."""
+        planning it queued the head's entries. `guard(task, fn, *args)` runs a task's part so that its failure
+        fails that task only. Raises EngineError where the first call fails (every task's state is then
+        unspecified). Costs are not timed here: the width policy weighs what a verification costs alone, which
+        the rows a verification adds to a batched step roughly cost too (rows run the one-row kernels)."""
         if not self.together:
             return False
         plans = [self._plan(t) for t in tasks]
