@@ -375,11 +375,11 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
                 if not all(np.array_equal(engine.logits(i), ref[i]) for i in range(w)):
                     exact[w] = False
                     break
-                for keep in sorted({1, w // 2, w - 1, w}):
-                    engine.load_state(0, start)
-                    point = engine.rewind_point(0)
-                    engine.verify(0, nxt[:w], n)
+                for keep in sorted({1, w // 2, w - 1, w}, reverse=True):  # all kept: this verification goes on
                     if keep < w:
+                        engine.load_state(0, start)
+                        point = engine.rewind_point(0)
+                        engine.verify(0, nxt[:w], n)
                         rewind(engine, 0, point, n, nxt[:keep])
                     for i in range(keep, keep + follow):
                         engine.decode(0, [nxt[i]], n + i)
