@@ -409,9 +409,10 @@ def check_batched_verification(engine: Engine, width: int, contexts: Sequence[in
     decode together; after prefills of `contexts`) verifies, at once, widths like (width, 1, 1, width, ..),
     (1, width, 2, 1, ..), (width, width, ..) and (2, 1, width, 2, ..) (each pattern repeated over the k
     sequences), against each alone, then each decodes one more token; and the same calls with logits for each
-    sequence's last token only (a rollback's replay: speculative.verify.replay) continue exactly too. The scheduler verifies the drafts of slots that
-    decode together only where this holds (speculative.verify.Speculation.step_group); where it does not, they
-    decode their one token each, batched, as before.
+    sequence's last token only (a rollback's replay: speculative.verify.replay) continue exactly too. The
+    scheduler verifies the drafts of slots that decode together only where this holds
+    (speculative.verify.Speculation.step_group); where it does not, they decode their one token each, batched,
+    as before.
 
     Why it can hold: llama.cpp cuts such a call into ubatches of equal tokens per sequence (split_equal), and
     under reference decode kernels (kernels.py) every row runs the one-row kernels, so a row's result depends

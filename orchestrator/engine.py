@@ -513,8 +513,8 @@ class Engine:
     def verify(self, seq: int, tokens: Sequence[int], pos: int, every: bool = True) -> None:
         """Decode `tokens` (2..n_batch) of sequence `seq` at positions pos.. in ONE ubatch with logits for every
         token (token i's at batch index i: `logits(i)`, `Sampler.sample(i)`; `every` False: the last token's
-        only, as a rollback's replay needs): a speculative verification. Whether
-        the logits and the state equal those of one-token steps depends on the width, the model and the CPU
+        only, as a rollback's replay needs): a speculative verification. Whether the logits and the state equal
+        those of one-token steps depends on the width, the model and the CPU
         (calibration.measure_verify_widths). Afterwards `truncate(seq, pos + j + 1)` keeps the first j + 1 tokens:
         on a recurrent memory only while len(tokens) - j - 1 <= n_rs_seq (llama.cpp keeps the recurrent state
         after each of the call's last n_rs_seq + 1 tokens: llama_memory_recurrent::seq_rm). Raises EngineError
@@ -528,8 +528,9 @@ class Engine:
         """`verify` of several sequences in one llama_decode call: `items` are (seq, tokens, pos), one per
         sequence, in increasing seq order, 1.. tokens each (one token: that sequence's decode step), n_batch
         in all; logits for every token (`every` False: for each item's last token only; the other rows then skip
-        the output projection, a vocabulary-sized matmul per row, and the last layer's FFN, neither of which
-        reaches the memory's state). Returns each item's first batch index (its token i's logits at that + i).
+        the output projection, a vocabulary-sized matmul per row, and in some architectures the last layer's FFN:
+        llama.cpp selects the output rows after every layer's state is written, src/models/qwen35.cpp). Returns
+        each item's first batch index (its token i's logits at that + i).
         llama.cpp cuts the call into ubatches of equal tokens per sequence (llama_batch_allocr::split_equal):
         whether each sequence then gets what it gets alone is measured (calibration.check_batched_verification;
         bit-identical under reference kernels, bench/results/2026-12-07/batched-verification). Raises EngineError
