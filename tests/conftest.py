@@ -69,6 +69,18 @@ class FreeCosts(VerifyCosts):
         return 0.0
 
 
+def spy_verify_many(monkeypatch, engine) -> list[tuple[list[int], bool]]:
+    """Record each `engine.verify_many` call, then make it: (tokens per sequence, `every`) per call, in order."""
+    calls, verify_many = [], engine.verify_many
+
+    def spied(items, every=True):
+        calls.append(([len(tokens) for _, tokens, _ in items], every))
+        return verify_many(items, every)
+
+    monkeypatch.setattr(engine, "verify_many", spied)
+    return calls
+
+
 def verify_every_draft(rt: Runtime) -> Runtime:
     """`rt` with FreeCosts in its scheduler's speculation (read by each request at its first step)."""
     rt.scheduler.speculation.costs = FreeCosts()

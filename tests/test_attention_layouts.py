@@ -20,7 +20,7 @@ from orchestrator.models.synth import ensure_model
 from orchestrator.request import Job
 from orchestrator.runtime import Runtime
 
-from .conftest import LOOP, SPECULATION_CASES, make_config, same_answers, verify_every_draft
+from .conftest import LOOP, SPECULATION_CASES, make_config, same_answers, spy_verify_many, verify_every_draft
 
 # what `-ctk q8_0` serves: VERIFYING with ggml-cpu's reference kernels for decode steps and verifications
 VERIFYING_REF = dataclasses.replace(VERIFYING, kernels="reference")
@@ -261,24 +261,24 @@ def test_prefill_keeps_the_optimized_kernels_under_reference_decode_kernels(monk
         e.close()
 
 
-def test_verifications_of_several_slots_in_one_call_are_exact_only_under_reference_kernels():
+def test_verifications_of_several_slots_in_one_call_are_exact_only_under_reference_kernels(monkeypatch):
     """calibration.check_batched_verification on tiny-q4, 4 sequences (every slot), 7-token verifications beside
     one-token steps: with the reference decode kernels every sequence gets in one call what it gets alone (and goes on
     from the same state); with the default kernels four 7-token verifications are 28 rows, which take the
     tiled matmul that none alone takes, so the check refuses them."""
     from orchestrator.calibration import check_batched_verification
 
-    found, slots = {}, set()
+    found, calls = {}, []
     for att in (VERIFYING, VERIFYING_REF):
         e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=64, n_seq_max=4, attention=att)
-        verify_many = e.verify_many
-        e.verify_many = lambda items, every=True: slots.add(len(items)) or verify_many(items, every)
+        spied = spy_verify_many(monkeypatch, e)
         try:
             found[att.kernels] = check_batched_verification(e, 7)
         finally:
             e.close()
+        calls += spied
     assert found == {"default": False, "reference": True}
-    assert max(slots) == 4  # every slot that can decode together is checked together
+    assert max(len(c) for c, _ in calls) == 4  # every slot that can decode together is checked together
 
 
 def test_slots_that_decode_together_verify_their_drafts_together(verifying_pair, monkeypatch):
@@ -291,10 +291,7 @@ def test_slots_that_decode_together_verify_their_drafts_together(verifying_pair,
     assert on.health()["speculative_together"] is True and off.health()["speculative_together"] is False
     stored = {k: v for k, v in json.loads(on.config.calibration_file.read_text()).items() if ":verify_together:" in k}
     assert list(stored.values()) == [True] and next(iter(stored)).endswith(":verify_together:12:3")
-    calls = []
-    verify_many = on.engine.verify_many
-    monkeypatch.setattr(on.engine, "verify_many", lambda items, every=True:
-                        calls.append(([len(t) for _, t, _ in items], every)) or verify_many(items, every))
+    calls = spy_verify_many(monkeypatch, on.engine)
     job = Job(on.engine.tokenize(LOOP), max_tokens=48, want_logits=True, n=3,
               sampling=SPECULATION_CASES["greedy"]["sampling"])
     a, _ = same_answers(on, off, job)

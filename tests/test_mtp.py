@@ -14,7 +14,8 @@ from orchestrator.models.synth import PRESETS, SynthError, ensure_model, with_mt
 from orchestrator.request import Job, SamplingParams
 from orchestrator.speculative.mtp import MtpHead, MtpUnavailable, NextnApi, mtp_context
 
-from .conftest import LOOP, SPECULATION_CASES, FreeCosts, make_config, same_answers, speculation_pair
+from .conftest import (LOOP, SPECULATION_CASES, FreeCosts, make_config, same_answers, speculation_pair,
+                       spy_verify_many)
 
 PROMPT = [1000 + (41 * i) % 5000 for i in range(120)]
 FOLLOW = [1500 + (59 * i) % 5000 for i in range(6)]
@@ -326,7 +327,7 @@ def test_the_head_reads_the_prompt_from_where_its_prefill_starts(mtp_pair):
 
 
 @pytest.mark.parametrize("drafts", ["mtp", "draft"])
-def test_slots_decoding_together_verify_model_drafts_together(tmp_path, drafts):
+def test_slots_decoding_together_verify_model_drafts_together(tmp_path, monkeypatch, drafts):
     """In the layout `-ctk q8_0` serves (reference decode kernels: verifying several slots in one call measured
     exact at start), three greedy choices decode in one llama_decode call per step and verify their drafts from
     the MTP head (forced to the answer, one in five corrupted: accepted, rejected and rolled back) or from a
@@ -350,10 +351,7 @@ def test_slots_decoding_together_verify_model_drafts_together(tmp_path, drafts):
         if drafts == "mtp":
             want = off.scheduler.run(Job(prompt, max_tokens=40, sampling=SamplingParams(temperature=0.0)))
             spec.mtp = _Forced(spec.mtp, want.completion_tokens, len(prompt), every=5)
-        calls = []
-        verify_many = on.engine.verify_many
-        on.engine.verify_many = lambda items, every=True: calls.append(([len(t) for _, t, _ in items], every)) \
-            or verify_many(items, every)
+        calls = spy_verify_many(monkeypatch, on.engine)
         a, _ = same_answers(on, off, job)
         assert any(every and len(c) == 3 and max(c) > 1 for c, every in calls), calls
         assert sum(r.accepted_tokens for r in a) > 0
