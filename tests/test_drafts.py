@@ -51,10 +51,42 @@ def test_ngram_long_suffix_finds_the_copy_being_made():
 def test_ngram_incremental_equals_built_at_once():
     rng = np.random.default_rng(1)
     tokens = [int(x) for x in rng.integers(0, 6, 300)]
-    inc = NgramDrafter(tokens[:10])
+    inc = NgramDrafter(tokens[:10], follow=False)
     for i in range(10, len(tokens)):
         inc.extend([tokens[i]])
         assert inc.draft(5) == NgramDrafter(tokens[:i + 1]).draft(5)
+        assert inc.lookup() == NgramDrafter(tokens[:i + 1]).lookup()
+
+
+def test_ngram_follows_the_source_it_copies_past_a_suffix_every_block_shares():
+    """Blocks that differ only at their ends, 20 shared tokens apart: at a block's end every suffix up to 16 tokens
+    recurs in each block and the latest occurrence is the last block's, which drafts its number (53); the copy
+    being made is block 1's, which the last draft came from and the answer still agrees with over 21 tokens."""
+    block = lambda i: [i] + list(range(20, 40)) + [50 + i]
+    prompt = block(1) + block(2) + block(3) + [99]
+    d = NgramDrafter(prompt + [1, 20])
+    assert d.draft(3) == [21, 22, 23]  # "1 20" occurs in block 1 only: the source
+    d.extend(list(range(21, 40)))
+    assert d.draft(2) == [51, 2]
+    assert NgramDrafter(d.tokens, follow=False).draft(2) == [53, 99]
+    d.extend([51, 2, 20, 21])  # the copy goes on into block 2, still the source's continuation
+    assert d.draft(2) == [22, 23]
+    d.extend([7])  # the answer leaves the source: nothing agrees, and "22 7" never occurred
+    assert d.draft(2) == []
+
+
+def test_ngram_a_longer_lookup_match_wins_over_the_source():
+    """The last draft's source agrees with the end over 8 tokens, the lookup's 16-token match over 16: the
+    lookup's continuation (70) is drafted, not the source's (80)."""
+    t = list(range(60, 76))
+    tokens = [1] + t + [70] + [5] + t[8:] + [80] + [9] + t
+    d = NgramDrafter(tokens)
+    d._source = len(tokens) - tokens.index(80)  # as if the last draft had come from the second block
+    assert d._agreement(tokens.index(80)) == 8
+    assert d.draft(1) == [70]
+    d._source = len(tokens) - tokens.index(80)
+    d.reach = 8  # agreements counted up to 8 only: a tie, which the source wins
+    assert d.draft(1) == [80]
 
 
 def fixed_costs(per_row: float) -> VerifyCosts:
