@@ -168,3 +168,26 @@ def test_streamed_chat_with_speculation_equals_without(q4_pair):
             assert drafted and float(drafted[0].split()[-1]) > 0
     text = "".join((c or "") + (r or "") for c, r in streams[0])
     assert text and streams[0] == streams[1]
+
+
+def test_gemma_copying_a_file_of_near_identical_blocks_accepts_its_drafts(start, gemma, tmp_path):
+    """The served speculation layout (`-ctk q8_0`: reference decode kernels, widths up to draft_max + 1) on a
+    trained model rewriting a file whose blocks differ only by their numbers: n-gram drafts follow the block being
+    copied (NgramDrafter's source), so nearly every drafted token is accepted, where drafting from the latest
+    occurrence of a suffix drafts another block's numbers (here, on an AMD EPYC: 133 of 133 accepted, and 133 of
+    161 with NgramDrafter(follow=False)); the answer equals speculation off's."""
+    code = "\n".join(f"def handler_{i}(request, config):\n    path = config.root / 'src/app/handlers/h{i}.py'\n"
+                     f"    return load(path, timeout={i % 7 + 1})\n" for i in range(20))
+    kw = dict(ctx_size=4096, batch_size=256, flash_attn="auto", cache_type_k="q8_0", draft_max=7,
+              calibration_file=tmp_path / "c.json")
+    on = verify_every_draft(start(gemma, speculative="auto", **kw))
+    assert on.scheduler.speculation.widths == tuple(range(2, 9))
+    prompt = on.engine.tokenize(f"<start_of_turn>user\nHere is src/app/handlers.py:\n```python\n{code}\n```\n"
+                                f"Rewrite the whole file. Output only the code.<end_of_turn>\n<start_of_turn>model\n",
+                                add_special=True)
+    job = Job(prompt, max_tokens=160, sampling=SamplingParams(temperature=0.0), want_logits=True)
+    a = on.scheduler.run(job)
+    assert a.drafted_tokens >= 100 and a.accepted_tokens >= 0.9 * a.drafted_tokens
+    b = start(gemma, speculative="off", **kw).scheduler.run(job)
+    assert a.completion_tokens == b.completion_tokens
+    assert np.array_equal(a.first_logits, b.first_logits)
