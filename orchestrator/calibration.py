@@ -336,8 +336,12 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     nearest rollback, and none) goes on exactly: the logits of the next `follow` one-token steps equal those
     of the one-token path (`Engine.decode` of one token: decode_rows apply). Tested
     after prefills of each length in `contexts` (pseudo-random tokens); a width counts only if every context
-    passes, and the result is contiguous from 2 (the first width that fails ends it). Empty: speculation
-    cannot be exact here. Uses and clears sequence 0.
+    passes, and the result is contiguous from 2 (the first width that fails ends it), or where width 2 fails,
+    the odd widths contiguous from 3: with ARM i8mm, ggml-cpu's K-quant dot products take two rows at a time
+    where a ubatch's length is even (ggml-cpu.c, `num_rows_per_vec_dot`), reference kernels or not, so only odd
+    widths can equal one-row steps; a rollback then replays an even count as 1 + an odd one
+    (speculative.verify.replay's `widths`), as checked here. Empty: speculation cannot be exact here. Uses and
+    clears sequence 0.
 
     Why it must be measured, and why passing is evidence, not proof: on ggml-cpu the attention matmuls over the
     F16 KV cache (KQ, KQV) run ggml_vec_dot_f16 (several accumulators) for one query row and llamafile's
@@ -353,10 +357,15 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     if top < 2:
         return ()
     exact = {w: True for w in range(2, top + 1)}
+    passed: set[int] = set()  # measured exact in every context so far
+
+    def alive(w: int) -> bool:  # can still end up in the result: every smaller width, or every smaller odd one
+        return exact[w] and (all(exact[v] for v in range(2, w)) or (w % 2 == 1 and all(exact[v] for v in range(3, w, 2))))
+
     try:
         for n in contexts:
-            if not exact[2]:
-                break  # the result is contiguous from 2: nothing left to find
+            if not any(alive(w) for w in exact):
+                break  # nothing left to find
             n = min(n, engine.n_ctx - top - follow - 1)
             prompt = [1000 + (41 * i + 7 * n) % 5000 for i in range(n)]
             nxt = [1500 + (59 * i + n) % 5000 for i in range(top + follow)]
@@ -368,19 +377,20 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
                 engine.decode(0, [tok], n + i)
                 ref.append(engine.logits())
             for w in range(2, top + 1):
-                if not exact[w]:
-                    break
+                if not alive(w):
+                    continue
                 engine.load_state(0, start)
                 engine.verify(0, nxt[:w], n)
                 if not all(np.array_equal(engine.logits(i), ref[i]) for i in range(w)):
                     exact[w] = False
-                    break
+                    continue
+                replays = {v for v in passed if v < w and exact[v]}  # rollbacks replay in exact lengths
                 for keep in sorted({1, w // 2, w - 1, w}, reverse=True):  # all kept: this verification goes on
                     if keep < w:
                         engine.load_state(0, start)
                         point = engine.rewind_point(0)
                         engine.verify(0, nxt[:w], n)
-                        rewind(engine, 0, point, n, nxt[:keep])
+                        rewind(engine, 0, point, n, nxt[:keep], replays)
                     for i in range(keep, keep + follow):
                         engine.decode(0, [nxt[i]], n + i)
                         if not np.array_equal(engine.logits(), ref[i]):
@@ -388,15 +398,16 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
                             break
                     if not exact[w]:
                         break
-                if not exact[w]:
-                    break
+                if exact[w]:
+                    passed.add(w)
     except EngineError:
         return ()
     finally:
         engine.clear(0)
+    run = range(2, top + 1) if exact[2] else range(3, top + 1, 2)  # every width from 2, or (ARM i8mm) odd ones
     widths = []
-    for w in range(2, top + 1):
-        if not exact[w]:
+    for w in run:
+        if not exact[w] or w not in passed:
             break
         widths.append(w)
     return tuple(widths)
@@ -712,10 +723,11 @@ def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int, dra
         return ()
     exact = tuple(w for w in measured if w <= draft_max + 1)
     if exact:
-        log.info("speculative decoding on: %s drafts verified %d..%d tokens at a time (measured bit-identical "
+        log.info("speculative decoding on: %s drafts verified %s tokens at a time (measured bit-identical "
                  "to one-token decoding on this model and CPU)",
                  {"mtp": "MTP", "draft": "draft-model"}.get(drafts, "n-gram"),
-                 exact[0], exact[-1])
+                 f"{exact[0]}..{exact[-1]}" if len(exact) == exact[-1] - exact[0] + 1
+                 else f"{', '.join(map(str, exact))} (odd widths: an even number of rows takes other kernels)")
         return exact
     if mode == "ngram":
         log.warning("--speculative ngram: no verification width is bit-identical to one-token decoding on this "

@@ -133,6 +133,64 @@ def test_the_check_sees_an_inexact_verification(make):
     assert outputs(run(off, job)[0]) != outputs(run(on, job)[0])
 
 
+ODD = (3, 5, 7)  # ARM i8mm: an even number of rows takes the paired SMMLA kernel
+
+
+@pytest.mark.parametrize("case", ["seeded", "n3"])  # greedy answers of the fake model accept every draft
+def test_odd_widths_only_change_nothing_where_rollbacks_replay_in_odd_calls(make, case, monkeypatch):
+    """Where only odd widths are exact (the fake hardware marks an even-width ubatch as other kernels), a hybrid
+    verifies at odd widths only and a rollback that keeps an even number of tokens replays them as 1 + an odd
+    count (speculative.verify.replay's `widths`): every ubatch of several rows is odd, and the answers are
+    speculation off's."""
+    import orchestrator.speculative.verify as verify
+
+    kept, whole = [], verify.rewind
+    monkeypatch.setattr(verify, "rewind", lambda engine, seq, point, pos, k, widths=None: (
+        kept.append(len(k)), whole(engine, seq, point, pos, k, widths)))
+    _, off = make(widths=(), hw=ODD)
+    eng, on = make(widths=ODD, hw=ODD)
+    on.speculation.costs = FreeCosts()
+    job = Job(PROMPT, max_tokens=60, want_logits=True, **CASES[case])
+    assert outputs(run(off, job)[0]) == outputs(run(on, job)[0])
+    assert eng.verify_calls and all(w % 2 == 1 for w in eng.verify_calls), eng.verify_calls
+    assert any(k % 2 == 0 for k in kept), kept  # some rollback kept an even count: replayed as 1 + odd
+
+
+def test_the_check_sees_even_replays_where_only_odd_widths_are_exact(make, monkeypatch):
+    """The same with replays in one call whatever their length: the answers differ (so the test above would catch
+    a replay of an even count in one ubatch)."""
+    import orchestrator.speculative.verify as verify
+
+    whole = verify.replay
+    monkeypatch.setattr(verify, "replay", lambda engine, items, widths=None: whole(engine, items))
+    _, off = make(widths=(), hw=ODD)
+    _, on = make(widths=ODD, hw=ODD)
+    on.speculation.costs = FreeCosts()
+    job = Job(PROMPT, max_tokens=60, **CASES["seeded"])
+    assert outputs(run(off, job)[0]) != outputs(run(on, job)[0])
+
+
+def test_measured_widths_are_the_odd_ones_where_even_ubatches_take_other_kernels(monkeypatch):
+    """calibration.measure_verify_widths on hardware exact at odd widths only: (3, 5, 7), its rollback checks
+    replaying even counts as 1 + an odd one; with replays in one call, the widths whose checks keep an even
+    count fail; where every width is exact, 2..7 as before."""
+    import orchestrator.calibration as calibration
+    import orchestrator.speculative.verify as verify
+
+    def fake(hw):
+        e = FakeEngine(n_seq_max=1, exact_from=2, n_ctx=2048, exact_widths=hw)
+        e.calibrate(2, True)
+        return e
+
+    assert calibration.measure_verify_widths(fake(ODD), 7) == ODD
+    assert calibration.measure_verify_widths(fake(WIDTHS), 7) == WIDTHS
+    assert calibration.measure_verify_widths(fake(()), 7) == ()
+    assert calibration.measure_verify_widths(fake((2, 3, 5, 7)), 7) == (2, 3)
+    whole = verify.replay
+    monkeypatch.setattr(verify, "replay", lambda engine, items, widths=None: whole(engine, items))
+    assert calibration.measure_verify_widths(fake(ODD), 7) != ODD
+
+
 def test_batched_decode_steps_do_not_verify(make):
     """Several slots decoding in one llama_decode call stay one row each (verification only alone)."""
     eng, s = make(batch_decode=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from ..errors import EngineError
 from .draft import DraftModel
@@ -31,17 +31,17 @@ from .policy import DraftLength, VerifyCosts
 log = logging.getLogger(__name__)
 
 
-def rewind(engine, seq: int, point, pos: int, kept: Sequence[int]) -> None:
+def rewind(engine, seq: int, point, pos: int, kept: Sequence[int], widths: Collection[int] | None = None) -> None:
     """After `engine.verify(seq, tokens, pos)`, keep only `kept`, its first len(kept) >= 1 tokens; `point` is
     what `engine.rewind_point(seq)` gave before the verification. Attention-only memory (`point` None): the KV
     after them is removed. Otherwise the recurrent state cannot be cut back without llama.cpp's n_rs_seq
     snapshots, which cost every decode step a state copy (+6.5% on the 0.8b:
     bench/results/2026-12-03/attention-layouts) and a recurrent state per snapshot and slot: so the checkpoint
-    `point` is loaded, the KV from `pos` removed (`cut`), and `kept` decoded again at `pos` in one ubatch
-    (`replay`). Raises EngineError (sequence cleared)."""
+    `point` is loaded, the KV from `pos` removed (`cut`), and `kept` decoded again at `pos` (`replay`, in ubatches
+    of `widths`' lengths). Raises EngineError (sequence cleared)."""
     item = cut(engine, seq, point, pos, kept)
     if item is not None:
-        replay(engine, [item])
+        replay(engine, [item], widths)
 
 
 def cut(engine, seq: int, point, pos: int, kept: Sequence[int]) -> tuple[int, Sequence[int], int] | None:
@@ -56,15 +56,22 @@ def cut(engine, seq: int, point, pos: int, kept: Sequence[int]) -> tuple[int, Se
     return seq, kept, pos
 
 
-def replay(engine, items: Sequence[tuple[int, Sequence[int], int]]) -> None:
+def replay(engine, items: Sequence[tuple[int, Sequence[int], int]], widths: Collection[int] | None = None) -> None:
     """The second part of `rewind`, for one or several sequences (`cut`'s items, in increasing seq order) in ONE
     llama_decode call: one token of one sequence is a decode step, otherwise a verification (Engine.verify_many)
     with logits for each sequence's last token only, since the tokens that follow were sampled already; the
     skipped rows change nothing the memory keeps. Exact where the widths are (calibration.
     measure_verify_widths checks this path, one sequence) and where several sequences verify together
-    (calibration.check_batched_verification checks replays too). Raises EngineError (the sequences' states are
+    (calibration.check_batched_verification checks replays too). `widths`: the exact verification widths, where
+    not every length is one (ARM i8mm: odd widths only, an even number of rows taking the paired SMMLA kernel):
+    one sequence's tokens whose count is not among them are decoded one token first, then the rest, so every
+    call has an exact length (an even count: 1 + an odd one). Raises EngineError (the sequences' states are
     then unspecified)."""
-    if len(items) == 1 and len(items[0][1]) == 1:
+    if len(items) == 1 and widths is not None and 1 < len(items[0][1]) and len(items[0][1]) not in widths:
+        seq, kept, pos = items[0]
+        engine.decode(seq, kept[:1], pos)
+        replay(engine, [(seq, kept[1:], pos + 1)], widths)
+    elif len(items) == 1 and len(items[0][1]) == 1:
         seq, kept, pos = items[0]
         engine.decode(seq, kept, pos)
     elif len(items) == 1:
@@ -245,7 +252,7 @@ class Speculation:
 
             guard(task, one)
         try:
-            replay(self.engine, replays)
+            replay(self.engine, replays, self.widths)
         except EngineError as e:
             for task in owners:
                 guard(task, _reraise, e)
@@ -296,7 +303,7 @@ class Speculation:
         (`rewind`, timed for the policy) where some were rejected."""
         if i + 1 < len(tokens):
             started = time.perf_counter()
-            rewind(self.engine, seq, point, pos, tokens[:i + 1])
+            rewind(self.engine, seq, point, pos, tokens[:i + 1], self.widths)
             self.costs.observe_rewind(time.perf_counter() - started)
 
     def admitted(self, task) -> None:
