@@ -388,24 +388,22 @@ def model_paths(names, models_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def run_cell(root: Path, repo: Path, variant: str, model: Path, bufts: bool, out: Path, timeout: float,
-             quick: bool = False) -> dict:
-    """One `check.py run` under emulation in the rootfs (private mount namespace, chroot); returns its JSON, or a
-    record of the crash/timeout."""
+def run_guest(root: Path, repo: Path, variant: str, models: Path, argv: list[str], timeout: float
+              ) -> tuple[int | str, str]:
+    """`argv` (a command of the arm64 rootfs, e.g. its /opt/venv/bin/python) run under emulation as `variant`'s
+    CPU with its llama.cpp build: a private mount namespace, the repository at GUEST_REPO (the working
+    directory), `models` at GUEST_MODELS, chroot. Returns (exit status or "timeout", the output's last 3,000
+    characters)."""
     lib, cpu, _ = VARIANTS[variant]
     rootfs = root / "rootfs"
-    guest_out = f"/tmp/aarch64-check-{os.getpid()}-{variant}-{model.stem}-{int(bufts)}.json"
-    guest_model = f"{GUEST_MODELS}/{model.name}"
     env = {"PATH": "/usr/bin:/bin", "HOME": "/root", "QEMU_CPU": cpu, "LLAMA_CPP_LIB_PATH": f"{GUEST_LIB}/{lib}",
            "PYTHONDONTWRITEBYTECODE": "1", "ORCHESTRATOR_CACHE_DIR": "/tmp/orchestrator-cache",
            "PYTHONPATH": GUEST_REPO, "OMP_WAIT_POLICY": "passive"}
-    inner = (["/usr/bin/env", "-i"] + [f"{k}={v}" for k, v in env.items()]
-             + ["/opt/venv/bin/python", f"{GUEST_REPO}/tools/aarch64/check.py", "run", "--model", guest_model,
-                "--bufts", "on" if bufts else "off", "--out", guest_out] + (["--quick"] if quick else []))
+    inner = ["/usr/bin/env", "-i"] + [f"{k}={v}" for k, v in env.items()] + argv
     # llama_cpp loads libllama from LLAMA_CPP_LIB_PATH but libggml (llama_cpp._ggml) from llama_cpp/lib: the
     # variant's libraries are mounted at both, so that one copy of ggml is loaded
     package_lib = next(rootfs.glob("opt/venv/lib/python3*/site-packages/llama_cpp/lib"))
-    binds = [(repo, GUEST_REPO), (root / "lib" / lib, f"{GUEST_LIB}/{lib}"), (model.parent, GUEST_MODELS),
+    binds = [(repo, GUEST_REPO), (root / "lib" / lib, f"{GUEST_LIB}/{lib}"), (models, GUEST_MODELS),
              (root / "lib" / lib, "/" + str(package_lib.relative_to(rootfs)))]
     script = "set -e; r=" + shlex.quote(str(rootfs)) + "\n"
     for src, dst in binds:
@@ -415,15 +413,27 @@ def run_cell(root: Path, repo: Path, variant: str, model: Path, bufts: bool, out
     unshare = ["unshare", "--mount", "--propagation", "private", "--fork", "--pid"]
     if os.geteuid() != 0:
         unshare.insert(1, "--map-root-user")
-    started = time.perf_counter()
-    result_file = rootfs / guest_out.lstrip("/")
-    result_file.unlink(missing_ok=True)
     try:
         proc = subprocess.run(unshare + ["sh", "-c", script], capture_output=True, text=True, timeout=timeout)
-        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+        return proc.returncode, (proc.stdout + proc.stderr)[-3000:]
     except subprocess.TimeoutExpired as e:
-        rc, tail = "timeout", ((e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(
+        return "timeout", ((e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(
             errors="replace"))[-3000:]
+
+
+def run_cell(root: Path, repo: Path, variant: str, model: Path, bufts: bool, out: Path, timeout: float,
+             quick: bool = False) -> dict:
+    """One `check.py run` under emulation in the rootfs (`run_guest`); returns its JSON, or a record of the
+    crash/timeout."""
+    cpu = VARIANTS[variant][1]
+    guest_out = f"/tmp/aarch64-check-{os.getpid()}-{variant}-{model.stem}-{int(bufts)}.json"
+    argv = (["/opt/venv/bin/python", f"{GUEST_REPO}/tools/aarch64/check.py", "run", "--model",
+             f"{GUEST_MODELS}/{model.name}", "--bufts", "on" if bufts else "off", "--out", guest_out]
+            + (["--quick"] if quick else []))
+    started = time.perf_counter()
+    result_file = root / "rootfs" / guest_out.lstrip("/")
+    result_file.unlink(missing_ok=True)
+    rc, tail = run_guest(root, repo, variant, model.parent, argv, timeout)
     seconds = round(time.perf_counter() - started, 1)
     if rc == 0 and result_file.is_file():
         data = json.loads(result_file.read_text())
@@ -570,12 +580,25 @@ def main(argv=None) -> int:
     mx.add_argument("--quick", action="store_true", help="cells without rollback and verification widths")
     mx.add_argument("--jobs", type=int, default=1, help="cells run at once (each with THREADS threads)")
     mx.add_argument("--timeout", type=float, default=3600.0, help="seconds per cell")
+    ex = sub.add_parser("exec", help="host side: run a script of this repository under emulation (its output "
+                        "printed; the models directory at /models), e.g. exec --variant i8mm -- SCRIPT ARGS")
+    ex.add_argument("--variant", required=True, choices=list(VARIANTS))
+    ex.add_argument("--root", default=str(default_root()))
+    ex.add_argument("--models-dir", required=True)
+    ex.add_argument("--timeout", type=float, default=3600.0)
+    ex.add_argument("script", nargs=argparse.REMAINDER, help="a path relative to the repository, and its arguments")
     tb = sub.add_parser("table", help="rebuild DIR/summary.json from the cells' files and print the table")
     tb.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.cmd == "table":
         print(table(Path(args.out)))
         return 0
+    if args.cmd == "exec":
+        script = [a for a in args.script if a != "--"]
+        rc, tail = run_guest(Path(args.root), Path(repo), args.variant, Path(args.models_dir),
+                             ["/opt/venv/bin/python", f"{GUEST_REPO}/{script[0]}", *script[1:]], args.timeout)
+        print(tail)
+        return rc if isinstance(rc, int) else 1
     if args.cmd == "run":
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
         data = run_checks(Path(args.model), args.bufts == "on", args.quick)
