@@ -70,10 +70,9 @@ class NgramDrafter:
                     self._last[n][hash(tuple(toks[end - n:end]))] = end
             toks.append(tok)
 
-    def lookup(self) -> tuple[int, int] | None:
-        """(start, n): where the text after the latest earlier occurrence of the longest matching suffix of n tokens
-        starts, longest n first; None when no suffix of at least min_n tokens occurred before. Pure: depends on
-        the tokens only."""
+    def lookup(self) -> int | None:
+        """Where the text after the latest earlier occurrence of the longest matching suffix starts (longest n
+        first); None when no suffix of at least min_n tokens occurred before. Pure: depends on the tokens only."""
         toks, end = self.tokens, len(self.tokens)
         for n in self.lengths:
             if end <= n:
@@ -81,7 +80,7 @@ class NgramDrafter:
             gram = toks[end - n:end]
             at = self._last[n].get(hash(tuple(gram)))
             if at is not None and toks[at - n:at] == gram:
-                return at, n
+                return at
         return None
 
     def _agreement(self, at: int) -> int:
@@ -105,8 +104,7 @@ class NgramDrafter:
         toks, end = self.tokens, len(self.tokens)
         if k <= 0:
             return []
-        found = self.lookup()
-        at = found[0] if found is not None else None
+        at = self.lookup()
         if self.follow and self._source is not None and 0 < end - self._source < end:
             follow = end - self._source  # where the last draft's source goes on at this length
             agree = self._agreement(follow)
