@@ -90,6 +90,23 @@ def test_committed_results_hold_the_guarantee():
             assert cell["cached_equals_cold"] != (key in KNOWN_INEXACT), (key, KNOWN_INEXACT.get(key))
 
 
+def test_exec_runs_a_repository_script_in_the_guest_and_returns_its_status(monkeypatch, tmp_path, capsys):
+    """`check.py exec --variant V --models-dir D -- SCRIPT ARGS` (runs everywhere: run_guest stubbed) hands the
+    guest's Python the script under the mounted repository with its arguments, prints the output's tail, and exits
+    with the guest's status (1 for a timeout)."""
+    check = load_check()
+    calls = []
+    monkeypatch.setattr(check, "run_guest", lambda root, repo, variant, models, argv, timeout: (
+        calls.append((variant, models, argv, timeout)), (3, "tail of the output"))[1])
+    rc = check.main(["exec", "--variant", "i8mm", "--models-dir", str(tmp_path), "--timeout", "60", "--",
+                     "bench/probe.py", "/models/m.gguf", "out.json"])
+    assert rc == 3 and "tail of the output" in capsys.readouterr().out
+    assert calls == [("i8mm", tmp_path, ["/opt/venv/bin/python", f"{check.GUEST_REPO}/bench/probe.py",
+                                         "/models/m.gguf", "out.json"], 60.0)]
+    monkeypatch.setattr(check, "run_guest", lambda *a: ("timeout", ""))
+    assert check.main(["exec", "--variant", "i8mm", "--models-dir", str(tmp_path), "--", "x.py"]) == 1
+
+
 @pytest.mark.aarch64
 @pytest.mark.timeout(7200)
 def test_aarch64_emulated_exactness_matches_committed_results(tmp_path):
