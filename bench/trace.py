@@ -545,7 +545,7 @@ def replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, prompts: TracePr
             before = (engine.counts.calls, engine.counts.tokens, ram.read, disk.read if disk else 0,
                       engine.counts.saved_bytes)
             res = sched.run(Job(tokens, prompts.boundaries(r, len(tokens)), max_tokens=1,
-                                restorable_after=lambda generated: False))
+                                restorable_after=lambda generated: None))
             sched.drain()
             pos, h = engine.seq_hash(next(s.seq for s in sched.slots if s.last_used == max(
                 x.last_used for x in sched.slots)))

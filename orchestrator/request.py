@@ -105,9 +105,10 @@ class Job:
     k most likely tokens) per completion token. prompt_cache_key: OpenAI's
     routing hint; requests with the same key prefer the slot that last served it. timeout_s: seconds from
     submission to completion (None: the scheduler's default; 0: none). restorable_after: given the generated
-    token ids (with the end-of-generation token that ended them, if one did), whether the request most likely
-    to follow starts with the prompt and exactly those ids (`PromptBuilder.restorable_after`); None: assume it
-    does. When it says no, the state after generation is not computed (issue 18). n: choices, 1..the scheduler's
+    token ids (with the end-of-generation token that ended them, if one did), None where the request most
+    likely to follow does not start with the prompt and exactly those ids, else the fewest tokens it adds after
+    them (`PromptBuilder.restorable_after`); None instead of a probe: assume it does, adding enough. When it
+    says no, the state after generation is not computed (issue 18). n: choices, 1..the scheduler's
     slots: the prompt is prefilled once and choice i is sampled as `choice(i)` (seed + i).
     """
 
@@ -122,7 +123,7 @@ class Job:
     timeout_s: float | None = None
     cache_salt: str = ""  # snapshots are shared only among jobs with the same salt ("" = the shared cache)
     logprobs: int | None = None  # None: none; k >= 0: each completion token's logprob and the k most likely
-    restorable_after: Callable[[Sequence[int]], bool] | None = None
+    restorable_after: Callable[[Sequence[int]], int | None] | None = None
     prepare_s: dict[str, float] = field(default_factory=dict)  # seconds spent before submission, by phase
     #                                                            (render, tokenize, boundaries: Prompt's)
     n: int = 1

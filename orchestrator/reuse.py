@@ -188,13 +188,16 @@ class PrefillRate:
 class AfterGenerationStats:
     """What happened to after-generation work since start (issue 18). Counts of finished requests that stored
     nothing after generation because the state after the answer cannot be restored by the likely next request
-    (`unrestorable`), that re-prefilled to the answer's end (`answer`) or to the prompt's end (`prompt_end`);
+    (`unrestorable`), that re-prefilled to the answer's end (`answer`; `answer_repeat` of them stopping to store a
+    checkpoint min_segment before it, where the next request adds fewer tokens: `Reuse.after_generation`) or to
+    the prompt's end (`prompt_end`);
     STORE tasks dropped for a waiting request (`preempted`) or taken over by the request that extends them
     (`taken_over`, `taken_over_tokens`: the positions the taking request did not compute again); `tokens` and
     `seconds` of STORE prefill chunks (the compute spent, in tokens and wall seconds of the worker)."""
 
     unrestorable: int = 0
     answer: int = 0
+    answer_repeat: int = 0
     prompt_end: int = 0
     preempted: int = 0
     taken_over: int = 0
@@ -261,14 +264,18 @@ class Reuse:
         n = len(job.prompt_tokens)
         candidates = spaced_stops(job.boundaries, n, self.min_gap, self.checkpoint_interval)
         last = max((c for c in candidates if c <= self.max_hit(n)), default=0)
-        if self.max_hit(n) - last >= self.REPEAT_TAIL:
-            candidates.append(self.max_hit(n))
+        candidates += self.repeat_point(n, last)
         kept, pos = [], start
         for b in self.state.snapshot_positions(sorted(candidates)):
             if self.exact(b - pos) and b <= self.max_hit(n):
                 kept.append(b)
                 pos = b
         return kept
+
+    def repeat_point(self, n_tokens: int, last: int) -> list[int]:
+        """[the repeat point of n tokens whose last stop is at `last`] (`max_hit`), where at least REPEAT_TAIL
+        tokens lie between the two; else []."""
+        return [self.max_hit(n_tokens)] if self.max_hit(n_tokens) - last >= self.REPEAT_TAIL else []
 
     def chunk_size(self, tokens: int) -> int:
         """A prefill chunk setting (--prefill-chunk) as used: at least 2 * min_segment tokens, so that the chunks
@@ -553,6 +560,12 @@ class Reuse:
         string), when it would not fit the context, when it is stored already, or when too few tokens were
         generated for an exact prefill from the rewind point. Nothing when that is stored already, or when the
         sequence cannot be rewound.
+
+        The answer's end is restored by a next request that adds at least min_segment tokens after it (`max_hit`).
+        Where the probe says the next request may add fewer (a tool result of a few tokens: 14 on Qwen3.5, under a
+        min_segment of 64 with `-fa on`, or 34 on ARM with repacked weights), the re-prefill also stops at the
+        answer's repeat point, min_segment before its end, and stores a checkpoint there (`repeat_point`, after a
+        long enough answer): that request restores it and prefills min_segment tokens more, not the whole answer.
         """
         self.store_prompt_end(task)
         if not task.reuse.store:
@@ -562,7 +575,8 @@ class Reuse:
         full = task.tokens + generated
         try:
             unusable = task.cut or len(full) > self.engine.n_ctx or self.cache.contains(full, KV, salt=salt)
-            if not unusable and not self._restorable(task.job, generated):
+            added = self._next_turn(task.job, generated)
+            if not unusable and added is None:
                 # Nothing the next request extends: keep only the prompt's KV (so its checkpoints stay
                 # restorable once the slot serves another conversation), saved at the rewind point, no prefill.
                 self.after_stats.unrestorable += 1
@@ -582,6 +596,10 @@ class Reuse:
                 if not self.cache.contains(work, KV, salt=salt, covered=True):
                     task.reuse.saved += self._store(task, work, (KV,), boundary=False)
                 return False
+            positions = []
+            if work is full and added is not None and added < self.min_segment:  # the end is not restorable then
+                positions = [p for p in self.state.snapshot_positions(self.repeat_point(len(work), start))
+                             if self.exact(p - start)]
         except Exception:  # noqa: BLE001 - a lost after-generation snapshot is only a later miss
             log.warning("after-generation snapshot failed", exc_info=True)
             self.reset(task.slot)
@@ -590,19 +608,21 @@ class Reuse:
             self.after_stats.prompt_end += 1
         else:
             self.after_stats.answer += 1
-        task.reuse.work, task.reuse.pos, task.reuse.positions = work, start, []
+            self.after_stats.answer_repeat += bool(positions)
+        task.reuse.work, task.reuse.pos, task.reuse.positions = work, start, positions
         return True
 
-    def _restorable(self, job: Job, generated: list[int]) -> bool:
-        """The job's `restorable_after` answer (True without one, or when it fails: the state is then stored as
-        before, a cost and never a wrong answer)."""
+    def _next_turn(self, job: Job, generated: list[int]) -> int | None:
+        """The job's `restorable_after` answer: None where the likely next request does not restore the state
+        after `generated`, else the fewest tokens it adds after them. Without a probe, or where it fails,
+        min_segment: the answer's end is assumed restorable, as before probes (a cost and never a wrong answer)."""
         if job.restorable_after is None:
-            return True
+            return self.min_segment
         try:
-            return bool(job.restorable_after(generated))
+            return job.restorable_after(generated)
         except Exception:  # noqa: BLE001 - a failing probe must not lose the slot's state
             log.warning("restorable_after failed; the after-generation state is stored", exc_info=True)
-            return True
+            return self.min_segment
 
     def take_over_depth(self, task: Task, other: Task) -> int:
         """How deep `task` could start in `other`'s slot, where `other` is re-prefilling its after-generation

@@ -165,11 +165,11 @@ class Driver:
         return self._late_system_ok
 
     def _job(self, prompt: Prompt, opts: GenerationOptions, prompt_cache_key: str = "",
-             restorable_after: Callable[[Sequence[int]], bool] | None = None,
+             restorable_after: Callable[[Sequence[int]], int | None] | None = None,
              constraint: Constraint | None = None) -> Job:
         """The job for a prompt (a prompt that does not fit the context is refused by `Runtime.submit`).
-        restorable_after: for a chat prompt, whether the state after a given answer is worth storing
-        (`PromptBuilder.restorable_after`). constraint: the grammar to sample under, if any."""
+        restorable_after: for a chat prompt, whether and how the state after a given answer is restored by the
+        next request (`PromptBuilder.restorable_after`). constraint: the grammar to sample under, if any."""
         cfg = self.rt.config
         # The completion budget: the request's, else the server's default, else until the context is full; never
         # more than --max-tokens-limit or the context left. A larger request is served up to that, ending with

@@ -85,6 +85,8 @@ class _AfterGenerationCollector:
         for name, value, doc in (
                 ("preempted", s.preempted, "After-generation re-prefills dropped for a waiting request"),
                 ("taken_over", s.taken_over, "After-generation re-prefills continued by the request extending them"),
+                ("answer_repeat", s.answer_repeat, "After-generation re-prefills that also stored a checkpoint "
+                 "min_segment before the answer's end, for a next request that adds fewer tokens"),
                 ("tokens", s.tokens, "Tokens re-prefilled after generation"),
                 ("seconds", s.seconds, "Worker seconds spent re-prefilling after generation")):
             c = CounterMetricFamily(f"orchestrator_after_generation_{name}", doc)

@@ -181,6 +181,29 @@ def test_a_short_turn_over_a_restored_prefix_answers_as_cold_with_fa_on(flash_pa
         on.scheduler.drain()
 
 
+def test_a_short_tool_result_after_a_long_answer_restores_the_answers_repeat_point_with_fa_on(flash_pair):
+    """With min_segment 64, a tool result of a few tokens cannot restore the answer's end. Where the template's
+    probe says the next turn adds 14 tokens (a Qwen3.5 tool result around empty content), the after-generation
+    re-prefill stores the answer's repeat point, 64 tokens before its end: the next turn restores it, not the
+    prompt's end, and answers as its cold run (tokens, first-step logits)."""
+    on, _ = flash_pair
+    greedy = SPECULATION_CASES["greedy"]["sampling"]
+    first = on.engine.tokenize(LOOP)
+    r = on.scheduler.run(Job(first, max_tokens=150, sampling=greedy, restorable_after=lambda generated: 14))
+    on.scheduler.drain()
+    assert r.finish_reason == "length"  # the looping model does not end its turn: the answer is all 150 tokens
+    end = len(first) + len(r.completion_tokens)
+    second = first + r.completion_tokens + on.engine.tokenize(
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert len(second) - end < 64
+    warm = on.scheduler.run(Job(second, max_tokens=8, want_logits=True, sampling=greedy))
+    cold = on.scheduler.run(Job(second, max_tokens=8, want_logits=True, use_cache=False, sampling=greedy))
+    assert warm.cached_tokens == end - 64 and cold.cached_tokens == 0
+    assert warm.completion_tokens == cold.completion_tokens
+    assert np.array_equal(warm.first_logits, cold.first_logits)
+    on.scheduler.drain()
+
+
 @pytest.mark.parametrize("layout", ["verifying_pair", "flash_pair"])
 @pytest.mark.parametrize("case", sorted(SPECULATION_CASES))
 def test_speculation_changes_nothing_in_the_speculating_layouts(layout, case, request):

@@ -475,6 +475,28 @@ def test_after_generation_the_state_after_the_generated_tokens_is_stored_and_con
     assert warm.cached_tokens == len(prompt) + len(generated)
 
 
+@pytest.mark.parametrize("added", [2, MS])
+def test_a_next_turn_adding_fewer_than_min_segment_tokens_restores_the_answers_repeat_point(make, monkeypatch, added):
+    """Where the probe says the next request adds fewer tokens than min_segment after the answer (a short tool
+    result under -fa on's 64), the after-generation re-prefill also stores a checkpoint min_segment before the
+    answer's end: that request restores it, not the prompt's end, and equals its cold run. Where it adds enough,
+    the answer's end serves it and nothing more is stored."""
+    monkeypatch.setattr(Reuse, "REPEAT_TAIL", 8)  # short answers of the fake model suffice
+    eng, cache, s = make()
+    prompt = SYSTEM + TAILS[0]
+    r = s.run(job(prompt, [len(SYSTEM)], max_tokens=16, restorable_after=lambda g: added))
+    s.drain()
+    generated = r.completion_tokens + ([eng.eog_id] if r.finish_reason == "stop" else [])
+    full = len(prompt) + len(generated)
+    assert full - MS - len(prompt) >= Reuse.REPEAT_TAIL  # the answer is long enough for a repeat point
+    checkpoints = {n for k, n in kinds_at(cache) if k == str(CHECKPOINT)}
+    assert (full - MS in checkpoints) == (added < MS) and full in checkpoints
+    assert s.reuse.after_stats.answer_repeat == (added < MS)
+    nxt = prompt + generated + [3, 4, 5, 6][:added]
+    warm = same_as_cold(s, nxt)
+    assert warm.cached_tokens == (full - MS if added < MS else full)
+
+
 def test_after_generation_a_stop_string_stores_the_prompts_end(make):
     eng, cache, s = make()
     prompt = SYSTEM + TAILS[0]
@@ -515,7 +537,7 @@ def test_after_generation_is_skipped_where_the_next_request_would_not_restore_it
 
     def never(generated):
         seen.append(list(generated))
-        return False
+        return None
 
     r = s.run(job(prompt, [len(SYSTEM)], max_tokens=12, restorable_after=never))
     s.drain()
@@ -524,7 +546,7 @@ def test_after_generation_is_skipped_where_the_next_request_would_not_restore_it
     assert {n for k, n in kinds_at(cache) if k == str(KV)} == {len(prompt)}
     st_ = s.reuse.after_stats
     assert (st_.unrestorable, st_.answer, st_.prompt_end, st_.tokens) == (1, 0, 0, 0)
-    r2 = s.run(job(SYSTEM + TAILS[1], [len(SYSTEM)], max_tokens=12, restorable_after=lambda g: True))
+    r2 = s.run(job(SYSTEM + TAILS[1], [len(SYSTEM)], max_tokens=12, restorable_after=lambda g: MS))
     s.drain()
     full = len(SYSTEM + TAILS[1]) + len(r2.completion_tokens) + (r2.finish_reason == "stop")
     assert (str(KV), full) in kinds_at(cache) and s.reuse.after_stats.answer == 1

@@ -117,19 +117,24 @@ class PromptBuilder:
         return self.output_format.template_messages(messages), tools, template_kwargs
 
     def restorable_after(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any],
-                         prompt: Prompt) -> Callable[[Sequence[int]], bool]:
-        """A predicate for the scheduler's after-generation state: given the generated token ids (with the
-        end-of-turn token when generation stopped on one), whether the request that most likely follows starts
-        with `prompt`'s tokens and exactly those ids, so that the state after them can be restored.
+                         prompt: Prompt) -> Callable[[Sequence[int]], int | None]:
+        """A probe for the scheduler's after-generation state: given the generated token ids (with the
+        end-of-turn token when generation stopped on one), None where the request that most likely follows does
+        not start with `prompt`'s tokens and exactly those ids (the state after them cannot be restored), else
+        the fewest tokens it adds after them: its own, with an empty message (Reuse.after_generation stores a
+        checkpoint min_segment before the answer's end where that is less than min_segment).
 
         The likely next request is the conversation with the answer appended (parsed as the server returns it:
         reasoning, content, tool calls) and then the tool results of its calls, or a user message after a text
         answer. Rendered and tokenized like any request. On Qwen3.5 with thinking on, a text answer fails (the
         template drops a turn's reasoning once a newer user message arrives) and a tool call passes (reasoning
-        after the last user message is kept), so only the state a tool loop restores is stored (issue 18).
-        Never raises: a conversation the template rejects, or an answer that does not parse, is False.
+        after the last user message is kept), so only the state a tool loop restores is stored (issue 18). On
+        Qwen3.5 a tool result adds 14 tokens around its content with thinking on, 16 with it off.
+        Never raises: a conversation the template rejects, or an answer that does not parse, is None.
         """
-        def check(generated: Sequence[int]) -> bool:
+        probe = "\ue000"  # a private-use character: its own token, merging with no neighbour
+
+        def check(generated: Sequence[int]) -> int | None:
             try:
                 eog = list(generated[-1:]) if generated and self.engine.is_eog(generated[-1]) else []
                 body = list(generated[: len(generated) - len(eog)])
@@ -137,16 +142,19 @@ class PromptBuilder:
                 out = prompt.reply.parse(text)
                 answer = prompt.reply.message(out, object_arguments=True)
                 if out.tool_calls:
-                    probes = [{"role": "tool", "tool_call_id": c["id"], "content": "\ue000result"}
-                              for c in out.tool_calls]
+                    probes = [{"role": "tool", "tool_call_id": c["id"], "content": probe} for c in out.tool_calls]
                 else:
-                    probes = [{"role": "user", "content": "\ue000next"}]
+                    probes = [{"role": "user", "content": probe}]
                 msgs, tls, kw = self._escaped(list(messages) + [answer] + probes, tools, template_kwargs)
                 text = self.template.render(msgs, tls, add_generation_prompt=True, **kw)
                 want = list(prompt.tokens) + list(generated)
-                return self._ids(text)[: len(want)] == want
+                ids = self._ids(text)
+                if ids[: len(want)] != want:
+                    return None
+                # less each probe's tokens and one more: the separators around an empty message may merge
+                return max(0, len(ids) - len(want) - len(probes) * (len(self._ids(probe)) + 1))
             except (InvalidRequest, ValueError, KeyError, TypeError):
-                return False
+                return None
 
         return check
 
