@@ -331,12 +331,12 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
                           follow: int = 2) -> tuple[int, ...]:
     """The verification widths w (2..max_width) at which one ubatch of w tokens of one sequence
     (`Engine.verify`) gives bit-identical logits to w one-token decode steps, at every position, AND the state
-    after keeping 1, w // 2, w - 1 and all w of them (speculative.verify.rewind: KV removal, and on a recurrent
-    memory the checkpoint from before the verification reloaded and the kept tokens decoded again: the farthest and the
-    nearest rollback, and none) goes on exactly: the logits of the next `follow` one-token steps equal those
-    of the one-token path (`Engine.decode` of one token: decode_rows apply). Tested
-    after prefills of each length in `contexts` (pseudo-random tokens); a width counts only if every context
-    passes, and the result is contiguous from 2 (the first width that fails ends it), or where width 2 fails,
+    after keeping all w of them, and in the first and the last of `contexts` also after keeping 1, w // 2 and
+    w - 1 (speculative.verify.rewind: KV removal, and on a recurrent memory the checkpoint from before the
+    verification reloaded and the kept tokens decoded again: the farthest and the nearest rollback), goes on
+    exactly: the logits of the next `follow` one-token steps equal those of the one-token path (`Engine.decode`
+    of one token: decode_rows apply). Tested after prefills of each length in `contexts` (pseudo-random tokens);
+    a width counts only if every context passes, and the result is contiguous from 2 (the first width that fails ends it), or where width 2 fails,
     the odd widths contiguous from 3: with ARM i8mm, ggml-cpu's K-quant dot products take two rows at a time
     where a ubatch's length is even (ggml-cpu.c, `num_rows_per_vec_dot`), reference kernels or not, so only odd
     widths can equal one-row steps; a rollback then replays an even count as 1 + an odd one
@@ -352,7 +352,12 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     differences), so two contexts read (2, 3), which another prompt refuted; four are tried. Widths of 8 and more
     also change the weight-matmul kernels (as `measure_min_segment` sees). With decode_rows 2 the one-token
     step takes the verification's attention kernels: widths 2..7 exact on K-quant models; F16 still none (the
-    output projection then runs for one row in a step and for w rows in a verification)."""
+    output projection then runs for one row in a step and for w rows in a verification).
+
+    Cost: the rollbacks are most of it (each one a second verification, a replay and `follow` steps): on the
+    qwen3.5-0.8b preset at widths 2..16 on a 2-core AMD EPYC, 81.3 s with them in all four contexts, 50.3 s in
+    the first and last only (bench/results/2026-12-07/width-calibration-cost). A rollback's replay is itself a
+    verification-shaped ubatch, whose logits every context checks at its width."""
     top = min(max_width, engine.n_batch)
     if top < 2:
         return ()
@@ -363,9 +368,10 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
         return exact[w] and (all(exact[v] for v in range(2, w)) or (w % 2 == 1 and all(exact[v] for v in range(3, w, 2))))
 
     try:
-        for n in contexts:
+        for c, n in enumerate(contexts):
             if not any(alive(w) for w in exact):
                 break  # nothing left to find
+            rollbacks = c in (0, len(contexts) - 1)
             n = min(n, engine.n_ctx - top - follow - 1)
             prompt = [1000 + (41 * i + 7 * n) % 5000 for i in range(n)]
             nxt = [1500 + (59 * i + n) % 5000 for i in range(top + follow)]
@@ -385,7 +391,8 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
                     exact[w] = False
                     continue
                 replays = {v for v in passed if v < w and exact[v]}  # rollbacks replay in exact lengths
-                for keep in sorted({1, w // 2, w - 1, w}, reverse=True):  # all kept: this verification goes on
+                keeps = {1, w // 2, w - 1, w} if rollbacks else {w}
+                for keep in sorted(keeps, reverse=True):  # all kept: this verification goes on
                     if keep < w:
                         engine.load_state(0, start)
                         point = engine.rewind_point(0)

@@ -191,6 +191,33 @@ def test_measured_widths_are_the_odd_ones_where_even_ubatches_take_other_kernels
     assert calibration.measure_verify_widths(fake(ODD), 7) != ODD
 
 
+def test_width_measurement_checks_rollbacks_in_its_first_and_last_contexts(monkeypatch):
+    """The rollbacks (most of the measurement's cost) are checked after the first and the last context's prefill,
+    at every width; and one that goes wrong there (here: nothing rolled back at all after the last one) refuses
+    the widths, as it does in the first."""
+    import orchestrator.calibration as calibration
+
+    real, seen = calibration.rewind, []
+
+    def spied(engine, seq, point, pos, kept, widths=None):
+        seen.append((pos, len(kept)))
+        real(engine, seq, point, pos, kept, widths)
+
+    def fake():
+        e = FakeEngine(n_seq_max=1, exact_from=2, n_ctx=2048, exact_widths=WIDTHS)
+        e.calibrate(2, True)
+        return e
+
+    monkeypatch.setattr(calibration, "rewind", spied)
+    assert calibration.measure_verify_widths(fake(), 7, contexts=(40, 90, 170, 300)) == WIDTHS
+    assert {pos for pos, _ in seen} == {40, 300}
+    assert {k for pos, k in seen if pos == 300} == set(range(1, 7))  # keeps 1, w // 2 and w - 1 of widths 2..7
+    for broken_at in (40, 300):
+        monkeypatch.setattr(calibration, "rewind", lambda engine, seq, point, pos, kept, widths=None, at=broken_at:
+                            None if pos == at else real(engine, seq, point, pos, kept, widths))
+        assert calibration.measure_verify_widths(fake(), 7, contexts=(40, 90, 170, 300)) == ()
+
+
 def test_batched_decode_steps_do_not_verify(make):
     """Several slots decoding in one llama_decode call stay one row each (verification only alone)."""
     eng, s = make(batch_decode=True)
