@@ -327,19 +327,32 @@ def check_rollback(engine: Engine, seq: int | None = None) -> bool:
         engine.clear(0)
 
 
+# Verification widths measured: every one up to 16, then multiples of 4. Wider ones pay only on long runs of accepted
+# drafts, where a few sizes suffice, and each one measured lengthens the first start (widths up to 32: 64 s against
+# 50 s up to 16 on the qwen3.5-0.8b preset, bench/results/2026-12-07/width-calibration-cost); with them Gemma 3 270M
+# decoded its agent-shaped answers 1.07-1.15x faster than up to 16 (bench/results/2026-12-07/wide-verification).
+DENSE_WIDTHS = 16
+
+
+def verify_candidates(max_width: int) -> tuple[int, ...]:
+    """The verification widths `measure_verify_widths` tries up to `max_width`, ascending (DENSE_WIDTHS)."""
+    return tuple(w for w in range(2, max_width + 1) if w <= DENSE_WIDTHS or w % 4 == 0)
+
+
 def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence[int] = (40, 90, 170, 300),
                           follow: int = 2) -> tuple[int, ...]:
-    """The verification widths w (2..max_width) at which one ubatch of w tokens of one sequence
+    """The verification widths w (`verify_candidates` up to max_width) at which one ubatch of w tokens of one sequence
     (`Engine.verify`) gives bit-identical logits to w one-token decode steps, at every position, AND the state
     after keeping all w of them, and in the first and the last of `contexts` also after keeping 1, w // 2 and
     w - 1 (speculative.verify.rewind: KV removal, and on a recurrent memory the checkpoint from before the
     verification reloaded and the kept tokens decoded again: the farthest and the nearest rollback), goes on
     exactly: the logits of the next `follow` one-token steps equal those of the one-token path (`Engine.decode`
     of one token: decode_rows apply). Tested after prefills of each length in `contexts` (pseudo-random tokens);
-    a width counts only if every context passes, and the result is contiguous from 2 (the first width that fails ends it), or where width 2 fails,
-    the odd widths contiguous from 3: with ARM i8mm, ggml-cpu's K-quant dot products take two rows at a time
-    where a ubatch's length is even (ggml-cpu.c, `num_rows_per_vec_dot`), reference kernels or not, so only odd
-    widths can equal one-row steps; a rollback then replays an even count as 1 + an odd one
+    a width counts only if every context passes, and the result runs over the candidates from 2 (the first that
+    fails ends it), or where width 2 fails, over the odd ones from 3: with ARM i8mm, ggml-cpu's K-quant dot
+    products take two rows at a time where a ubatch's length is even (ggml-cpu.c, `num_rows_per_vec_dot`),
+    reference kernels or not, so only odd widths can equal one-row steps; a rollback then replays a count that
+    is not a width in pieces that are (an even count as an odd one + 1)
     (speculative.verify.replay's `widths`), as checked here. Empty: speculation cannot be exact here. Uses and
     clears sequence 0.
 
@@ -358,14 +371,17 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
     qwen3.5-0.8b preset at widths 2..16 on a 2-core AMD EPYC, 81.3 s with them in all four contexts, 50.3 s in
     the first and last only (bench/results/2026-12-07/width-calibration-cost). A rollback's replay is itself a
     verification-shaped ubatch, whose logits every context checks at its width."""
-    top = min(max_width, engine.n_batch)
-    if top < 2:
+    candidates = verify_candidates(min(max_width, engine.n_batch))
+    if not candidates:
         return ()
-    exact = {w: True for w in range(2, top + 1)}
+    top = candidates[-1]
+    exact = {w: True for w in candidates}
     passed: set[int] = set()  # measured exact in every context so far
 
     def alive(w: int) -> bool:  # can still end up in the result: every smaller width, or every smaller odd one
-        return exact[w] and (all(exact[v] for v in range(2, w)) or (w % 2 == 1 and all(exact[v] for v in range(3, w, 2))))
+        smaller = [v for v in candidates if v < w]
+        return exact[w] and (all(exact[v] for v in smaller) or (w % 2 == 1 and all(exact[v] for v in smaller
+                                                                                   if v % 2 == 1)))
 
     try:
         for c, n in enumerate(contexts):
@@ -382,7 +398,7 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
             for i, tok in enumerate(nxt):  # the one-token path
                 engine.decode(0, [tok], n + i)
                 ref.append(engine.logits())
-            for w in range(2, top + 1):
+            for w in candidates:
                 if not alive(w):
                     continue
                 engine.load_state(0, start)
@@ -411,7 +427,7 @@ def measure_verify_widths(engine: Engine, max_width: int = 7, contexts: Sequence
         return ()
     finally:
         engine.clear(0)
-    run = range(2, top + 1) if exact[2] else range(3, top + 1, 2)  # every width from 2, or (ARM i8mm) odd ones
+    run = [w for w in candidates if exact[2] or w % 2 == 1]  # every width from 2, or (ARM i8mm) odd ones
     widths = []
     for w in run:
         if not exact[w] or w not in passed:
@@ -719,6 +735,21 @@ def calibrate(engine: Engine, file: CalibrationFile, decode_batching: str = "aut
     return Calibration(min_segment, invariant, rollback, odd, widths)
 
 
+def describe_widths(widths: Sequence[int]) -> str:
+    """Verification widths as the log names them: runs of consecutive ones as "a..b" ("2..16, 20, 24"), and where
+    none are even "(odd widths: ...)"."""
+    runs: list[list[int]] = []
+    for w in widths:
+        if runs and w == runs[-1][-1] + 1:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    text = ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+    if len(widths) > 1 and all(w % 2 for w in widths):
+        text += " (odd widths: an even number of rows takes other kernels)"
+    return text
+
+
 def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int, drafts: str = "ngram"
                        ) -> tuple[int, ...]:
     """The verification widths the scheduler uses (empty: speculative decoding off), from the widths measured
@@ -733,8 +764,7 @@ def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int, dra
         log.info("speculative decoding on: %s drafts verified %s tokens at a time (measured bit-identical "
                  "to one-token decoding on this model and CPU)",
                  {"mtp": "MTP", "draft": "draft-model"}.get(drafts, "n-gram"),
-                 f"{exact[0]}..{exact[-1]}" if len(exact) == exact[-1] - exact[0] + 1
-                 else f"{', '.join(map(str, exact))} (odd widths: an even number of rows takes other kernels)")
+                 describe_widths(exact))
         return exact
     if mode == "ngram":
         log.warning("--speculative ngram: no verification width is bit-identical to one-token decoding on this "

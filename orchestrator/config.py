@@ -96,8 +96,11 @@ class Config:
     model_draft: Path | None = None  # a smaller GGUF with the model's vocabulary that drafts (--model-draft)
     draft_window: int = 4096  # most prompt tokens the draft model reads of a request (its context: twice that)
     # most drafted tokens per verification (the ubatch is draft_max + 1 wide); calibration measures the exact widths
-    # up to draft_max + 1 (2..7 with ggml-cpu's default kernels, 2..16 with reference ones: decode_kernels)
-    draft_max: int = 15
+    # up to draft_max + 1 (2..7 with ggml-cpu's default kernels, 2..16 and then 20, 24, 28, 32 with reference ones:
+    # decode_kernels, calibration.verify_candidates). 31 over 15: Gemma 3 270M decoded its agent-shaped answers
+    # 1.07-1.15x faster (bench/results/2026-12-07/wide-verification), and the first start measures 64 s against 50 s
+    # on the qwen3.5-0.8b preset
+    draft_max: int = 31
     # Flash attention ("on", "off", "auto") and the K / V cache types ("f16", "q8_0", ... engine.KV_TYPES, or
     # "auto"), llama-server's -fa / -ctk / -ctv. All three "auto": flash attention off over F16, whose prefill
     # splits are exact (Runtime._attention). Any of them set: that layout, the rest at those defaults; -ctk q8_0

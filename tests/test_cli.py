@@ -71,7 +71,7 @@ def test_speculation_flags_reach_the_config():
     parser = argparse.ArgumentParser()
     cli._serve_parser(parser.add_subparsers(dest="command"))
     cfg = cli._config(parser.parse_args(["serve"]))
-    assert (cfg.speculative, cfg.draft_max, cfg.decode_rows, cfg.decode_kernels) == ("auto", 15, 1, "auto")
+    assert (cfg.speculative, cfg.draft_max, cfg.decode_rows, cfg.decode_kernels) == ("auto", 31, 1, "auto")
     cfg = cli._config(parser.parse_args(["serve", "--speculative", "ngram", "--draft-max", "3", "--decode-rows", "2"]))
     assert (cfg.speculative, cfg.draft_max, cfg.decode_rows) == ("ngram", 3, 2)
     assert cli._config(parser.parse_args(["serve", "--speculative", "mtp"])).speculative == "mtp"

@@ -31,6 +31,9 @@ def test_speculation_widths_decision():
     assert speculation_widths((2, 3, 4, 5, 6, 7), "auto", 3) == (2, 3, 4)
     assert speculation_widths((), "auto", 6) == ()
     assert speculation_widths((), "ngram", 2) == (2, 3)
+    from orchestrator.calibration import describe_widths  # how the log names them
+    assert describe_widths(tuple(range(2, 17)) + (20, 24)) == "2..16, 20, 24"
+    assert describe_widths((3, 5, 7)) == "3, 5, 7 (odd widths: an even number of rows takes other kernels)"
 
 
 # ---------------------------------------------------------------- the scheduler's verification step
@@ -189,6 +192,41 @@ def test_measured_widths_are_the_odd_ones_where_even_ubatches_take_other_kernels
     whole = verify.replay
     monkeypatch.setattr(verify, "replay", lambda engine, items, widths=None: whole(engine, items))
     assert calibration.measure_verify_widths(fake(ODD), 7) != ODD
+
+
+def test_widths_past_16_are_measured_at_multiples_of_4_and_replays_are_cut_into_them():
+    """Past 16 the measurement tries multiples of 4 only (calibration.verify_candidates); a width that fails ends
+    the run there. A rollback's replay whose length is not a width is decoded in pieces that are, the widest
+    first (19 kept: 16 + 3), and goes on as the one-token path does."""
+    import orchestrator.calibration as calibration
+    from orchestrator.speculative.verify import cut, replay
+
+    wide = calibration.verify_candidates(32)
+    assert wide == tuple(range(2, 17)) + (20, 24, 28, 32)
+
+    def fake(hw):
+        e = FakeEngine(n_seq_max=1, exact_from=2, n_ctx=2048, exact_widths=hw)
+        e.calibrate(2, True)
+        return e
+
+    assert calibration.measure_verify_widths(fake(wide), 32) == wide
+    assert calibration.measure_verify_widths(fake(tuple(range(2, 17)) + (20, 28, 32)), 32) == tuple(range(2, 17)) + (20,)
+    e = fake(wide)
+    prompt, nxt = list(range(5, 45)), [(7 * i) % 50 + 3 for i in range(26)]
+    e.decode(0, prompt, 0)
+    ref = []
+    for i, tok in enumerate(nxt[:20]):
+        e.decode(0, [tok], len(prompt) + i)
+        ref.append(e.logits())
+    e.clear(0)
+    e.decode(0, prompt, 0)
+    point = e.rewind_point(0)
+    e.verify(0, nxt[:24], len(prompt))
+    e.verify_calls.clear()
+    replay(e, [cut(e, 0, point, len(prompt), nxt[:19])], wide)
+    assert e.verify_calls == [16, 3]
+    e.decode(0, [nxt[19]], len(prompt) + 19)
+    assert np.array_equal(e.logits(), ref[19])
 
 
 def test_width_measurement_checks_rollbacks_in_its_first_and_last_contexts(monkeypatch):

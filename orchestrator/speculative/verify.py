@@ -63,14 +63,16 @@ def replay(engine, items: Sequence[tuple[int, Sequence[int], int]], widths: Coll
     skipped rows change nothing the memory keeps. Exact where the widths are (calibration.
     measure_verify_widths checks this path, one sequence) and where several sequences verify together
     (calibration.check_batched_verification checks replays too). `widths`: the exact verification widths, where
-    not every length is one (ARM i8mm: odd widths only, an even number of rows taking the paired SMMLA kernel):
-    one sequence's tokens whose count is not among them are decoded one token first, then the rest, so every
-    call has an exact length (an even count: 1 + an odd one). Raises EngineError (the sequences' states are
-    then unspecified)."""
+    not every length is one (ARM i8mm: odd widths only, an even number of rows taking the paired SMMLA kernel;
+    past 16, multiples of 4 only: calibration.verify_candidates): one sequence's tokens whose count is not among
+    them are decoded in pieces that are, the widest that fits first, then the rest (an even count on ARM: an odd
+    one + 1; 19 tokens: 16 + 3), so every call has an exact length. Raises EngineError (the sequences' states
+    are then unspecified)."""
     if len(items) == 1 and widths is not None and 1 < len(items[0][1]) and len(items[0][1]) not in widths:
         seq, kept, pos = items[0]
-        engine.decode(seq, kept[:1], pos)
-        replay(engine, [(seq, kept[1:], pos + 1)], widths)
+        w = max((v for v in widths if v < len(kept)), default=1)  # 1: a decode step
+        replay(engine, [(seq, kept[:w], pos)], widths)
+        replay(engine, [(seq, kept[w:], pos + w)], widths)
     elif len(items) == 1 and len(items[0][1]) == 1:
         seq, kept, pos = items[0]
         engine.decode(seq, kept, pos)
