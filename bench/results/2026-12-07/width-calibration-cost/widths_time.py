@@ -1,7 +1,7 @@
 """Time calibration.measure_verify_widths(engine, 16) on a probe engine as the runtime makes it (-ctk q8_0, reference
 decode kernels, 1,024-token context, 2 threads), counting the engine's decode and verify calls and their tokens.
 
-    PYTHONPATH=. python bench/results/2026-12-07/width-calibration-cost/widths_time.py PRESET"""
+    PYTHONPATH=. python bench/results/2026-12-07/width-calibration-cost/widths_time.py PRESET [MAX_WIDTH]"""
 import sys, time
 from orchestrator import calibration
 from orchestrator.engine import Engine, Attention
@@ -17,7 +17,7 @@ for name in ("decode", "verify"):
         return _f(seq, toks, pos, *a, **k)
     setattr(e, name, wrap)
 t = time.perf_counter()
-w = calibration.measure_verify_widths(e, 16)
+w = calibration.measure_verify_widths(e, int(sys.argv[2]) if len(sys.argv) > 2 else 16)
 dt = time.perf_counter() - t
 print(preset, "widths", w, f"{dt:.1f} s", calls)
 e.close()
