@@ -173,6 +173,13 @@ def test_the_check_sees_even_replays_where_only_odd_widths_are_exact(make, monke
     assert outputs(run(off, job)[0]) != outputs(run(on, job)[0])
 
 
+def measuring(hw) -> FakeEngine:
+    """A one-sequence fake engine to measure verification widths on, exact at the widths `hw` (its hardware)."""
+    e = FakeEngine(n_seq_max=1, exact_from=2, n_ctx=2048, exact_widths=hw)
+    e.calibrate(2, True)
+    return e
+
+
 def test_measured_widths_are_the_odd_ones_where_even_ubatches_take_other_kernels(monkeypatch):
     """calibration.measure_verify_widths on hardware exact at odd widths only: (3, 5, 7), its rollback checks
     replaying even counts as 1 + an odd one; with replays in one call, the widths whose checks keep an even
@@ -180,18 +187,13 @@ def test_measured_widths_are_the_odd_ones_where_even_ubatches_take_other_kernels
     import orchestrator.calibration as calibration
     import orchestrator.speculative.verify as verify
 
-    def fake(hw):
-        e = FakeEngine(n_seq_max=1, exact_from=2, n_ctx=2048, exact_widths=hw)
-        e.calibrate(2, True)
-        return e
-
-    assert calibration.measure_verify_widths(fake(ODD), 7) == ODD
-    assert calibration.measure_verify_widths(fake(WIDTHS), 7) == WIDTHS
-    assert calibration.measure_verify_widths(fake(()), 7) == ()
-    assert calibration.measure_verify_widths(fake((2, 3, 5, 7)), 7) == (2, 3)
+    assert calibration.measure_verify_widths(measuring(ODD), 7) == ODD
+    assert calibration.measure_verify_widths(measuring(WIDTHS), 7) == WIDTHS
+    assert calibration.measure_verify_widths(measuring(()), 7) == ()
+    assert calibration.measure_verify_widths(measuring((2, 3, 5, 7)), 7) == (2, 3)
     whole = verify.replay
     monkeypatch.setattr(verify, "replay", lambda engine, items, widths=None: whole(engine, items))
-    assert calibration.measure_verify_widths(fake(ODD), 7) != ODD
+    assert calibration.measure_verify_widths(measuring(ODD), 7) != ODD
 
 
 def test_widths_past_16_are_measured_at_multiples_of_4_and_replays_are_cut_into_them():
@@ -204,14 +206,9 @@ def test_widths_past_16_are_measured_at_multiples_of_4_and_replays_are_cut_into_
     wide = calibration.verify_candidates(32)
     assert wide == tuple(range(2, 17)) + (20, 24, 28, 32)
 
-    def fake(hw):
-        e = FakeEngine(n_seq_max=1, exact_from=2, n_ctx=2048, exact_widths=hw)
-        e.calibrate(2, True)
-        return e
-
-    assert calibration.measure_verify_widths(fake(wide), 32) == wide
-    assert calibration.measure_verify_widths(fake(tuple(range(2, 17)) + (20, 28, 32)), 32) == tuple(range(2, 17)) + (20,)
-    e = fake(wide)
+    assert calibration.measure_verify_widths(measuring(wide), 32) == wide
+    assert calibration.measure_verify_widths(measuring(tuple(range(2, 17)) + (20, 28, 32)), 32) == tuple(range(2, 17)) + (20,)
+    e = measuring(wide)
     prompt, nxt = list(range(5, 45)), [(7 * i) % 50 + 3 for i in range(26)]
     e.decode(0, prompt, 0)
     ref = []
@@ -241,19 +238,14 @@ def test_width_measurement_checks_rollbacks_in_its_first_and_last_contexts(monke
         seen.append((pos, len(kept)))
         real(engine, seq, point, pos, kept, widths)
 
-    def fake():
-        e = FakeEngine(n_seq_max=1, exact_from=2, n_ctx=2048, exact_widths=WIDTHS)
-        e.calibrate(2, True)
-        return e
-
     monkeypatch.setattr(calibration, "rewind", spied)
-    assert calibration.measure_verify_widths(fake(), 7, contexts=(40, 90, 170, 300)) == WIDTHS
+    assert calibration.measure_verify_widths(measuring(WIDTHS), 7, contexts=(40, 90, 170, 300)) == WIDTHS
     assert {pos for pos, _ in seen} == {40, 300}
     assert {k for pos, k in seen if pos == 300} == set(range(1, 7))  # keeps 1, w // 2 and w - 1 of widths 2..7
     for broken_at in (40, 300):
         monkeypatch.setattr(calibration, "rewind", lambda engine, seq, point, pos, kept, widths=None, at=broken_at:
                             None if pos == at else real(engine, seq, point, pos, kept, widths))
-        assert calibration.measure_verify_widths(fake(), 7, contexts=(40, 90, 170, 300)) == ()
+        assert calibration.measure_verify_widths(measuring(WIDTHS), 7, contexts=(40, 90, 170, 300)) == ()
 
 
 def test_batched_decode_steps_do_not_verify(make):
