@@ -575,7 +575,7 @@ class Reuse:
         full = task.tokens + generated
         try:
             unusable = task.cut or len(full) > self.engine.n_ctx or self.cache.contains(full, KV, salt=salt)
-            added = self._next_turn(task.job, generated)
+            added = None if unusable else self._next_turn(task.job, generated)  # a render: only where it counts
             if not unusable and added is None:
                 # Nothing the next request extends: keep only the prompt's KV (so its checkpoints stay
                 # restorable once the slot serves another conversation), saved at the rewind point, no prefill.
