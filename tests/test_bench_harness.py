@@ -209,3 +209,23 @@ def test_bench_speculative_refuses_an_out_that_names_a_file(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--out", "results.json"])
     assert e.value.code == 2 and "--out is a directory" in capsys.readouterr().err
+
+
+def test_bench_speculative_variants_name_classes_and_sum_per_class():
+    from bench.speculative import aggregate, compare, generation_class, prompts
+
+    one, four = prompts(30), prompts(30, 4)
+    assert list(one) == ["tool", "edit", "free"]
+    assert all(four[k] == v for k, v in one.items())  # the first prompt of each class is the one runs used
+    assert len(set(four.values())) == 12 and {generation_class(g) for g in four} == {"tool", "edit", "free"}
+    with pytest.raises(ValueError):
+        prompts(30, 5)
+    run = lambda n, s, d=0, a=0: {"completion_tokens": n, "decode_s": s, "decode_tps": (n - 1) / s,
+                                  "drafted": d, "accepted": a}
+    # Σ (tokens - 1) / Σ seconds, not the mean of the runs' rates: 10 s at 10 tokens/s and 1 s at 100
+    row = {"off": aggregate([run(101, 10.0), run(101, 1.0)]), "on": aggregate([run(101, 2.0, 90, 80)]),
+           "peer-a": aggregate([run(101, 4.0)]), "peer-b": aggregate([run(101, 1.0)])}
+    assert row["off"]["decode_tps_sum"] == pytest.approx(200 / 11) and row["off"]["spread"] == (10.0, 100.0)
+    line = compare(row, ["on"], ["peer-a", "peer-b"])
+    assert row["best_peer"] == "peer-b" and row["on"]["vs_best_peer"] == pytest.approx(0.5)
+    assert row["on"]["speedup_vs_off"] == pytest.approx(50 / (200 / 11)) and "(80/90)" in line
