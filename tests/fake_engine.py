@@ -24,7 +24,8 @@ What it models, so that the tests can catch what the real numerics would punish:
     after it; `truncate` may then cut the recurrent history back into the last call's last n_rs_seq + 1
     tokens (llama.cpp's n_rs_seq rollback), and nowhere else. `verify_many` does it for several sequences in one
     call, each marked as alone only while `batched_verify_exact` (the hardware's answer, which
-    calibration.check_batched_verification finds), else with 300 + its width; `verify_many_calls` records the
+    calibration.check_batched_verification finds), else with 300 + its width; on a hybrid memory in the pieces
+    llama.cpp's split_equal cuts (`_split_marks`), each piece marked so; `verify_many_calls` records the
     widths of each call, `replay_calls` those of each call with logits for each sequence's last token only
     (`every` False: a rollback's replay).
   * Byte sizes like the real ones at 1/64 scale: a checkpoint of `checkpoint_bytes` (19.3 MiB / 64 for
@@ -254,22 +255,48 @@ class FakeEngine:
         (self.verify_many_calls if every else self.replay_calls).append([len(tokens) for _, tokens, _ in items])
         exact = self.hw_batch_invariant
         exact = len(items) in exact if isinstance(exact, tuple) else exact
-        logits, starts = [], []
         for seq, tokens, pos in items:
-            s = self._seqs[seq]
-            if not tokens or pos != len(s.kv) or pos + len(tokens) > self.n_ctx:
+            if not tokens or pos != len(self._seqs[seq].kv) or pos + len(tokens) > self.n_ctx:
                 raise EngineError(f"fake verify_many of {len(tokens)} tokens at {pos}")
-            if len(tokens) == 1:
-                mark = 1 if len(items) == 1 or exact else 100 + len(items)
+        split = self._split_marks(items, exact) if self.hybrid else None
+        logits, starts = [], []
+        for k, (seq, tokens, pos) in enumerate(items):
+            s = self._seqs[seq]
+            if split is not None:
+                mark = split[k]
+            elif len(tokens) == 1:
+                mark = [1 if len(items) == 1 or exact else 100 + len(items)]
             else:
-                mark = 1 if len(tokens) in self.exact_widths and self.batched_verify_exact else 300 + len(tokens)
+                mark = [1 if len(tokens) in self.exact_widths and self.batched_verify_exact else 300 + len(tokens)]
             starts.append(len(logits))
-            for tok in tokens:
-                self._append(s, [tok], mark)
+            for j, tok in enumerate(tokens):
+                self._append(s, [tok], mark[min(j, len(mark) - 1)])
                 logits.append(self._vector(s))
             self._verified[seq] = (pos, pos + len(tokens))
         self._logits = logits
         return starts
+
+    def _split_marks(self, items, exact: bool) -> list[list[int]]:
+        """A hybrid memory's ubatches of one verify_many call, as llama.cpp's split_equal cuts them: each ubatch
+        takes as many tokens from every sequence that has some left as the shortest of them has, so a sequence
+        is computed in pieces whose lengths the others decide (20 drafts beside one pending token: 1, then 19
+        alone). Per item, the mark of each of its tokens: a piece of one token as a decode step of that many
+        rows, a piece of one sequence alone as `verify`, of several as `verify_many` of one sequence each."""
+        left = [len(tokens) for _, tokens, _ in items]
+        marks: list[list[int]] = [[] for _ in items]
+        while any(left):
+            active = [k for k, n in enumerate(left) if n]
+            piece = min(left[k] for k in active)
+            if piece == 1:
+                mark = 1 if len(active) == 1 or exact else 100 + len(active)
+            elif len(active) == 1:
+                mark = 1 if piece in self.exact_widths else 200 + piece
+            else:
+                mark = 1 if piece in self.exact_widths and self.batched_verify_exact else 300 + piece
+            for k in active:
+                marks[k].extend([mark] * piece)
+                left[k] -= piece
+        return marks
 
     def decode_step(self, items: Sequence[tuple[int, int, int]]) -> None:
         self._running.wait()
@@ -359,6 +386,11 @@ class FakeEngine:
         except EngineError:
             self.clear(seq)
             raise
+
+    @property
+    def cuttable(self) -> bool:
+        """As Engine.cuttable: an attention-only memory can be cut back by KV removal alone."""
+        return not self.hybrid
 
     def rewind_point(self, seq: int, buffer: int = 0) -> bytes | None:
         """As the engine's: the recurrent checkpoint, or None on an attention-only memory."""

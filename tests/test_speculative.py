@@ -296,6 +296,38 @@ def test_slots_decoding_together_verify_together_and_change_nothing(make, case, 
         assert any(len(c) > 1 for c in eng.replay_calls), eng.replay_calls
 
 
+@pytest.mark.parametrize("case", ["n3", "greedy3"])
+def test_slots_verifying_together_on_a_hybrid_stay_within_the_dense_widths(make, case):
+    """On a hybrid memory llama.cpp cuts one call's sequences into pieces as long as the shortest one left
+    (split_equal): 12 drafts beside a pending token are verified as 1, then 11 alone. Where the exact widths have
+    a gap (here 2..7 and 12; on x86 2..16 then multiples of 4), each slot's verification in a shared call is kept
+    within the widths below the gap, so that every piece is exact: answers as without speculation."""
+    widths = (2, 3, 4, 5, 6, 7, 12)
+    _, off = make(widths=(), hybrid=True, batch_decode=True)
+    eng, on = make(widths=widths, hw=widths, hybrid=True, batch_decode=True, together=True)
+    on.speculation.costs = FreeCosts()
+    if case == "n3":
+        jobs = [Job(PROMPT, max_tokens=80, **CASES["n3"])]
+    else:
+        jobs = [Job(PROMPT[k:] + PROMPT[:k], max_tokens=80, sampling=SamplingParams(temperature=0.0))
+                for k in (0, 7, 13)]
+
+    def run_all(s):
+        s.engine.pause()
+        waits = [submit(s, job) for job in jobs]
+        s.engine.resume()
+        out = [outputs(wait()[0]) for wait in waits]
+        s.drain()
+        return out
+
+    assert run_all(off) == run_all(on)
+    calls = eng.verify_many_calls
+    assert any(len(c) > 1 and max(c) > 1 for c in calls) and max(max(c) for c in calls if len(c) > 1) <= 7
+    alone = Job(PROMPT, max_tokens=80, sampling=SamplingParams(temperature=0.0))
+    assert outputs(submit(on, alone)()[0]) == outputs(submit(off, alone)()[0])
+    assert 12 in eng.verify_calls  # alone, a slot still verifies past the gap
+
+
 def test_the_check_sees_an_inexact_batched_verification(make):
     """The same comparison where verifying in one call is not exact: the answers differ (so the test above would
     catch a batched verification that is)."""

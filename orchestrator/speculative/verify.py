@@ -140,6 +140,8 @@ class Speculation:
         self.engine = engine
         self.together = together and engine.decode_rows == 1
         self.widths = tuple(sorted(widths))
+        # the widest verification such that every shorter one is exact too (x86: 16, then multiples of 4 past it)
+        self.dense = next(w for w in range(1, len(self.widths) + 2) if w + 1 not in self.widths)
         self.min_n, self.max_n = min_n, max_n
         self.stats = SpecStats()
         self.costs = costs if costs is not None else VerifyCosts()
@@ -206,10 +208,17 @@ class Speculation:
         planning it queued the head's entries. `guard(task, fn, *args)` runs a task's part so that its failure
         fails that task only. Raises EngineError where the first call fails (every task's state is then
         unspecified). Costs are not timed here: the width policy weighs what a verification costs alone, which
-        the rows a verification adds to a batched step roughly cost too (rows run the one-row kernels)."""
+        the rows a verification adds to a batched step roughly cost too (rows run the one-row kernels). On a
+        recurrent memory each task verifies at most `dense` tokens here: llama.cpp computes such a call in
+        ubatches as long as the shortest sequence left, so a sequence's pieces are lengths the others decide,
+        and below `dense` each is an exact width."""
         if not self.together:
             return False
-        plans = [self._plan(t) for t in tasks]
+        # a recurrent memory's call is cut by llama.cpp into ubatches as long as the shortest sequence left
+        # (split_equal: 20 drafts beside a pending token are computed as 1, then 19 alone): within `dense`
+        # every such piece is an exact width
+        cap = None if self.engine.cuttable else self.dense
+        plans = [self._plan(t, cap) for t in tasks]
         modelled = self.mtp is not None or self.draft_model is not None
         if not any(plans) and not modelled:
             return False  # (a model's plans queued the head's entries: the step is this one's, drafts or not)
@@ -259,9 +268,9 @@ class Speculation:
             for task in owners:
                 guard(task, _reraise, e)
 
-    def _plan(self, task) -> tuple[RequestSpec, list[int]] | None:
-        """(the task's state, [pending] + the drafts to verify now), or None: a plain step (no usable draft, a
-        grammar, a held token, no width pays)."""
+    def _plan(self, task, cap: int | None = None) -> tuple[RequestSpec, list[int]] | None:
+        """(the task's state, [pending] + the drafts to verify now, at most `cap` tokens where given), or None: a
+        plain step (no usable draft, a grammar, a held token, no width pays)."""
         spec = self.state(task)
         if spec is None or task.pending is None or task.held is not None:
             return None
@@ -273,7 +282,7 @@ class Speculation:
             if not hit:
                 spec.shadow_gap = min(2 * spec.shadow_gap, self.max_gap)
             spec.shadow = None
-        most = min(self.widths[-1], room) - 1
+        most = min(self.widths[-1], room, cap or room) - 1
         if self.mtp is not None:
             tokens = self._draft_mtp(task, spec, pos, most)
         elif self.draft_model is not None:
