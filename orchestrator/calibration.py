@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 import llama_cpp
 import numpy as np
 
+from . import kernels
 from .devices import Offload
 from .cache.radix import CHECKPOINT
 from .speculative.verify import rewind
@@ -608,7 +609,8 @@ class CalibrationFile:
     measure again. Keyed by the model file (`model_file_digest`), the llama-cpp-python version, the CPU's
     instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), the llama.cpp/ggml
     environment variables (`kernel_environment`: a value measured with the tiled matmul off is never reused
-    with it on), n_batch, weight
+    with it on), a ggml-cpu built without llamafile (`kernels.has_llamafile`: its widths would be wrong for one
+    with it; a build with it keeps the keys it had), n_batch, weight
     repacking (None: a measurement of both, repacking.py) and the offload layout (`Offload.key`: backend, devices, layers and KV placement; a CPU
     measurement is never reused for a GPU). No file (None), an unreadable one, or no layout: measure every
     time."""
@@ -623,7 +625,7 @@ class CalibrationFile:
         if cpu is None:
             self.file = None  # no way to tell this CPU from another: do not trust a stored value
         for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts, offload_key,
-                     kernel_environment()):
+                     kernel_environment(), *(() if kernels.has_llamafile() else ("GGML_LLAMAFILE=OFF",))):
             h.update(repr(part).encode())
         self.key = h.hexdigest()
 

@@ -41,8 +41,10 @@ class KernelsUnavailable(Exception):
 
 
 def _library(name: str) -> ctypes.CDLL:
-    """llama-cpp-python's bundled shared library `name` (libggml-base, libggml-cpu), already loaded by llama_cpp."""
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    """The shared library `name` (libggml-base, libggml-cpu) that llama_cpp loaded: from LLAMA_CPP_LIB_PATH where
+    set (llama_cpp/llama_cpp.py reads it), else from llama-cpp-python's own lib folder. Another copy would be
+    another library, whose functions reach the loaded one's backends only by luck."""
+    lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib")
     for candidate in (f"lib{name}.so", f"lib{name}.dylib", f"{name}.dll"):
         if (lib_dir / candidate).exists():
             return ctypes.CDLL(str(lib_dir / candidate))
@@ -65,6 +67,22 @@ def _api() -> tuple:
     is_cpu.argtypes, is_cpu.restype = [ctypes.c_void_p], ctypes.c_bool
     set_use_ref.argtypes, set_use_ref.restype = [ctypes.c_void_p, ctypes.c_bool], None
     return get_sched, n_backends, get_backend, is_cpu, set_use_ref
+
+
+def has_llamafile() -> bool:
+    """Whether the loaded ggml-cpu was built with llamafile's tinyBLAS (`GGML_LLAMAFILE`, on by default), which
+    computes F16, F32 and Q8_0 matmuls of two or more rows, reference paths or not, with other sums than the
+    one-row `vec_dot` kernels: then the default attention layout (flash attention off over F16) has no exact
+    verification width. Built without it (CMAKE_ARGS="-DGGML_LLAMAFILE=OFF"), every matmul of a reference-path
+    decode step or verification runs `vec_dot` row by row, and that layout verified widths 2..16 and 20..32
+    exactly on tiny-q4, the qwen3.5-0.8b preset and Gemma 3 270M (bench/results/2026-12-07/no-llamafile). True
+    where it cannot be asked (the old answer: no exact width there)."""
+    try:
+        fn = _library("ggml-cpu").ggml_cpu_has_llamafile
+    except (AttributeError, OSError, KernelsUnavailable):
+        return True
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return bool(fn())
 
 
 def unavailable() -> str | None:

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 
-from orchestrator import cli
+from orchestrator import cli, kernels
 from orchestrator.config import Config
 from orchestrator.engine import VERIFYING, Attention, Engine
 from orchestrator.errors import ModelLoadError
@@ -48,6 +48,20 @@ def layouts(*argv: str) -> tuple[Attention, ...]:
     (("--device", "none", "-ngl", "0"), (Attention(),)),
 ])
 def test_the_flags_resolve_to_the_layouts_tried_in_order(argv, expected):
+    assert layouts(*argv) == expected
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ((), (Attention(kernels="reference"),)),  # the default layout verifies exactly without tinyBLAS
+    (("-fa", "off"), (Attention(kernels="reference"),)),
+    (("--decode-kernels", "default"), (Attention(),)),
+    (("-ctk", "q8_0"), (VERIFYING_REF,)),
+])
+def test_without_llamafile_auto_takes_reference_kernels_in_the_default_layout(monkeypatch, argv, expected):
+    """A ggml-cpu built with -DGGML_LLAMAFILE=OFF (kernels.has_llamafile False) runs every matmul of a reference
+    decode step or verification row by row, so --decode-kernels auto takes them in the default layout too, where
+    speculation then has exact widths (bench/results/2026-12-07/no-llamafile)."""
+    monkeypatch.setattr(kernels, "has_llamafile", lambda: False)
     assert layouts(*argv) == expected
 
 
@@ -323,3 +337,12 @@ def test_slots_that_decode_together_verify_their_drafts_together(verifying_pair,
     assert sum(r.accepted_tokens for r in a) > 0
     on.scheduler.drain()
     off.scheduler.drain()
+
+
+def test_kernels_open_the_libraries_llama_cpp_loaded(monkeypatch, tmp_path):
+    """With LLAMA_CPP_LIB_PATH set, llama_cpp loads that folder's libraries, and the kernel switch must reach
+    those, not llama-cpp-python's own copy: a folder without them is reported, not silently replaced."""
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+    with pytest.raises(kernels.KernelsUnavailable, match=str(tmp_path)):
+        kernels._library("ggml-cpu")
+    assert kernels.has_llamafile()  # cannot ask: the old answer, no exact width in the default layout
