@@ -267,7 +267,7 @@ def compare(row: dict, spec: list[str], peers: list[str]) -> str:
 
 
 def start_runtime(model: Path, mode: str, threads: int, draft_max: int, decode_rows: int = 1,
-                  flash_attn: str = "verifying", model_draft: Path | None = None):
+                  flash_attn: str = "verifying", model_draft: Path | None = None, decode_kernels: str = "auto"):
     """A Runtime with --speculative `mode`: one slot, cache off, so nothing but decoding differs between modes.
     flash_attn "verifying": engine.VERIFYING as `-ctk q8_0` asks for it; else --flash-attn's value. `model_draft`:
     --model-draft, for mode "draft"."""
@@ -275,6 +275,7 @@ def start_runtime(model: Path, mode: str, threads: int, draft_max: int, decode_r
     from orchestrator.runtime import Runtime
 
     layout = {"cache_type_k": "q8_0"} if flash_attn == "verifying" else {"flash_attn": flash_attn}
+    layout["decode_kernels"] = decode_kernels
     return Runtime.start(Config(model=model, ctx_size=8192, batch_size=256, threads=threads, parallel=1,
                                 cache_enabled=False, speculative=mode, draft_max=draft_max, cache_ram_mib=0,
                                 decode_rows=decode_rows, calibration_file=CALIBRATION,
@@ -308,10 +309,10 @@ def generate(rt, label: str, name: str, text: str, template: str, max_tokens: in
 
 
 def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
-             draft_max: int, decode_rows: int = 1, flash_attn: str = "verifying", model_draft: Path | None = None
-             ) -> dict:
+             draft_max: int, decode_rows: int = 1, flash_attn: str = "verifying", model_draft: Path | None = None,
+             decode_kernels: str = "auto") -> dict:
     """Every generation in one runtime of its own: {"widths", "attention", "repack", generation: figures}."""
-    rt = start_runtime(model, mode, threads, draft_max, decode_rows, flash_attn, model_draft)
+    rt = start_runtime(model, mode, threads, draft_max, decode_rows, flash_attn, model_draft, decode_kernels)
     out = describe(rt)
     try:
         for name, text in texts.items():
@@ -323,11 +324,12 @@ def run_mode(model: Path, mode: str, texts: dict[str, str], template: str, max_t
 
 def run_forced(model: Path, mode: str, texts: dict[str, str], template: str, max_tokens: int, threads: int,
                draft_max: int, rates: list[tuple[str, float]], flash_attn: str = "verifying",
-               model_draft: Path | None = None) -> dict[str, dict]:
+               model_draft: Path | None = None, decode_kernels: str = "auto") -> dict[str, dict]:
     """One runtime for "off" and every forced rate, so that they share its weights' placement in memory (between
     runtimes decode speed moved ±15% on the 2-core EPYC, more than the effects measured): per generation, "off"
     (no verification widths) and then each (name, rate) drafting that answer. {mode name: run_mode's dict}."""
-    rt = start_runtime(model, mode, threads, draft_max, flash_attn=flash_attn, model_draft=model_draft)
+    rt = start_runtime(model, mode, threads, draft_max, flash_attn=flash_attn, model_draft=model_draft,
+                       decode_kernels=decode_kernels)
     spec = rt.scheduler.speculation
     widths, state, drafting = spec.widths, spec.state, spec.draft_model
     names = ["off"] + [name for name, _ in rates]
@@ -362,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flash-attn", choices=["verifying", "auto", "on", "off"], default="verifying",
                     help="the attention layout of off and on (verifying: engine.VERIFYING, as -ctk q8_0 serves it; "
                          "auto, on, off: --flash-attn's, on = tiled flash attention over F16; default verifying)")
+    ap.add_argument("--decode-kernels", choices=["auto", "default", "reference"], default="auto",
+                    help="--decode-kernels of off and on (default auto, serve's)")
     ap.add_argument("--forced", default="", metavar="P,P,...",
                     help="percentages of corrupted forced drafts, one 'on' mode each (module docstring)")
     ap.add_argument("--peer", default="", metavar="TYPE,TYPE,...",
@@ -395,31 +399,32 @@ def main(argv: list[str] | None = None) -> int:
     if a.only:
         only = a.only.split(",")
         texts = {k: v for k, v in texts.items() if k in only or generation_class(k) in only}
-    # (name, --speculative, decode rows, --flash-attn); with --decode-rows 2 also one-row decoding without
-    # speculation (what the second row costs); with --flash-attn verifying or on also speculation off with flash
-    # attention off over F16 (the default layout). Rounds interleave the modes, so machine drift
-    # hits all alike.
-    modes = [("off", "off", a.decode_rows, a.flash_attn), ("on", a.mode, a.decode_rows, a.flash_attn)]
+    # (name, --speculative, decode rows, --flash-attn, --decode-kernels); with --decode-rows 2 also one-row
+    # decoding without speculation (what the second row costs); with --flash-attn verifying or on, or other
+    # decode kernels, also speculation off in the default layout (flash attention off over F16, its default
+    # kernels). Rounds interleave the modes, so machine drift hits all alike.
+    kern = a.decode_kernels
+    modes = [("off", "off", a.decode_rows, a.flash_attn, kern), ("on", a.mode, a.decode_rows, a.flash_attn, kern)]
     rates = [(f"forced{p}", float(p) / 100) for p in a.forced.split(",") if p]
     if rates:
-        modes[1:] = [(name, a.mode, a.decode_rows, a.flash_attn) for name, _ in rates]
+        modes[1:] = [(name, a.mode, a.decode_rows, a.flash_attn, kern) for name, _ in rates]
     if a.decode_rows == 2:
-        modes.append(("one_row_off", "off", 1, a.flash_attn))
-    if a.flash_attn in ("verifying", "on"):
-        modes.append(("fa_off_off", "off", 1, "off"))
+        modes.append(("one_row_off", "off", 1, a.flash_attn, kern))
+    if a.flash_attn in ("verifying", "on") or kern != "auto":
+        modes.append(("fa_off_off", "off", 1, "off", "auto"))
     peers = [f"llama-server-{t}" for t in a.peer.split(",") if t]
     runs: dict[str, list[dict]] = {name: [] for name in [m[0] for m in modes] + peers}
     out_dir = a.out or results_dir()
     for _ in range(a.reps):
         if rates:
             for name, r in run_forced(model, a.mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rates,
-                                      a.flash_attn, a.model_draft).items():
+                                      a.flash_attn, a.model_draft, kern).items():
                 runs[name].append(r)
-        for name, mode, rows, flash in modes:
+        for name, mode, rows, flash, kernels in modes:
             if name.startswith("forced") or (name == "off" and rates):  # run_forced ran them
                 continue
             runs[name].append(run_mode(model, mode, texts, a.template, a.max_tokens, a.threads, a.draft_max, rows,
-                                       flash, a.model_draft))
+                                       flash, a.model_draft, kernels))
         for name in peers:
             prompt_ids = {g: runs["off"][-1][g]["prompt"] for g in texts}
             runs[name].append(run_peer(model, name[len("llama-server-"):], prompt_ids, a.max_tokens, a.threads,
