@@ -210,14 +210,12 @@ class Speculation:
         unspecified). Costs are not timed here: the width policy weighs what a verification costs alone, which
         the rows a verification adds to a batched step roughly cost too (rows run the one-row kernels). On a
         recurrent memory each task verifies at most `dense` tokens here: llama.cpp computes such a call in
-        ubatches as long as the shortest sequence left, so a sequence's pieces are lengths the others decide,
-        and below `dense` each is an exact width."""
+        ubatches as long as the shortest sequence left (split_equal), so a sequence's pieces are lengths the
+        others decide (20 drafts beside a pending token: 1, then 19 alone), and within `dense` each is an exact
+        width."""
         if not self.together:
             return False
-        # a recurrent memory's call is cut by llama.cpp into ubatches as long as the shortest sequence left
-        # (split_equal: 20 drafts beside a pending token are computed as 1, then 19 alone): within `dense`
-        # every such piece is an exact width
-        cap = None if self.engine.cuttable else self.dense
+        cap = None if self.engine.cuttable else self.dense  # llama.cpp's split_equal (docstring)
         plans = [self._plan(t, cap) for t in tasks]
         modelled = self.mtp is not None or self.draft_model is not None
         if not any(plans) and not modelled:
