@@ -75,6 +75,39 @@ def answer(policy: DraftLength, p: Callable[[int], float], n_tokens: int, rng: r
     return tokens / cost
 
 
+def replay(prompt: list[int], answer: list[int], n: int, costs: dict[int, float], rewind: float,
+           drafter=None) -> tuple[float, int, int]:
+    """A recorded greedy answer instead of a pattern: orchestrator's n-gram drafter (or `drafter`, NgramDrafter's
+    interface over prompt + answer[:1]) and width policy decode the first n answer tokens, at `costs` (verification
+    width -> decode steps, the widths used) and `rewind` (a rollback, in steps). Returns (n over the steps spent,
+    drafted, accepted); the first answer token is the prompt's, so plain decoding gives n / (n - 1). No model runs: the replays in bench/results/2026-12-07/ (follow-source,
+    spec-variants) isolate what the text and the drafter do."""
+    from orchestrator.speculative.ngram import NgramDrafter
+
+    widths = sorted(costs)
+    drafter = drafter if drafter is not None else NgramDrafter(prompt + answer[:1])
+    policy = DraftLength(widths, VerifyCosts(start={**costs, 0: rewind}))
+    j, cost, drafted, accepted, n = 1, 0.0, 0, 0, min(n, len(answer))
+    while j < n:
+        draft = drafter.draft(widths[-1] - 1)
+        w = policy.width(len(draft))
+        if w < 2:
+            if draft:
+                policy.shadow(draft[0] == answer[j])
+            cost, new = cost + 1, answer[j:j + 1]
+        else:
+            k, i = w - 1, 0
+            while i < k and j + i < n and draft[i] == answer[j + i]:
+                i += 1
+            policy.observe(k, i)
+            drafted, accepted = drafted + k, accepted + i
+            cost += costs[w] + (rewind if i < k else 0)
+            new = answer[j:j + i + 1]
+        drafter.extend(new)
+        j += len(new)
+    return n / cost, drafted, accepted
+
+
 def simulate(n_tokens: int = 300, answers: int = 200) -> dict:
     widths = range(2, DRAFTS + 2)
     rules = {"DraftLength": DraftLength, "before": Before}

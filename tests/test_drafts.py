@@ -241,3 +241,14 @@ def test_the_cautious_estimate_is_below_the_mean_and_closes_on_it():
         length.shadow(False)
     assert abs(length.acceptance() - 0.5) < 0.05
     assert 0.5 - 0.5 * (0.25 / 10) ** 0.5 - 0.05 < length.cautious() < length.acceptance()
+
+
+def test_replay_of_a_recorded_answer_counts_what_the_drafts_save():
+    from bench.spec_policy import replay
+
+    costs = {w: 1 + 0.25 * (w - 1) for w in range(2, 9)}
+    block = list(range(100, 160))
+    copied = replay(block, block, 60, costs, 0.0)  # the answer copies the prompt: drafts cover it
+    assert copied[0] > 1.5 and 0 < copied[2] <= copied[1]
+    fresh = replay(block, list(range(500, 560)), 60, costs, 0.0)  # nothing repeats: plain decoding, no drafts
+    assert fresh == (60 / 59, 0, 0)  # n tokens, n - 1 plain steps (the first is the prompt's)

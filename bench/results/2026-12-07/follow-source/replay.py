@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.speculative.ngram import NgramDrafter
-from orchestrator.speculative.policy import DraftLength, VerifyCosts
+from bench.spec_policy import replay
 
 HERE = Path(__file__).parent
 REF = {2: 1.881, 3: 2.14, 4: 2.277, 5: 3.864, 6: 4.189, 7: 4.804, 8: 3.955, 9: 4.723, 10: 5.179, 11: 5.611,
@@ -18,29 +18,9 @@ REF = {2: 1.881, 3: 2.14, 4: 2.277, 5: 3.864, 6: 4.189, 7: 4.804, 8: 3.955, 9: 4
 REWIND = 0.004  # Gemma is attention-only: a rollback is a KV removal
 
 
-def replay(prompt, answer, follow, n, widths=tuple(range(2, 17))):
-    """(speedup over plain decoding, drafted, accepted) for the first n answer tokens."""
-    drafter = NgramDrafter(prompt + answer[:1], follow=follow)
-    policy = DraftLength(widths, VerifyCosts(start={**REF, 0: REWIND}))
-    j, cost, drafted, accepted, n = 1, 0.0, 0, 0, min(n, len(answer))
-    while j < n:
-        draft = drafter.draft(widths[-1] - 1)
-        w = policy.width(len(draft))
-        if w < 2:
-            if draft:
-                policy.shadow(draft[0] == answer[j])
-            cost, new = cost + 1, answer[j:j + 1]
-        else:
-            k, i = w - 1, 0
-            while i < k and j + i < n and draft[i] == answer[j + i]:
-                i += 1
-            policy.observe(k, i)
-            drafted, accepted = drafted + k, accepted + i
-            cost += REF[w] + (REWIND if i < k else 0)
-            new = answer[j:j + i + 1]
-        drafter.extend(new)
-        j += len(new)
-    return n / cost, drafted, accepted
+def replay_follow(prompt, answer, follow, n):
+    """(speed-up over plain decoding, drafted, accepted) for the first n answer tokens (bench.spec_policy.replay)."""
+    return replay(prompt, answer, n, REF, REWIND, NgramDrafter(prompt + answer[:1], follow=follow))
 
 
 if __name__ == "__main__":
@@ -49,6 +29,6 @@ if __name__ == "__main__":
     seqs.update(json.loads((HERE / "seqs-more.json").read_text()))
     print(f"{'answer':8} {'latest occurrence':>26} {'follow the source':>26}  ratio")
     for name, s in seqs.items():
-        a, b = (replay(s["prompt"], s["answer"], f, n) for f in (False, True))
+        a, b = (replay_follow(s["prompt"], s["answer"], f, n) for f in (False, True))
         print(f"{name:8} {a[0]:6.3f}x ({a[2]:3d}/{a[1]:3d} accepted) {b[0]:6.3f}x ({b[2]:3d}/{b[1]:3d} accepted)"
               f"  {b[0] / a[0]:.3f}")

@@ -9,8 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from orchestrator.speculative.ngram import NgramDrafter
-from orchestrator.speculative.policy import DraftLength, VerifyCosts
+from bench.spec_policy import replay
 
 HERE = Path(__file__).parent
 COSTS = {2: 1.82, 3: 2.322, 4: 2.35, 5: 3.614, 6: 4.01, 7: 4.415, 8: 3.26, 9: 4.615, 10: 4.987, 11: 5.268,
@@ -18,37 +17,11 @@ COSTS = {2: 1.82, 3: 2.322, 4: 2.35, 5: 3.614, 6: 4.01, 7: 4.415, 8: 3.26, 9: 4.
 REWIND = 0.004  # attention-only: a rollback is a KV removal
 
 
-def replay(prompt, answer, n):
-    """(speed-up over plain decoding, drafted, accepted) over the first n answer tokens."""
-    widths = sorted(COSTS)
-    drafter = NgramDrafter(prompt + answer[:1])
-    policy = DraftLength(widths, VerifyCosts(start={**COSTS, 0: REWIND}))
-    j, cost, drafted, accepted, n = 1, 0.0, 0, 0, min(n, len(answer))
-    while j < n:
-        draft = drafter.draft(widths[-1] - 1)
-        w = policy.width(len(draft))
-        if w < 2:
-            if draft:
-                policy.shadow(draft[0] == answer[j])
-            cost, new = cost + 1, answer[j:j + 1]
-        else:
-            k, i = w - 1, 0
-            while i < k and j + i < n and draft[i] == answer[j + i]:
-                i += 1
-            policy.observe(k, i)
-            drafted, accepted = drafted + k, accepted + i
-            cost += COSTS[w] + (REWIND if i < k else 0)
-            new = answer[j:j + i + 1]
-        drafter.extend(new)
-        j += len(new)
-    return n / cost, drafted, accepted
-
-
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     texts = json.loads((HERE / "texts.json").read_text())
     print(f"{'prompt':7} {'equal':>5} {'on our answer':>24} {'on llama-server':>24}  ratio")
     for name, d in texts.items():
-        a, b = (replay(d["prompt"], d[who], n) for who in ("ours", "llama_server"))
+        a, b = (replay(d["prompt"], d[who], n, COSTS, REWIND) for who in ("ours", "llama_server"))
         print(f"{name:7} {str(d['ours'] == d['llama_server']):>5} {a[0]:6.3f}x ({a[2]:3d}/{a[1]:3d} accepted) "
               f"{b[0]:6.3f}x ({b[2]:3d}/{b[1]:3d} accepted)  {b[0] / a[0]:.3f}")
