@@ -267,6 +267,24 @@ def test_batched_decode_steps_do_not_verify(make):
         assert any(ev.result.completion_tokens == ref.completion_tokens for ev in out)
 
 
+def together_jobs(case: str, max_tokens: int) -> list[Job]:
+    """"n3": one request with three choices; "greedy3": three greedy requests, each its own prompt."""
+    if case == "n3":
+        return [Job(PROMPT, max_tokens=max_tokens, **CASES["n3"])]
+    return [Job(PROMPT[k:] + PROMPT[:k], max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+            for k in (0, 7, 13)]
+
+
+def run_together(s: Scheduler, jobs: list[Job]) -> list:
+    """Each job's outputs, every job queued before the first step, so that their slots decode together."""
+    s.engine.pause()
+    waits = [submit(s, job) for job in jobs]
+    s.engine.resume()
+    out = [outputs(wait()[0]) for wait in waits]
+    s.drain()
+    return out
+
+
 @pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "kv"])
 @pytest.mark.parametrize("case", ["n3", "greedy3"])
 def test_slots_decoding_together_verify_together_and_change_nothing(make, case, hybrid):
@@ -276,21 +294,8 @@ def test_slots_decoding_together_verify_together_and_change_nothing(make, case, 
     _, off = make(widths=(), hybrid=hybrid, batch_decode=True)
     eng, on = make(hybrid=hybrid, batch_decode=True, together=True)
     on.speculation.costs = FreeCosts()
-    if case == "n3":
-        jobs = [Job(PROMPT, max_tokens=60, **CASES["n3"])]
-    else:  # three requests submitted together, each its own prompt
-        jobs = [Job(PROMPT[k:] + PROMPT[:k], max_tokens=60, sampling=SamplingParams(temperature=0.0))
-                for k in (0, 7, 13)]
-
-    def run_all(s):
-        s.engine.pause()  # every job queued before the first step, so that they decode together
-        waits = [submit(s, job) for job in jobs]
-        s.engine.resume()
-        out = [outputs(wait()[0]) for wait in waits]
-        s.drain()
-        return out
-
-    assert run_all(off) == run_all(on)
+    jobs = together_jobs(case, 60)
+    assert run_together(off, jobs) == run_together(on, jobs)
     assert any(len(c) > 1 and max(c) > 1 for c in eng.verify_many_calls)
     if hybrid and case == "n3":  # choices that rejected a draft in one step replay their kept tokens in one call
         assert any(len(c) > 1 for c in eng.replay_calls), eng.replay_calls
@@ -306,21 +311,8 @@ def test_slots_verifying_together_on_a_hybrid_stay_within_the_dense_widths(make,
     _, off = make(widths=(), hybrid=True, batch_decode=True)
     eng, on = make(widths=widths, hw=widths, hybrid=True, batch_decode=True, together=True)
     on.speculation.costs = FreeCosts()
-    if case == "n3":
-        jobs = [Job(PROMPT, max_tokens=80, **CASES["n3"])]
-    else:
-        jobs = [Job(PROMPT[k:] + PROMPT[:k], max_tokens=80, sampling=SamplingParams(temperature=0.0))
-                for k in (0, 7, 13)]
-
-    def run_all(s):
-        s.engine.pause()
-        waits = [submit(s, job) for job in jobs]
-        s.engine.resume()
-        out = [outputs(wait()[0]) for wait in waits]
-        s.drain()
-        return out
-
-    assert run_all(off) == run_all(on)
+    jobs = together_jobs(case, 80)
+    assert run_together(off, jobs) == run_together(on, jobs)
     calls = eng.verify_many_calls
     assert any(len(c) > 1 and max(c) > 1 for c in calls) and max(max(c) for c in calls if len(c) > 1) <= 7
     alone = Job(PROMPT, max_tokens=80, sampling=SamplingParams(temperature=0.0))
