@@ -609,8 +609,8 @@ class CalibrationFile:
     measure again. Keyed by the model file (`model_file_digest`), the llama-cpp-python version, the CPU's
     instruction-set flags (/proc/cpuinfo, where ggml-cpu's kernel choice comes from), the llama.cpp/ggml
     environment variables (`kernel_environment`: a value measured with the tiled matmul off is never reused
-    with it on), a ggml-cpu built without llamafile (`kernels.has_llamafile`: its widths would be wrong for one
-    with it; a build with it keeps the keys it had), n_batch, weight
+    with it on), how reference paths compute matmuls of 2+ rows (`kernels.reference_matmuls`: without llamafile,
+    or with its tinyBLAS gated, widths differ from ungated tinyBLAS's; the last keeps the keys it had), n_batch, weight
     repacking (None: a measurement of both, repacking.py) and the offload layout (`Offload.key`: backend, devices, layers and KV placement; a CPU
     measurement is never reused for a GPU). No file (None), an unreadable one, or no layout: measure every
     time."""
@@ -624,8 +624,9 @@ class CalibrationFile:
         cpu = cpu_flags()
         if cpu is None:
             self.file = None  # no way to tell this CPU from another: do not trust a stored value
+        matmuls = kernels.reference_matmuls()
         for part in (llama_cpp.__version__, platform.machine(), cpu, n_batch, extra_bufts, offload_key,
-                     kernel_environment(), *(() if kernels.has_llamafile() else ("GGML_LLAMAFILE=OFF",))):
+                     kernel_environment(), *(() if matmuls == "tinyBLAS" else (matmuls,))):
             h.update(repr(part).encode())
         self.key = h.hexdigest()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,21 @@ import psutil
 MiB = 1024 * 1024
 # llama.cpp's KV cache types by their llama-server names (-ctk / -ctv): ggml_type values (ggml.h)
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+
+
+#: Environment variable naming the cache root: models, the compiled kernel gate (orchestrator/kernels.py)
+CACHE_ENV_VAR = "ORCHESTRATOR_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Where built files are kept between runs: ``$ORCHESTRATOR_CACHE_DIR`` if set, else
+    ``user_cache_dir("orchestrator")`` (platformdirs)."""
+    root = os.environ.get(CACHE_ENV_VAR)
+    if root:
+        return Path(root).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("orchestrator"))
 
 
 def default_cache_ram_mib(available: int | None = None) -> int:

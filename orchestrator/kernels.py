@@ -26,11 +26,21 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import logging
 import os
+import platform
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import llama_cpp
+
+from .config import cache_root
+
+log = logging.getLogger(__name__)
 
 _GET_SCHED = "_ZNK13llama_context9get_schedEv"  # llama_context::get_sched() const
 _ROTATION = "LLAMA_ATTN_ROT_DISABLE"
@@ -85,6 +95,63 @@ def has_llamafile() -> bool:
     return bool(fn())
 
 
+_GATE_SOURCE = Path(__file__).parent / "native" / "tinyblas_gate.c"
+
+
+def _gate_library() -> Path:
+    """native/tinyblas_gate.c compiled to a shared library, kept under cache_root()/native by the source's digest
+    and the machine (compiled once, about 0.2 s, with $CC or cc: a machine that built llama-cpp-python from
+    source has one). Raises KernelsUnavailable where it cannot be compiled."""
+    source = _GATE_SOURCE.read_bytes()
+    digest = hashlib.blake2b(source + platform.machine().encode(), digest_size=8).hexdigest()
+    target = cache_root() / "native" / f"tinyblas_gate-{digest}.so"
+    if target.is_file():
+        return target
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise KernelsUnavailable("no C compiler (cc, or $CC) to compile the tinyBLAS gate")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(_GATE_SOURCE)],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(built, target)  # atomic: a concurrent start sees the whole file or none
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        raise KernelsUnavailable(f"compiling the tinyBLAS gate failed: {e} {detail.decode(errors='replace')}") \
+            from None
+    return target
+
+
+def gate_tinyblas() -> bool:
+    """Keep llamafile's tinyBLAS out of the reference paths (native/tinyblas_gate.c): after this, where it
+    returns True, ggml-cpu's matmuls under `ggml_backend_cpu_set_use_ref` run the one-row `vec_dot` kernels row
+    by row, as in a build without llamafile, while computations without it (prefill) keep tinyBLAS. Idempotent
+    (the library is opened once by the loader; slots already gated are counted, not patched again); process-wide,
+    like the library it patches. False where the loaded ggml-cpu has no llamafile slot to gate, or the gate
+    cannot be compiled or installed (logged once per call, at debug: has_llamafile decides what that means)."""
+    try:
+        library = ctypes.CDLL(str(_gate_library()))
+    except (OSError, KernelsUnavailable) as e:
+        log.debug("tinyBLAS gate unavailable: %s", e)
+        return False
+    gate = library.orchestrator_gate_tinyblas
+    gate.argtypes, gate.restype = [ctypes.c_char_p], ctypes.c_int
+    return gate(b"libggml-cpu") > 0
+
+
+def reference_matmuls() -> str:
+    """How ggml-cpu's reference paths compute a matmul of two or more rows: "tinyBLAS" (llamafile's, built in and
+    not gated), "vec_dot" (a build without llamafile), or "vec_dot, tinyBLAS gated" (`gate_tinyblas`, installed
+    here where it can be). Under "vec_dot" both ways every matmul runs the one-row kernels row by row, and the
+    default attention layout (flash attention off over F16), which tinyBLAS makes inexact at every width, verifies
+    exactly at widths 2..32 (bench/results/2026-12-07/no-llamafile, and tinyblas-gate for the gate)."""
+    if not has_llamafile():
+        return "vec_dot"
+    return "vec_dot, tinyBLAS gated" if gate_tinyblas() else "tinyBLAS"
+
+
 def unavailable() -> str | None:
     """Why this build cannot switch a context's kernels, or None where it can."""
     try:
@@ -103,6 +170,7 @@ class ReferenceKernels:
 
     def __init__(self, ctx) -> None:
         get_sched, n_backends, get_backend, is_cpu, self._set = _api()
+        reference_matmuls()  # the gate, where it can be installed, before any reference computation
         sched = get_sched(ctx)
         if not sched:
             raise KernelsUnavailable("the context has no backend scheduler")

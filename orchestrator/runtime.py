@@ -240,8 +240,10 @@ class Runtime:
         whose one-token steps otherwise take a split-KV path that verifications never take; there the reference
         steps made widths 2..16 exact on the 0.8b and decoded 1.18x faster than the default kernels at 12k
         tokens of context, both about half as fast as flash attention off (bench/results/2026-12-07/flash-f16).
-        auto takes them in the default layout too where ggml-cpu was built without llamafile's tinyBLAS
-        (kernels.has_llamafile): there every width 2..32 measured exact (bench/results/2026-12-07/no-llamafile).
+        auto takes them in the default layout too where their matmuls run row by row (kernels.reference_matmuls:
+        ggml-cpu built without llamafile's tinyBLAS, or, in llama-cpp-python's default build, tinyBLAS gated off
+        for reference paths by native/tinyblas_gate.c, prefill keeping it): there every width 2..32 measured exact
+        (bench/results/2026-12-07/no-llamafile, bench/results/2026-12-07/tinyblas-gate).
         Raises ModelLoadError for a layout llama.cpp refuses, or a --decode-kernels value it cannot serve."""
         try:
             if (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v) != ("auto", "auto", "auto"):
@@ -251,8 +253,8 @@ class Runtime:
             else:
                 layout = Attention()
             kind = cfg.decode_kernels
-            if kind == "auto":  # flash attention, or flash attention off in a ggml-cpu without tinyBLAS
-                exact = layout.flash or not kernels.has_llamafile()
+            if kind == "auto":  # flash attention, or flash attention off where reference matmuls skip tinyBLAS
+                exact = layout.flash or kernels.reference_matmuls() != "tinyBLAS"
                 kind = "reference" if exact and kernels.unavailable() is None else "default"
             return (dataclasses.replace(layout, kernels=kind),)
         except ValueError as e:

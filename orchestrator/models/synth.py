@@ -174,6 +174,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from ..config import CACHE_ENV_VAR, cache_root
 from ..errors import OrchestratorError
 
 #: Bump when the generator's output changes (weights, metadata, tokenizer); it is part of cached file names.
@@ -181,9 +182,6 @@ GENERATOR_VERSION = 1
 
 #: Rows of the token embedding / output matrix (Qwen3.5's ``vocab_size``), padded beyond the 248,077 real tokens.
 PADDED_VOCAB_SIZE = 248_320
-
-#: Environment variable naming the cache root (models go to ``$ORCHESTRATOR_CACHE_DIR/models``).
-CACHE_ENV_VAR = "ORCHESTRATOR_CACHE_DIR"
 
 #: ``general.name`` prefix; every synthetic file says RANDOM WEIGHTS in its name.
 RANDOM_WEIGHTS_NOTICE = "RANDOM WEIGHTS (orchestrator synth-model)"
@@ -1078,13 +1076,8 @@ def build_model(preset: str | Preset, out: Path, progress: bool = True) -> Path:
 # --------------------------------------------------------------------------------------------------------------
 
 def models_dir() -> Path:
-    """Default model cache: ``$ORCHESTRATOR_CACHE_DIR/models`` if set, else ``user_cache_dir("orchestrator")/models``."""
-    root = os.environ.get(CACHE_ENV_VAR)
-    if root:
-        return Path(root).expanduser() / "models"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("orchestrator")) / "models"
+    """Default model cache: ``config.cache_root()/models``."""
+    return cache_root() / "models"
 
 
 def model_filename(preset: str | Preset) -> str:

@@ -1,0 +1,141 @@
+/* Keeps ggml-cpu's reference paths off llamafile's tinyBLAS; everything else computes as before.
+
+Why: ggml_compute_forward_mul_mat (ggml-cpu.c) hands every matmul of two or more src1 rows to
+`llamafile_sgemm` first (F32, F16, BF16, Q8_0, Q4_0 ... weights or KV), which declines one row ("only enable sgemm
+for prompt processing", sgemm.cpp). tinyBLAS and the one-row `vec_dot` kernels sum in other orders, so a
+verification of k tokens differs from k one-token steps, whether or not the context computes with
+`ggml_backend_cpu_set_use_ref`: that flag gates the tiled matmul and flash attention, not tinyBLAS. This gate
+replaces the target of ggml-cpu's own calls to `llamafile_sgemm` (its PLT slot: the library exports and calls the
+symbol through the PLT) with `gated_sgemm`, which declines (returns false: ggml computes the matmul itself, row
+by row with `vec_dot`, as in a build with -DGGML_LLAMAFILE=OFF) when the compute params say `use_ref`, and tail
+calls the original otherwise. So prefill keeps tinyBLAS, and decode steps and verifications, which the runtime
+computes with the reference paths (orchestrator/kernels.py), run what a one-row step runs.
+
+The struct layout is ggml-cpu-impl.h's `struct ggml_compute_params` in llama-cpp-python 0.3.36 (vendored ggml
+0.25.3), the version pyproject.toml pins; the runtime measures exactness at start anyway, so a layout that had
+changed would show up as no exact width, not as a wrong answer.
+
+API (ctypes): int orchestrator_gate_tinyblas(const char *library_name_part): patches the jump slot of
+`llamafile_sgemm` in every loaded object whose path contains library_name_part and that defines the symbol;
+returns the number of slots that now point at the gate (already-patched ones included), 0 where none was found
+(a build without llamafile, or one that calls it directly), -1 where a slot could not be made writable.
+Thread safety: call it before the first computation that uses reference paths; the slot write is one aligned
+pointer store. */
+#define _GNU_SOURCE
+#include <elf.h>
+#include <link.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+struct ggml_compute_params_0_3_36 {
+    int ith, nth;
+    size_t wsize;
+    void *wdata;
+    void *threadpool;
+    bool use_ref;
+};
+
+typedef bool (*sgemm_fn)(const struct ggml_compute_params_0_3_36 *, int64_t, int64_t, int64_t, const void *,
+                         int64_t, const void *, int64_t, void *, int64_t, int, int, int);
+
+static sgemm_fn original;
+
+static bool gated_sgemm(const struct ggml_compute_params_0_3_36 *params, int64_t m, int64_t n, int64_t k,
+                        const void *A, int64_t lda, const void *B, int64_t ldb, void *C, int64_t ldc, int Atype,
+                        int Btype, int Ctype) {
+    if (params->use_ref) {
+        return false;
+    }
+    return original(params, m, n, k, A, lda, B, ldb, C, ldc, Atype, Btype, Ctype);
+}
+
+#if defined(__x86_64__)
+#define JUMP_SLOT R_X86_64_JUMP_SLOT
+#define GLOB_DAT R_X86_64_GLOB_DAT
+#elif defined(__aarch64__)
+#define JUMP_SLOT R_AARCH64_JUMP_SLOT
+#define GLOB_DAT R_AARCH64_GLOB_DAT
+#else
+#define JUMP_SLOT (-1)
+#define GLOB_DAT (-1)
+#endif
+
+struct search {
+    const char *name_part;
+    int patched;
+};
+
+/* glibc stores the dynamic section's pointers relocated (absolute); others keep them relative to the base. */
+static uintptr_t absolute(uintptr_t value, uintptr_t base) { return value < base ? value + base : value; }
+
+static int patch_object(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    struct search *search = data;
+    if (!info->dlpi_name || !strstr(info->dlpi_name, search->name_part)) {
+        return 0;
+    }
+    const ElfW(Dyn) *dynamic = NULL;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        if (info->dlpi_phdr[i].p_type == PT_DYNAMIC) {
+            dynamic = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+        }
+    }
+    if (!dynamic) {
+        return 0;
+    }
+    uintptr_t base = info->dlpi_addr, jmprel = 0, rela = 0, symtab = 0, strtab = 0;
+    size_t jmprel_size = 0, rela_size = 0;
+    for (const ElfW(Dyn) *d = dynamic; d->d_tag != DT_NULL; d++) {
+        switch (d->d_tag) {
+        case DT_JMPREL: jmprel = absolute(d->d_un.d_ptr, base); break;
+        case DT_PLTRELSZ: jmprel_size = d->d_un.d_val; break;
+        case DT_RELA: rela = absolute(d->d_un.d_ptr, base); break;
+        case DT_RELASZ: rela_size = d->d_un.d_val; break;
+        case DT_SYMTAB: symtab = absolute(d->d_un.d_ptr, base); break;
+        case DT_STRTAB: strtab = absolute(d->d_un.d_ptr, base); break;
+        }
+    }
+    if (!symtab || !strtab) {
+        return 0;
+    }
+    const ElfW(Sym) *symbols = (const ElfW(Sym) *)symtab;
+    const char *strings = (const char *)strtab;
+    const uintptr_t tables[2] = {jmprel, rela};
+    const size_t sizes[2] = {jmprel_size, rela_size};
+    for (int t = 0; t < 2; t++) {
+        const ElfW(Rela) *r = (const ElfW(Rela) *)tables[t];
+        for (size_t i = 0; r && i < sizes[t] / sizeof(ElfW(Rela)); i++) {
+            long type = (long)ELF64_R_TYPE(r[i].r_info);
+            if (type != JUMP_SLOT && type != GLOB_DAT) {
+                continue;
+            }
+            const ElfW(Sym) *symbol = &symbols[ELF64_R_SYM(r[i].r_info)];
+            if (strcmp(strings + symbol->st_name, "llamafile_sgemm") != 0 || symbol->st_shndx == SHN_UNDEF) {
+                continue;  /* not it, or a library that calls another's copy: leave it */
+            }
+            void **slot = (void **)(base + r[i].r_offset);
+            if (*slot != (void *)gated_sgemm) {
+                /* the definition itself, not the slot: a lazy slot still points at the PLT resolver */
+                original = (sgemm_fn)(base + symbol->st_value);
+                long page = sysconf(_SC_PAGESIZE);
+                void *start = (void *)((uintptr_t)slot & ~(uintptr_t)(page - 1));
+                if (mprotect(start, (size_t)page, PROT_READ | PROT_WRITE) != 0) {
+                    search->patched = -1;
+                    return 1;
+                }
+                __atomic_store_n(slot, (void *)gated_sgemm, __ATOMIC_SEQ_CST);
+            }
+            search->patched++;
+        }
+    }
+    return 0;
+}
+
+int orchestrator_gate_tinyblas(const char *library_name_part) {
+    struct search search = {library_name_part, 0};
+    dl_iterate_phdr(patch_object, &search);
+    return search.patched;
+}
