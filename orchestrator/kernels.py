@@ -10,6 +10,12 @@ for decode steps and verifications only, they agree at every width, while prefil
 (which min_segment is measured for). The environment's `GGML_CPU_TILED_MM=0` does the same for verification but
 for prefill too, at 0.44x prefill speed on the qwen3.5-0.8b preset (bench/results/2026-12-05/tiled-matmul).
 
+The reference paths do not gate llamafile's tinyBLAS, which takes every F32/F16/BF16/Q8_0 matmul of 2+ rows (the
+attention matmuls over an F16 KV cache with flash attention off: the default layout) and sums in another order
+than the one-row kernels. `gate_tinyblas` makes them decline it (native/tinyblas_gate.c), so that the default
+layout's decode steps and verifications agree at every width, as in a ggml-cpu built without llamafile, while
+prefill keeps tinyBLAS (`reference_matmuls`).
+
 One more kernel depends on the row count under the reference paths: with a quantized K cache llama.cpp rotates Q
 and K by a Hadamard matrix (llama-kv-cache.cpp `attn_rot_k`), as a dedicated op normally, as a plain F32 matmul
 under them; with one KV head (Gemma 3 270M) that matmul has one row per token, which takes `vec_dot` for one
@@ -55,10 +61,22 @@ def _library(name: str) -> ctypes.CDLL:
     set (llama_cpp/llama_cpp.py reads it), else from llama-cpp-python's own lib folder. Another copy would be
     another library, whose functions reach the loaded one's backends only by luck."""
     lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib")
-    for candidate in (f"lib{name}.so", f"lib{name}.dylib", f"{name}.dll"):
+    for candidate in (*_mapped(lib_dir, f"lib{name}.so"), f"lib{name}.so", f"lib{name}.dylib", f"{name}.dll"):
         if (lib_dir / candidate).exists():
             return ctypes.CDLL(str(lib_dir / candidate))
     raise KernelsUnavailable(f"llama-cpp-python {llama_cpp.__version__} has no {name} library in {lib_dir}")
+
+
+def _mapped(lib_dir: Path, prefix: str) -> list[str]:
+    """File names in `lib_dir` starting with `prefix` that this process has mapped (/proc/self/maps; none
+    elsewhere). pip installs libggml-cpu.so, .so.0 and .so.0.25.3 as copies, and libllama loads .so.0: opening
+    another name maps a second copy of the library, whose tables only the first has initialised."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    names = {Path(line.split()[-1]).name for line in maps.splitlines() if str(lib_dir.resolve()) in line}
+    return sorted(n for n in names if n.startswith(prefix))
 
 
 def _api() -> tuple:
@@ -81,12 +99,13 @@ def _api() -> tuple:
 
 def has_llamafile() -> bool:
     """Whether the loaded ggml-cpu was built with llamafile's tinyBLAS (`GGML_LLAMAFILE`, on by default), which
-    computes F16, F32 and Q8_0 matmuls of two or more rows, reference paths or not, with other sums than the
-    one-row `vec_dot` kernels: then the default attention layout (flash attention off over F16) has no exact
-    verification width. Built without it (CMAKE_ARGS="-DGGML_LLAMAFILE=OFF"), every matmul of a reference-path
-    decode step or verification runs `vec_dot` row by row, and that layout verified widths 2..16 and 20..32
-    exactly on tiny-q4, the qwen3.5-0.8b preset and Gemma 3 270M (bench/results/2026-12-07/no-llamafile). True
-    where it cannot be asked (the old answer: no exact width there)."""
+    computes F16, F32 and Q8_0 matmuls of two or more rows, reference paths or not unless gated
+    (`gate_tinyblas`), with other sums than the one-row `vec_dot` kernels: then the default attention layout
+    (flash attention off over F16) has no exact verification width. Built without it
+    (CMAKE_ARGS="-DGGML_LLAMAFILE=OFF"), every matmul of a reference-path decode step or verification runs
+    `vec_dot` row by row, and that layout verified widths 2..16 and 20..32 exactly on tiny-q4, the qwen3.5-0.8b
+    preset and Gemma 3 270M (bench/results/2026-12-07/no-llamafile). True where it cannot be asked (the old
+    answer: no exact width there)."""
     try:
         fn = _library("ggml-cpu").ggml_cpu_has_llamafile
     except (AttributeError, OSError, KernelsUnavailable):

@@ -7,8 +7,10 @@ verification of k tokens differs from k one-token steps, whether or not the cont
 `ggml_backend_cpu_set_use_ref`: that flag gates the tiled matmul and flash attention, not tinyBLAS. This gate
 replaces the target of ggml-cpu's own calls to `llamafile_sgemm` (its PLT slot: the library exports and calls the
 symbol through the PLT) with `gated_sgemm`, which declines (returns false: ggml computes the matmul itself, row
-by row with `vec_dot`, as in a build with -DGGML_LLAMAFILE=OFF) when the compute params say `use_ref`, and tail
-calls the original otherwise. So prefill keeps tinyBLAS, and decode steps and verifications, which the runtime
+by row with `vec_dot`, as in a build with -DGGML_LLAMAFILE=OFF) when the compute params say `use_ref` and the
+matrix is F32, F16 or BF16, and calls the original otherwise. Quantized tinyBLAS (Q8_0, Q5_0, Q4_0 ...) sums
+each row's blocks as `vec_dot` does: kept, verifications stay exact (Gemma 3 270M's Q8_0 and Q5_0 weights: widths
+2..16, 20..32 in the default layout, bench/results/2026-12-07/tinyblas-gate) and keep its speed. So prefill keeps tinyBLAS, and decode steps and verifications, which the runtime
 computes with the reference paths (orchestrator/kernels.py), run what a one-row step runs.
 
 The struct layout is ggml-cpu-impl.h's `struct ggml_compute_params` in llama-cpp-python 0.3.36 (vendored ggml
@@ -16,9 +18,13 @@ The struct layout is ggml-cpu-impl.h's `struct ggml_compute_params` in llama-cpp
 changed would show up as no exact width, not as a wrong answer.
 
 API (ctypes): int orchestrator_gate_tinyblas(const char *library_name_part): patches the jump slot of
-`llamafile_sgemm` in every loaded object whose path contains library_name_part and that defines the symbol;
-returns the number of slots that now point at the gate (already-patched ones included), 0 where none was found
-(a build without llamafile, or one that calls it directly), -1 where a slot could not be made writable.
+`llamafile_sgemm` in the first loaded object (load order: llama_cpp's, loaded at its import) whose path contains
+library_name_part and that defines the symbol; returns the number of slots that now point at the gate
+(already-patched ones included), 0 where none was found (a build without llamafile, or one that calls it
+directly), -1 where a slot could not be made writable. Only the first: a second copy of the library (another
+file name for the same library: pip installs libggml-cpu.so, .so.0 and .so.0.25.3 as copies, not links) has its
+own tables, which only the copy llama.cpp initialised (ggml_cpu_init) has filled; calling into it computes
+garbage, so the gate's `original` is the first copy's, and other copies are left alone.
 Thread safety: call it before the first computation that uses reference paths; the slot write is one aligned
 pointer store. */
 #define _GNU_SOURCE
@@ -38,6 +44,9 @@ struct ggml_compute_params_0_3_36 {
     bool use_ref;
 };
 
+/* ggml.h's enum ggml_type */
+enum { GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_BF16 = 30 };
+
 typedef bool (*sgemm_fn)(const struct ggml_compute_params_0_3_36 *, int64_t, int64_t, int64_t, const void *,
                          int64_t, const void *, int64_t, void *, int64_t, int, int, int);
 
@@ -46,7 +55,7 @@ static sgemm_fn original;
 static bool gated_sgemm(const struct ggml_compute_params_0_3_36 *params, int64_t m, int64_t n, int64_t k,
                         const void *A, int64_t lda, const void *B, int64_t ldb, void *C, int64_t ldc, int Atype,
                         int Btype, int Ctype) {
-    if (params->use_ref) {
+    if (params->use_ref && (Atype == GGML_TYPE_F32 || Atype == GGML_TYPE_F16 || Atype == GGML_TYPE_BF16)) {
         return false;
     }
     return original(params, m, n, k, A, lda, B, ldb, C, ldc, Atype, Btype, Ctype);
@@ -117,6 +126,9 @@ static int patch_object(struct dl_phdr_info *info, size_t size, void *data) {
                 continue;  /* not it, or a library that calls another's copy: leave it */
             }
             void **slot = (void **)(base + r[i].r_offset);
+            if (original && original != (sgemm_fn)(base + symbol->st_value)) {
+                continue;  /* another copy of the library (below) */
+            }
             if (*slot != (void *)gated_sgemm) {
                 /* the definition itself, not the slot: a lazy slot still points at the PLT resolver */
                 original = (sgemm_fn)(base + symbol->st_value);
