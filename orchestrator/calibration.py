@@ -776,8 +776,9 @@ def speculation_widths(measured: tuple[int, ...], mode: str, draft_max: int, dra
         return tuple(range(2, draft_max + 2))
     log.warning("speculative decoding off: no verification width is bit-identical to one-token decoding on this "
                 "model and CPU in its attention layout (ggml-cpu takes other kernels for one row than for two or "
-                "more: F16 weights always, attention unless flash attention runs over a Q8_0 K cache; "
-                "bench/results/2026-12-03/attention-layouts/README.md). --speculative ngram trades exactness for "
+                "more: llamafile's tinyBLAS for F32/F16 matrices, unless gated out of the reference decode kernels "
+                "by orchestrator/native/tinyblas_gate.c, which needs a C compiler (cc) at the first start; "
+                "bench/results/2026-12-07/tinyblas-gate/README.md). --speculative ngram trades exactness for "
                 "speed")
     return ()
 

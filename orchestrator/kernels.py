@@ -144,9 +144,10 @@ def _gate_library() -> Path:
 
 
 def gate_tinyblas() -> bool:
-    """Keep llamafile's tinyBLAS out of the reference paths (native/tinyblas_gate.c): after this, where it
-    returns True, ggml-cpu's matmuls under `ggml_backend_cpu_set_use_ref` run the one-row `vec_dot` kernels row
-    by row, as in a build without llamafile, while computations without it (prefill) keep tinyBLAS. Idempotent
+    """Keep llamafile's tinyBLAS out of the reference paths for F32/F16/BF16 matrices (native/tinyblas_gate.c):
+    after this, where it returns True, ggml-cpu's float matmuls under `ggml_backend_cpu_set_use_ref` run the
+    one-row `vec_dot` kernels row by row, as in a build without llamafile, while computations without it (prefill)
+    keep tinyBLAS, and quantized matrices keep it everywhere (its sums are vec_dot's there). Idempotent
     (the library is opened once by the loader; slots already gated are counted, not patched again); process-wide,
     like the library it patches. False where the loaded ggml-cpu has no llamafile slot to gate, or the gate
     cannot be compiled or installed (logged once per call, at debug: has_llamafile decides what that means)."""

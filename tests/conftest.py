@@ -88,11 +88,14 @@ def verify_every_draft(rt: Runtime) -> Runtime:
 
 
 def speculation_pair(tmp_path_factory, model: Path, speculative: str, parallel: int, **on_kw):
-    """Yields (on, off): runtimes of `model` with two-row decode steps (every width 2..7 exact), `speculative`
-    (and `on_kw`) with every draft verified (FreeCosts) and speculation off, `parallel` slots; one calibration
-    file, so that the second start reads what the first measured. A module fixture's body."""
+    """Yields (on, off): runtimes of `model` with two-row decode steps under ggml-cpu's default kernels (every
+    width 2..7 exact: the tiled matmul takes 8+ rows; the defaults' reference kernels are tests/
+    test_attention_layouts.py's), `speculative` (and `on_kw`) with every draft verified (FreeCosts) and speculation
+    off, `parallel` slots; one calibration file, so that the second start reads what the first measured. A module
+    fixture's body."""
     cal = tmp_path_factory.mktemp("cal") / "calibration.json"
-    kw = dict(ctx_size=2048, parallel=parallel, decode_rows=2, calibration_file=cal, decode_batching="off")
+    kw = dict(ctx_size=2048, parallel=parallel, decode_rows=2, calibration_file=cal, decode_batching="off",
+              decode_kernels="default")
     on = verify_every_draft(Runtime.start(make_config(model, speculative=speculative, **kw, **on_kw)))
     off = Runtime.start(make_config(model, speculative="off", **kw))
     yield on, off
@@ -130,8 +133,8 @@ def every_width(n_slots: int, batched: bool = True) -> tuple[int, ...]:
 
 
 def make_config(model: Path, **kw) -> Config:
-    # speculative "off": no verification-width probe at every start (no width is exact on these CPUs anyway:
-    # bench/results/2026-12-03/verification-widths); tests/test_speculative_models.py starts with it on.
+    # speculative "off": no verification-width probe at every start; tests/test_speculative_models.py and
+    # test_attention_layouts.py start with it on.
     # use_extra_bufts "off": no repacking probe at every start; tests/test_repacking.py tests "auto", and
     # test_correctness.py serves tiny-q4 repacked too. flash_attn "off": the default layout (flash attention off
     # over F16) named outright; tests/test_attention_layouts.py tests "auto" and serves the VERIFYING layout.

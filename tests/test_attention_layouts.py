@@ -47,22 +47,41 @@ def layouts(*argv: str) -> tuple[Attention, ...]:
     (("--decode-kernels", "reference"), (Attention(kernels="reference"),)),
     (("--device", "none", "-ngl", "0"), (Attention(),)),
 ])
-def test_the_flags_resolve_to_the_layouts_tried_in_order(argv, expected):
+def test_the_flags_resolve_to_the_layouts_tried_in_order(monkeypatch, argv, expected):
+    """Where reference matmuls still take llamafile's tinyBLAS (a build with it, the gate not installed)."""
+    monkeypatch.setattr(kernels, "reference_matmuls", lambda: "tinyBLAS")
     assert layouts(*argv) == expected
 
 
+@pytest.mark.parametrize("matmuls", ["vec_dot", "vec_dot, tinyBLAS gated"])
 @pytest.mark.parametrize("argv, expected", [
     ((), (Attention(kernels="reference"),)),  # the default layout verifies exactly without tinyBLAS
     (("-fa", "off"), (Attention(kernels="reference"),)),
     (("--decode-kernels", "default"), (Attention(),)),
     (("-ctk", "q8_0"), (VERIFYING_REF,)),
 ])
-def test_without_llamafile_auto_takes_reference_kernels_in_the_default_layout(monkeypatch, argv, expected):
-    """A ggml-cpu built with -DGGML_LLAMAFILE=OFF (kernels.has_llamafile False) runs every matmul of a reference
-    decode step or verification row by row, so --decode-kernels auto takes them in the default layout too, where
-    speculation then has exact widths (bench/results/2026-12-07/no-llamafile)."""
-    monkeypatch.setattr(kernels, "has_llamafile", lambda: False)
+def test_where_reference_matmuls_skip_tinyblas_auto_takes_them_in_the_default_layout(monkeypatch, matmuls, argv,
+                                                                                      expected):
+    """A ggml-cpu built with -DGGML_LLAMAFILE=OFF, or one whose tinyBLAS the gate keeps out of reference paths
+    (native/tinyblas_gate.c), runs every matmul of a reference decode step or verification row by row, so
+    --decode-kernels auto takes them in the default layout too, where speculation then has exact widths
+    (bench/results/2026-12-07/no-llamafile, tinyblas-gate)."""
+    monkeypatch.setattr(kernels, "reference_matmuls", lambda: matmuls)
     assert layouts(*argv) == expected
+
+
+def test_the_gate_keeps_tinyblas_out_of_this_builds_reference_paths():
+    """llama-cpp-python's own build has llamafile: the gate compiles, finds ggml-cpu's jump slot and installs
+    (where this fails, the default layout is back to no exact width and speculation off at the defaults). Then
+    tiny-q4 in the default layout verifies exactly at every width measured, which tinyBLAS made inexact at all."""
+    from orchestrator.calibration import measure_verify_widths
+
+    assert kernels.reference_matmuls() == ("vec_dot, tinyBLAS gated" if kernels.has_llamafile() else "vec_dot")
+    e = Engine(ensure_model("tiny-q4"), n_ctx=1024, n_batch=64, attention=Attention(kernels="reference"))
+    try:
+        assert measure_verify_widths(e, 12, contexts=(40, 300)) == tuple(range(2, 13))
+    finally:
+        e.close()
 
 
 def test_a_layout_llama_cpp_refuses_is_an_error_naming_the_flag():
@@ -87,18 +106,24 @@ def test_a_q8_0_k_cache_holds_about_half_the_bytes_of_f16():
     assert 0.7 * f16 < q8 < 0.8 * f16  # K in Q8_0 (34 bytes per 32 values), V in F16
 
 
-@pytest.fixture(scope="module")
-def verifying_pair(tmp_path_factory):
-    """(on, off): tiny-q4 in the VERIFYING layout as `-ctk q8_0` asks for it (--flash-attn auto, one-row decode
-    steps, reference kernels for them: --decode-kernels auto), speculation auto and off, drafts of up to 11
-    tokens, 3 slots, one calibration file."""
+def layout_pair(tmp_path_factory, **layout):
+    """Yields (on, off): tiny-q4 in the attention `layout` (Config fields), speculation auto (every draft
+    verified) and off, drafts of up to 11 tokens, 3 slots, one calibration file. A module fixture's body."""
     cal = tmp_path_factory.mktemp("cal") / "calibration.json"
-    kw = dict(ctx_size=2048, parallel=3, calibration_file=cal, flash_attn="auto", cache_type_k="q8_0", draft_max=11)
+    kw = dict(ctx_size=2048, parallel=3, calibration_file=cal, draft_max=11, **layout)
     on = verify_every_draft(Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw)))
     off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
     yield on, off
     on.close()
     off.close()
+
+
+@pytest.fixture(scope="module")
+def verifying_pair(tmp_path_factory):
+    """(on, off): tiny-q4 in the VERIFYING layout as `-ctk q8_0` asks for it (--flash-attn auto, one-row decode
+    steps, reference kernels for them: --decode-kernels auto), speculation auto and off, drafts of up to 11
+    tokens, 3 slots, one calibration file."""
+    yield from layout_pair(tmp_path_factory, flash_attn="auto", cache_type_k="q8_0")
 
 
 def test_ctk_q8_0_serves_k_quants_in_the_verifying_layout_with_speculation_on_at_one_row(verifying_pair):
@@ -133,17 +158,26 @@ def test_verification_costs_are_measured_once_and_start_the_width_policy(verifyi
 
 
 @pytest.fixture(scope="module")
+def default_pair(tmp_path_factory):
+    """(on, off): tiny-q4 at the server's defaults (flash attention off over F16; reference kernels for decode
+    steps and verifications, tinyBLAS gated out of them: --decode-kernels auto), speculation auto and off, as
+    verifying_pair."""
+    yield from layout_pair(tmp_path_factory, flash_attn="auto")
+
+
+def test_the_default_layout_serves_speculation_with_reference_decode_kernels(default_pair):
+    on, off = default_pair
+    assert on.engine.attention == off.engine.attention == Attention(kernels="reference")
+    assert on.scheduler.speculation.widths == tuple(range(2, 13)) and off.scheduler.speculation.widths == ()
+    assert on.health()["attention"]["decode_kernels"] == "reference"
+
+
+@pytest.fixture(scope="module")
 def flash_pair(tmp_path_factory):
     """(on, off): tiny-q4 as `-fa on` serves it (flash attention over F16, tiled in prefill ubatches of 64 tokens
     or more; reference kernels for decode steps and verifications: --decode-kernels auto), speculation auto and
     off, as verifying_pair."""
-    cal = tmp_path_factory.mktemp("cal") / "calibration.json"
-    kw = dict(ctx_size=2048, parallel=3, calibration_file=cal, flash_attn="on", draft_max=11)
-    on = verify_every_draft(Runtime.start(make_config(ensure_model("tiny-q4"), speculative="auto", **kw)))
-    off = Runtime.start(make_config(ensure_model("tiny-q4"), speculative="off", **kw))
-    yield on, off
-    on.close()
-    off.close()
+    yield from layout_pair(tmp_path_factory, flash_attn="on")
 
 
 def test_flash_attention_over_f16_is_probed_past_its_tiled_kernel():
@@ -218,13 +252,13 @@ def test_a_short_tool_result_after_a_long_answer_restores_the_answers_repeat_poi
     on.scheduler.drain()
 
 
-@pytest.mark.parametrize("layout", ["verifying_pair", "flash_pair"])
+@pytest.mark.parametrize("layout", ["verifying_pair", "flash_pair", "default_pair"])
 @pytest.mark.parametrize("case", sorted(SPECULATION_CASES))
 def test_speculation_changes_nothing_in_the_speculating_layouts(layout, case, request):
     """Tokens, text, finish, logprobs and first-step logits with speculation equal those without, for greedy,
-    seeded, logprobs, stop strings, a cold request and n = 2, with `-ctk q8_0` and with `-fa on`; the looping
-    random model's greedy answer gets drafted and accepted, in verifications wider than the 7 tokens that
-    ggml-cpu's default kernels keep exact."""
+    seeded, logprobs, stop strings, a cold request and n = 2, with `-ctk q8_0`, with `-fa on` and at the
+    defaults; the looping random model's greedy answer gets drafted and accepted, in verifications wider than the
+    7 tokens that ggml-cpu's default kernels keep exact."""
     on, off = request.getfixturevalue(layout)
     job = Job(on.engine.tokenize(LOOP), max_tokens=48, want_logits=True, **SPECULATION_CASES[case])
     before = dataclasses.replace(on.scheduler.speculation.stats)
@@ -273,21 +307,24 @@ def test_reference_kernels_make_verification_exact_beyond_the_8_row_switch():
     assert widths == {"default": tuple(range(2, 8)), "reference": tuple(range(2, 13))}
 
 
-def test_prefill_keeps_the_optimized_kernels_under_reference_decode_kernels(monkeypatch):
+@pytest.mark.parametrize("layout", [VERIFYING, Attention()], ids=["verifying", "default"])
+def test_prefill_keeps_the_optimized_kernels_under_reference_decode_kernels(monkeypatch, layout):
     """Only decode steps and verifications switch (Engine._compute): a 60-token prefill gives the logits of the
     same layout with default kernels (made with the Hadamard rotation off, as reference contexts are: kernels.
     rotation_off), while the same 60 tokens in one ubatch under the reference kernels (a verification) give
-    others."""
+    others. In the default layout, that is tinyBLAS (in prefill, through the gate) against the one-row kernels
+    (under reference paths)."""
     prompt = [1000 + (37 * i) % 4000 for i in range(60)]
     monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
-    plain = Engine(ensure_model("tiny-q4"), n_ctx=256, n_batch=64, attention=VERIFYING)
+    plain = Engine(ensure_model("tiny-q4"), n_ctx=256, n_batch=64, attention=layout)
     try:
         plain.decode(0, prompt, 0)
         expected = plain.logits()
     finally:
         plain.close()
     monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE")
-    e = Engine(ensure_model("tiny-q4"), n_ctx=256, n_batch=64, attention=VERIFYING_REF)
+    e = Engine(ensure_model("tiny-q4"), n_ctx=256, n_batch=64, attention=dataclasses.replace(layout,
+                                                                                             kernels="reference"))
     try:
         e.decode(0, prompt, 0)
         assert np.array_equal(e.logits(), expected)
@@ -337,6 +374,22 @@ def test_slots_that_decode_together_verify_their_drafts_together(verifying_pair,
     assert sum(r.accepted_tokens for r in a) > 0
     on.scheduler.drain()
     off.scheduler.drain()
+
+
+def test_the_kernel_switch_and_the_gate_reach_the_one_ggml_cpu_llama_cpp_loaded():
+    """pip installs libggml-cpu.so, .so.0 and .so.0.25.3 as copies, and libllama maps .so.0: a switch opened by
+    another name mapped a second copy, and the gate then called into its tinyBLAS, whose tables only the first
+    copy initialises (Gemma 3 270M wrote garbage in the default layout). After both, one copy is mapped."""
+    from pathlib import Path
+
+    import llama_cpp
+
+    kernels._api()
+    kernels.reference_matmuls()
+    lib_dir = str((Path(llama_cpp.__file__).parent / "lib").resolve())
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if lib_dir in line and "/libggml-cpu.so" in line}
+    assert len(mapped) == 1, mapped
 
 
 def test_kernels_open_the_libraries_llama_cpp_loaded(monkeypatch, tmp_path):

@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pytest
 
+from orchestrator import kernels
 from orchestrator.calibration import measure_verify_widths
 from orchestrator.engine import VERIFYING, Attention, Engine, SamplingParams
 from orchestrator.models.synth import ensure_model
@@ -21,10 +22,28 @@ def greedy(tokens, n=40, **kw) -> Job:
     return Job(list(tokens), max_tokens=n, sampling=SamplingParams(temperature=0.0), want_logits=True, **kw)
 
 
-def test_f16_has_no_exact_width_so_auto_is_off_and_says_why(start, caplog, tmp_path):
-    """F16: every verified position differs from one-token decoding (other matmul kernels for one row), in the
-    VERIFYING attention layout too, so --flash-attn auto falls back to the default layout and --speculative auto
-    serves without speculation, logs why, and answers as with it off."""
+def test_f16_verifies_exactly_at_the_defaults_with_tinyblas_gated(start, tmp_path):
+    """F16 weights take llamafile's tinyBLAS for every matmul of 2+ rows; with it gated out of the reference
+    paths (kernels.reference_matmuls), the default layout's decode steps and verifications run the one-row
+    kernels, so --speculative auto finds exact widths on the tiny F16 model and answers as with it off."""
+    kw = dict(flash_attn="auto", calibration_file=tmp_path / "cal.json", draft_max=7)
+    rt = start(speculative="auto", **kw)
+    assert rt.engine.attention == Attention(kernels="reference")
+    assert rt.scheduler.speculation.widths == tuple(range(2, 9))
+    prompt = rt.engine.tokenize("one two three one two three one two three one two")
+    on = rt.scheduler.run(greedy(prompt))
+    off = start(speculative="off", **kw).scheduler.run(greedy(prompt))
+    assert on.completion_tokens == off.completion_tokens
+    assert np.array_equal(on.first_logits, off.first_logits)
+
+
+def test_f16_has_no_exact_width_where_tinyblas_is_not_gated_so_auto_is_off_and_says_why(start, caplog, tmp_path,
+                                                                                     monkeypatch):
+    """Where reference matmuls would still take tinyBLAS (no compiler for the gate, or a build that calls it
+    directly), every verified position differs from one-token decoding in the VERIFYING layout and the default
+    one, so --flash-attn auto falls back to the default layout and --speculative auto serves without
+    speculation, logs why, and answers as with it off."""
+    monkeypatch.setattr(kernels, "reference_matmuls", lambda: "tinyBLAS")
     kw = dict(flash_attn="auto", calibration_file=tmp_path / "cal.json")
     with caplog.at_level(logging.WARNING, logger="orchestrator.calibration"):
         rt = start(speculative="auto", **kw)
@@ -76,13 +95,13 @@ def gemma():
 
 
 def test_gemma_drafts_are_accepted_on_real_text_and_change_nothing(start, gemma, tmp_path):
-    """The speculative path on a trained model with two-row decode steps (widths measured exact, auto on): a
-    reply that repeats the prompt's code drafts and accepts tokens, and tokens, logprobs and first-step logits
-    equal those without speculation."""
+    """The speculative path on a trained model at the server's defaults (the default layout with reference
+    decode kernels, tinyBLAS gated out of them; widths measured exact, auto on): a reply that repeats the prompt's
+    code drafts and accepts tokens, and tokens, logprobs and first-step logits equal those without speculation."""
     text = "\n".join(f"def step_{i}(x):\n    return x * {i} + {i % 3}\n" for i in range(12))
-    kw = dict(ctx_size=4096, batch_size=128, decode_rows=2, calibration_file=tmp_path / "cal.json")
+    kw = dict(ctx_size=4096, batch_size=128, flash_attn="auto", draft_max=15, calibration_file=tmp_path / "cal.json")
     on = verify_every_draft(start(gemma, speculative="auto", **kw))
-    assert on.scheduler.speculation.widths
+    assert on.engine.attention == Attention(kernels="reference") and on.scheduler.speculation.widths
     prompt = on.engine.tokenize(f"<start_of_turn>user\nRepeat this code exactly:\n{text}<end_of_turn>\n"
                                 f"<start_of_turn>model\n", add_special=True)
     job = Job(prompt, max_tokens=120, sampling=SamplingParams(temperature=0.0), want_logits=True, logprobs=1)
@@ -91,6 +110,10 @@ def test_gemma_drafts_are_accepted_on_real_text_and_change_nothing(start, gemma,
     b = start(gemma, speculative="off", **kw).scheduler.run(job)
     assert a.completion_tokens == b.completion_tokens and a.logprobs == b.logprobs
     assert np.array_equal(a.first_logits, b.first_logits)
+    # prefill keeps the optimized kernels (tinyBLAS through the gate): the first step's logits are the default
+    # kernels' (a gate calling into a second, uninitialised copy of ggml-cpu made them garbage, on and off alike)
+    c = start(gemma, speculative="off", decode_kernels="default", **kw).scheduler.run(job)
+    assert np.array_equal(a.first_logits, c.first_logits)
 
 
 # ---------------------------------------------------------------- decode_rows 2: exact by construction
