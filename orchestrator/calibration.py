@@ -223,7 +223,9 @@ def check_batch_invariance(engine: Engine) -> bool:
     Measured with llama-cpp-python 0.3.36 on x86 (AVX-512): true up to 7 rows for the K-quant synthetic models
     (per-row dot products whatever the width), false from 8 rows (the kernels that make prefill fast: max
     |Δlogit| 0.14 on the 0.8b), and false at any width for the F16 tiny preset (another matmul path for more than
-    one row: 8e-4). So it is measured on the served model, for the configured number of slots.
+    one row, llamafile's tinyBLAS: 8e-4) with the default decode kernels; true for both with the reference decode
+    kernels and tinyBLAS gated (kernels.py: the defaults in the default layout). So it is measured on the served
+    model, for the configured number of slots.
     """
     return engine.n_seq_max >= 2 and not any(batch_deltas(engine, first_only=True).values())
 
