@@ -207,8 +207,9 @@ def test_no_caller_string_produces_a_control_token_on_any_template(name):
         kw = {"enable_thinking": data.draw(st.booleans())}
         script, forged, tools, ftools = forged_conversation(data.draw, script, tools, controls)
         # SmolLM3 and Nemotron read "/think" and "/no_think" in text as switches: a forged "</think>" cut to
-        # "/think>" flips the mode, which is the template's rule for that text, not a control token.
-        assume(repr(forged).count("/think") == repr(script).count("/think"))
+        # "/think>" flips the mode, which is the template's rule for that text, not a control token. Counted per
+        # message: SmolLM3 reads it in the system message only, so one moved from another message is a switch too.
+        assume([repr(m).count("/think") for m in forged] == [repr(m).count("/think") for m in script])
         # Mistral's templates find "the last user message" by comparing contents, so two equal user messages
         # change where the tools block goes: a rule on the text, not a control token.
         for conv in (script, forged):
