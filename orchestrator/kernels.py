@@ -10,9 +10,10 @@ for decode steps and verifications only, they agree at every width, while prefil
 (which min_segment is measured for). The environment's `GGML_CPU_TILED_MM=0` does the same for verification but
 for prefill too, at 0.44x prefill speed on the qwen3.5-0.8b preset (bench/results/2026-12-05/tiled-matmul).
 
-The reference paths do not gate llamafile's tinyBLAS, which takes every F32/F16/BF16/Q8_0 matmul of 2+ rows (the
+The reference paths do not gate llamafile's tinyBLAS, which takes every F32/F16/BF16 matmul of 2+ rows (the
 attention matmuls over an F16 KV cache with flash attention off: the default layout) and sums in another order
-than the one-row kernels. `gate_tinyblas` makes them decline it (native/tinyblas_gate.c), so that the default
+than the one-row kernels (its quantized matmuls sum as they do). `gate_tinyblas` makes the reference paths decline
+it for float matrices (native/tinyblas_gate.c), so that the default
 layout's decode steps and verifications agree at every width, as in a ggml-cpu built without llamafile, while
 prefill keeps tinyBLAS (`reference_matmuls`).
 
@@ -99,7 +100,7 @@ def _api() -> tuple:
 
 def has_llamafile() -> bool:
     """Whether the loaded ggml-cpu was built with llamafile's tinyBLAS (`GGML_LLAMAFILE`, on by default), which
-    computes F16, F32 and Q8_0 matmuls of two or more rows, reference paths or not unless gated
+    computes F16, F32 and BF16 matmuls of two or more rows, reference paths or not unless gated
     (`gate_tinyblas`), with other sums than the one-row `vec_dot` kernels: then the default attention layout
     (flash attention off over F16) has no exact verification width. Built without it
     (CMAKE_ARGS="-DGGML_LLAMAFILE=OFF"), every matmul of a reference-path decode step or verification runs
@@ -164,8 +165,8 @@ def gate_tinyblas() -> bool:
 def reference_matmuls() -> str:
     """How ggml-cpu's reference paths compute a matmul of two or more rows: "tinyBLAS" (llamafile's, built in and
     not gated), "vec_dot" (a build without llamafile), or "vec_dot, tinyBLAS gated" (`gate_tinyblas`, installed
-    here where it can be). Under "vec_dot" both ways every matmul runs the one-row kernels row by row, and the
-    default attention layout (flash attention off over F16), which tinyBLAS makes inexact at every width, verifies
+    here where it can be). Under "vec_dot" both ways every float matmul runs the one-row kernels row by row, and
+    the default attention layout (flash attention off over F16), which tinyBLAS makes inexact at every width, verifies
     exactly at widths 2..32 (bench/results/2026-12-07/no-llamafile, and tinyblas-gate for the gate)."""
     if not has_llamafile():
         return "vec_dot"
