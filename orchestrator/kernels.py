@@ -17,6 +17,12 @@ it for float matrices (native/tinyblas_gate.c), so that the default
 layout's decode steps and verifications agree at every width, as in a ggml-cpu built without llamafile, while
 prefill keeps tinyBLAS (`reference_matmuls`).
 
+Row by row is what exactness needs of the sums, not of the work: the gate also computes reference-path F16 x F16
+and Q4_K/Q6_K matmuls of several rows itself (native/exact_matmuls.c), each element summed in the one-row
+kernel's order but each weight or KV row unpacked once for all rows, where the kernel agreed bit for bit with the
+loaded library's at install. A 16-token verification then costs 0.63x (qwen3.5-0.8b preset) and 0.89x (Gemma 3
+270M) of ggml's row-by-row one (bench/results/2026-12-08/exact-matmuls).
+
 One more kernel depends on the row count under the reference paths: with a quantized K cache llama.cpp rotates Q
 and K by a Hadamard matrix (llama-kv-cache.cpp `attn_rot_k`), as a dedicated op normally, as a plain F32 matmul
 under them; with one KV head (Gemma 3 270M) that matmul has one row per token, which takes `vec_dot` for one
@@ -115,16 +121,20 @@ def has_llamafile() -> bool:
     return bool(fn())
 
 
-_GATE_SOURCE = Path(__file__).parent / "native" / "tinyblas_gate.c"
+_NATIVE = Path(__file__).parent / "native"
+_GATE_SOURCES = ("tinyblas_gate.c", "exact_matmuls.c")  # with the headers beside them
 
 
 def _gate_library() -> Path:
-    """native/tinyblas_gate.c compiled to a shared library, kept under cache_root()/native by the source's digest
-    and the machine (compiled once, about 0.2 s, with $CC or cc: a machine that built llama-cpp-python from
-    source has one). Raises KernelsUnavailable where it cannot be compiled."""
-    source = _GATE_SOURCE.read_bytes()
-    digest = hashlib.blake2b(source + platform.machine().encode(), digest_size=8).hexdigest()
-    target = cache_root() / "native" / f"tinyblas_gate-{digest}.so"
+    """native/tinyblas_gate.c and native/exact_matmuls.c compiled to a shared library, kept under
+    cache_root()/native by the sources' digest and the machine (compiled once, about 0.5 s, with $CC or cc: a
+    machine that built llama-cpp-python from source has one). Raises KernelsUnavailable where it cannot be
+    compiled."""
+    sources = [_NATIVE / name for name in _GATE_SOURCES]
+    h = hashlib.blake2b(platform.machine().encode(), digest_size=8)
+    for path in sorted(_NATIVE.glob("*.[ch]")):
+        h.update(path.name.encode() + path.read_bytes())
+    target = cache_root() / "native" / f"tinyblas_gate-{h.hexdigest()}.so"
     if target.is_file():
         return target
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -134,7 +144,7 @@ def _gate_library() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(_GATE_SOURCE)],
+            subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", str(built), *map(str, sources)],
                            check=True, capture_output=True, timeout=120)
             os.replace(built, target)  # atomic: a concurrent start sees the whole file or none
     except (OSError, subprocess.SubprocessError) as e:
@@ -144,33 +154,65 @@ def _gate_library() -> Path:
     return target
 
 
-def gate_tinyblas() -> bool:
+def _address(library: ctypes.CDLL, name: str) -> int | None:
+    """The address of an exported function, or None where the library has no such symbol."""
+    try:
+        return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+def gate_tinyblas() -> tuple[str, ...] | None:
     """Keep llamafile's tinyBLAS out of the reference paths for F32/F16/BF16 matrices (native/tinyblas_gate.c):
-    after this, where it returns True, ggml-cpu's float matmuls under `ggml_backend_cpu_set_use_ref` run the
-    one-row `vec_dot` kernels row by row, as in a build without llamafile, while computations without it (prefill)
-    keep tinyBLAS, and quantized matrices keep it everywhere (its sums are vec_dot's there). Idempotent
-    (the library is opened once by the loader; slots already gated are counted, not patched again); process-wide,
-    like the library it patches. False where the loaded ggml-cpu has no llamafile slot to gate, or the gate
+    after this, where it returns a value, ggml-cpu's float matmuls under `ggml_backend_cpu_set_use_ref` sum every
+    element as the one-row `vec_dot` kernels do, as in a build without llamafile, while computations without it
+    (prefill) keep tinyBLAS, and quantized matrices keep it everywhere (its sums are vec_dot's there).
+
+    The value names the matmuls the gate then computes itself for the reference paths, every element summed as
+    the one-row kernel sums it but with each weight or KV row unpacked once for all rows of the ubatch
+    (native/exact_matmuls.c): "F16" (F16 x F16, the default layout's attention; AVX512F), "Q4_K", "Q6_K" (K-quant
+    weights; AVX2). Each is used only where it agreed bit for bit with the loaded library's own kernel at install
+    (`orchestrator_exact_f16`, `orchestrator_exact_kquants`); the others stay row by row in ggml. Idempotent (the
+    library is opened once by the loader; slots already gated are counted, not patched again); process-wide,
+    like the library it patches. None where the loaded ggml-cpu has no llamafile slot to gate, or the gate
     cannot be compiled or installed (logged once per call, at debug: has_llamafile decides what that means)."""
     try:
         library = ctypes.CDLL(str(_gate_library()))
     except (OSError, KernelsUnavailable) as e:
         log.debug("tinyBLAS gate unavailable: %s", e)
-        return False
+        return None
     gate = library.orchestrator_gate_tinyblas
     gate.argtypes, gate.restype = [ctypes.c_char_p], ctypes.c_int
-    return gate(b"libggml-cpu") > 0
+    if gate(b"libggml-cpu") <= 0:
+        return None
+    try:
+        ggml_cpu = _library("ggml-cpu")
+    except KernelsUnavailable:
+        return ()
+    llama_cpp.llama_backend_init()  # ggml_cpu_init: vec_dot_f16's leftovers convert through a table it fills
+    exact_f16, exact_kquants = library.orchestrator_exact_f16, library.orchestrator_exact_kquants
+    exact_f16.argtypes, exact_f16.restype = [ctypes.c_void_p], ctypes.c_int
+    exact_kquants.argtypes, exact_kquants.restype = [ctypes.c_void_p] * 4, ctypes.c_int
+    f16 = exact_f16(_address(ggml_cpu, "ggml_vec_dot_f16")) == 1
+    kquants = exact_kquants(*(_address(ggml_cpu, name) for name in (
+        "ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q6_K_q8_K", "quantize_row_q8_K", "ggml_barrier")))
+    # kquants: the copies that agreed, 1/4 Q4_K (AVX2/AVX512), 2/8 Q6_K
+    return tuple(name for name, on in (("F16", f16), ("Q4_K", kquants & 5), ("Q6_K", kquants & 10)) if on)
 
 
 def reference_matmuls() -> str:
     """How ggml-cpu's reference paths compute a matmul of two or more rows: "tinyBLAS" (llamafile's, built in and
-    not gated), "vec_dot" (a build without llamafile), or "vec_dot, tinyBLAS gated" (`gate_tinyblas`, installed
-    here where it can be). Under "vec_dot" both ways every float matmul runs the one-row kernels row by row, and
-    the default attention layout (flash attention off over F16), which tinyBLAS makes inexact at every width, verifies
-    exactly at widths 2..32 (bench/results/2026-12-07/no-llamafile, and tinyblas-gate for the gate)."""
+    not gated), "vec_dot" (a build without llamafile), "vec_dot, tinyBLAS gated" (`gate_tinyblas`, installed here
+    where it can be), or that followed by ", exact F16 Q4_K Q6_K" naming the matmuls the gate computes itself in
+    the one-row kernels' order. Under all but the first every matmul sums each element as the one-row kernels do,
+    and the default attention layout (flash attention off over F16), which tinyBLAS makes inexact at every width,
+    verifies exactly at widths 2..32 (bench/results/2026-12-07/no-llamafile, and tinyblas-gate for the gate)."""
     if not has_llamafile():
         return "vec_dot"
-    return "vec_dot, tinyBLAS gated" if gate_tinyblas() else "tinyBLAS"
+    exact = gate_tinyblas()
+    if exact is None:
+        return "tinyBLAS"
+    return "vec_dot, tinyBLAS gated" + (", exact " + " ".join(exact) if exact else "")
 
 
 def unavailable() -> str | None:
