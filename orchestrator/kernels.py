@@ -21,7 +21,7 @@ Row by row is what exactness needs of the sums, not of the work: the gate also c
 and Q4_K/Q6_K matmuls of several rows itself (native/exact_matmuls.c), each element summed in the one-row
 kernel's order but each weight or KV row unpacked once for all rows, where the kernel agreed bit for bit with the
 loaded library's at install. A 16-token verification then costs 0.63x (qwen3.5-0.8b preset) and 0.89x (Gemma 3
-270M) of ggml's row-by-row one (bench/results/2026-12-08/exact-matmuls).
+270M) of ggml's row-by-row one (bench/results/2026-12-07/exact-matmuls).
 
 One more kernel depends on the row count under the reference paths: with a quantized K cache llama.cpp rotates Q
 and K by a Hadamard matrix (llama-kv-cache.cpp `attn_rot_k`), as a dedicated op normally, as a plain F32 matmul
