@@ -185,6 +185,9 @@ int exact_f16_check(vec_dot_fn dot) {
     if (!dot || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("f16c")) {
         return 0;
     }
+    if (dot == library_dot_f16) {
+        return 1; /* agreed before: the runtime asks at every start of a context */
+    }
     static const int64_t lengths[] = {1, 15, 16, 63, 64, 65, 100, 256, 320, 1000, 1031, 4096};
     const int64_t m = 5, n = 6, kmax = 4096;
     uint16_t *A = malloc(sizeof(uint16_t) * (size_t)(m * kmax)), *B = malloc(sizeof(uint16_t) * (size_t)(n * kmax));
@@ -370,6 +373,11 @@ int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, quantize_row_fn
         || !__builtin_cpu_supports("f16c")) {
         return 0;
     }
+    static vec_dot_fn asked[2];
+    static int answer = -1; /* the last answer, for the same library kernels: asked at every start of a context */
+    if (answer >= 0 && asked[0] == dot_q4_K && asked[1] == dot_q6_K) {
+        return answer;
+    }
     const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
                       && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
     const vec_dot_fn dots[2] = {dot_q4_K, dot_q6_K};
@@ -388,6 +396,9 @@ int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, quantize_row_fn
             used_row[t] = wide_ok ? avx512.row[t] : avx2.row[t];
         }
     }
+    asked[0] = dot_q4_K;
+    asked[1] = dot_q6_K;
+    answer = agreed;
     return agreed;
 #else
     (void)dot_q4_K, (void)dot_q6_K, (void)quantize_q8_K, (void)barrier;
