@@ -172,7 +172,8 @@ def gate_tinyblas() -> tuple[str, ...] | None:
     the one-row kernel sums it but with each weight or KV row unpacked once for all rows of the ubatch
     (native/exact_matmuls.c): "F16" (F16 x F16, the default layout's attention; AVX512F), "Q4_K", "Q6_K" (K-quant
     weights; AVX2). Each is used only where it agreed bit for bit with the loaded library's own kernel at install
-    (`orchestrator_exact_f16`, `orchestrator_exact_kquants`); the others stay row by row in ggml. Idempotent (the
+    (`orchestrator_exact_f16`, `orchestrator_exact_kquants`), the K-quant ones also only where the loaded ggml lays
+    out `struct ggml_tensor` as they read it (`orchestrator_exact_abi`); the others stay row by row in ggml. Idempotent (the
     library is opened once by the loader; slots already gated are counted, not patched again); process-wide,
     like the library it patches. None where the loaded ggml-cpu has no llamafile slot to gate, or the gate
     cannot be compiled or installed (logged once per call, at debug: has_llamafile decides what that means)."""
@@ -194,6 +195,13 @@ def gate_tinyblas() -> tuple[str, ...] | None:
     exact_f16.argtypes, exact_f16.restype = [ctypes.c_void_p], ctypes.c_int
     exact_kquants.argtypes, exact_kquants.restype = [ctypes.c_void_p] * 4, ctypes.c_int
     f16 = exact_f16(_address(ggml_cpu, "ggml_vec_dot_f16")) == 1
+    try:  # the K-quant matmul reads ggml_tensor fields: only where the loaded ggml lays them out as it expects
+        ggml_base = _library("ggml-base")
+        abi = library.orchestrator_exact_abi
+        abi.argtypes, abi.restype = [ctypes.c_void_p] * 4, ctypes.c_int
+        abi(*(_address(ggml_base, name) for name in ("ggml_init", "ggml_new_tensor_2d", "ggml_mul_mat", "ggml_free")))
+    except KernelsUnavailable:
+        pass
     kquants = exact_kquants(*(_address(ggml_cpu, name) for name in (
         "ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q6_K_q8_K", "quantize_row_q8_K", "ggml_barrier")))
     # kquants: the copies that agreed, 1/4 Q4_K (AVX2/AVX512), 2/8 Q6_K

@@ -66,6 +66,20 @@ def test_the_check_refuses_kernels_that_sum_otherwise():
     assert f16(kernels._address(ggml_cpu, "ggml_vec_dot_f16")) == (1 if "avx512f" in _flags() else 0)
 
 
+def test_the_tensor_layout_check_agrees_with_this_ggml_and_refuses_another():
+    """The K-quant matmul reads `struct ggml_tensor` (native/ggml_abi.h): its layout is checked against tensors the
+    loaded ggml builds (1 here), and a tensor that is not what the check asked for (a 1-D one where it asked a
+    2-D one: what a moved field reads like) is refused (0), so another layout means ggml's row-by-row path."""
+    gate, _ = _gate()
+    base = kernels._library("ggml-base")
+    abi = gate.orchestrator_exact_abi
+    abi.argtypes, abi.restype = [ctypes.c_void_p] * 4, ctypes.c_int
+    names = ["ggml_init", "ggml_new_tensor_2d", "ggml_mul_mat", "ggml_free"]
+    assert abi(*(kernels._address(base, n) for n in names)) == 1
+    names[1] = "ggml_new_tensor_1d"
+    assert abi(*(kernels._address(base, n) for n in names)) == 0
+
+
 @pytest.mark.parametrize("preset", ["tiny-q4", "tiny"])
 def test_a_verification_with_the_exact_kernels_equals_ggmls_row_by_row_one(preset):
     """tiny-q4 (Q4_K and Q6_K weights) and tiny (F16 weights), both over an F16 KV cache: a 16-token verification

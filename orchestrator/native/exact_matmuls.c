@@ -227,6 +227,47 @@ int exact_f16_check(vec_dot_fn dot) {
 
 /* ---- Q4_K and Q6_K weights x Q8_K activations (K-quant models' weight matmuls) ------------------------------- */
 
+static bool tensor_abi_ok; /* exact_tensor_abi_check agreed: exact_kquant_mul_mat may read ggml_tensor fields */
+
+struct ggml_init_params_0_3_36 {
+    size_t mem_size;
+    void *mem_buffer;
+    bool no_alloc;
+};
+
+/* Whether the loaded ggml lays `struct ggml_tensor` out as ggml_abi.h says, for the fields exact_kquant_mul_mat
+reads (type, ne, nb, src, data): builds w (Q4_K 512 x 3), a (F32 512 x 2) and mul_mat(w, a) with the library's
+own ggml_init, ggml_new_tensor_2d, ggml_mul_mat (in a 1 MiB context it allocates, so a wrong offset reads that
+context, never past it) and compares every field with what it must be. 1 where all agree (the K-quant matmul may
+then be turned on), else 0 and it stays off: a ggml of another layout (another llama-cpp-python, or
+LLAMA_CPP_LIB_PATH's) gets ggml's row-by-row path, not a misread tensor. */
+int exact_tensor_abi_check(void *init, void *new_tensor_2d, void *mul_mat, void *free_context) {
+    typedef void *(*init_fn)(struct ggml_init_params_0_3_36);
+    typedef struct ggml_tensor_0_3_36 *(*new_2d_fn)(void *, int, int64_t, int64_t);
+    typedef struct ggml_tensor_0_3_36 *(*mul_mat_fn)(void *, struct ggml_tensor_0_3_36 *, struct ggml_tensor_0_3_36 *);
+    typedef void (*free_fn)(void *);
+    if (!init || !new_tensor_2d || !mul_mat || !free_context) {
+        return 0;
+    }
+    void *ctx = ((init_fn)init)((struct ggml_init_params_0_3_36){1 << 20, NULL, false});
+    if (!ctx) {
+        return 0;
+    }
+    struct ggml_tensor_0_3_36 *w = ((new_2d_fn)new_tensor_2d)(ctx, GGML_TYPE_Q4_K, 512, 3);
+    struct ggml_tensor_0_3_36 *a = ((new_2d_fn)new_tensor_2d)(ctx, GGML_TYPE_F32, 512, 2);
+    struct ggml_tensor_0_3_36 *d = w && a ? ((mul_mat_fn)mul_mat)(ctx, w, a) : NULL;
+    const bool ok = d && w->type == GGML_TYPE_Q4_K && w->ne[0] == 512 && w->ne[1] == 3 && w->ne[2] == 1
+                    && w->ne[3] == 1 && w->nb[0] == sizeof(block_q4_K) && w->nb[1] == 2 * sizeof(block_q4_K)
+                    && w->nb[2] == 6 * sizeof(block_q4_K) && a->type == GGML_TYPE_F32 && a->ne[0] == 512
+                    && a->ne[1] == 2 && a->nb[0] == sizeof(float) && a->nb[1] == 512 * sizeof(float)
+                    && d->type == GGML_TYPE_F32 && d->ne[0] == 3 && d->ne[1] == 2 && d->nb[1] == 3 * sizeof(float)
+                    && d->src[0] == w && d->src[1] == a && w->data && a->data && d->data && w->data != a->data
+                    && a->data != d->data;
+    ((free_fn)free_context)(ctx);
+    tensor_abi_ok = tensor_abi_ok || ok;
+    return ok;
+}
+
 
 enum { COLUMNS = 64 }; /* ubatch rows per pass over a weight row: accumulators for each live on the stack */
 
@@ -361,15 +402,15 @@ static int kquant_agrees(int type, kquant_row_fn kernel, vec_dot_fn dot, quantiz
 }
 #endif
 
-/* Turns exact_kquant_mul_mat on for each of Q4_K and Q6_K whose kernel agrees bit for bit with the library's
-(`dot_q4_K`, `dot_q6_K`: ggml_vec_dot_q4_K_q8_K, ggml_vec_dot_q6_K_q8_K; `quantize_q8_K`: quantize_row_q8_K;
+/* Turns exact_kquant_mul_mat on for each of Q4_K and Q6_K whose kernel agrees bit for bit with the library's, once
+exact_tensor_abi_check agreed (`dot_q4_K`, `dot_q6_K`: ggml_vec_dot_q4_K_q8_K, ggml_vec_dot_q6_K_q8_K; `quantize_q8_K`: quantize_row_q8_K;
 `barrier`: ggml_barrier). Both copies are compared where the CPU runs them (AVX2; AVX512F/VL/BW/DQ), and the
 AVX512 one is used where it agrees, else the AVX2 one. Returns the bit set of copies that agreed: 1 Q4_K AVX2,
 2 Q6_K AVX2, 4 Q4_K AVX512, 8 Q6_K AVX512; 0 where none did (not x86, no AVX2/FMA/F16C, a difference). Call it
 before the first reference computation. */
 int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, quantize_row_fn quantize_q8_K, barrier_fn barrier) {
 #if EXACT_X86
-    if (!quantize_q8_K || !barrier || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")
+    if (!tensor_abi_ok || !quantize_q8_K || !barrier || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")
         || !__builtin_cpu_supports("f16c")) {
         return 0;
     }

@@ -202,5 +202,12 @@ int orchestrator_exact_kquants(void *dot_q4_K, void *dot_q6_K, void *quantize_q8
                               (barrier_fn)barrier);
 }
 
+/* exact_tensor_abi_check (exact_matmuls.c), with the loaded ggml-base's ggml_init, ggml_new_tensor_2d,
+ggml_mul_mat and ggml_free: 1 where struct ggml_tensor is laid out as ggml_abi.h says. Call it before
+orchestrator_exact_kquants, which stays off until it agreed. */
+int orchestrator_exact_abi(void *init, void *new_tensor_2d, void *mul_mat, void *free_context) {
+    return exact_tensor_abi_check(init, new_tensor_2d, mul_mat, free_context);
+}
+
 /* exact_use: which of the agreed exact kernels the reference paths use (bit 1 F16, 2 Q4_K, 4 Q6_K). */
 void orchestrator_exact_use(int mask) { exact_use(mask); }
