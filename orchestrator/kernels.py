@@ -20,8 +20,8 @@ prefill keeps tinyBLAS (`reference_matmuls`).
 Row by row is what exactness needs of the sums, not of the work: the gate also computes reference-path F16 x F16
 and Q4_K/Q6_K matmuls of several rows itself (native/exact_matmuls.c), each element summed in the one-row
 kernel's order but each weight or KV row unpacked once for all rows, where the kernel agreed bit for bit with the
-loaded library's at install. A 16-token verification then costs 0.63x (qwen3.5-0.8b preset) and 0.89x (Gemma 3
-270M) of ggml's row-by-row one (bench/results/2026-12-07/exact-matmuls).
+loaded library's at install. A 16-token verification then costs 0.63-0.72x (qwen3.5-0.8b preset) and 0.89-0.90x
+(Gemma 3 270M) of ggml's row-by-row one (bench/results/2026-12-07/exact-matmuls).
 
 One more kernel depends on the row count under the reference paths: with a quantized K cache llama.cpp rotates Q
 and K by a Hadamard matrix (llama-kv-cache.cpp `attn_rot_k`), as a dedicated op normally, as a plain F32 matmul
@@ -173,10 +173,11 @@ def gate_tinyblas() -> tuple[str, ...] | None:
     (native/exact_matmuls.c): "F16" (F16 x F16, the default layout's attention; AVX512F), "Q4_K", "Q6_K" (K-quant
     weights; AVX2). Each is used only where it agreed bit for bit with the loaded library's own kernel at install
     (`orchestrator_exact_f16`, `orchestrator_exact_kquants`), the K-quant ones also only where the loaded ggml lays
-    out `struct ggml_tensor` as they read it (`orchestrator_exact_abi`); the others stay row by row in ggml. Idempotent (the
-    library is opened once by the loader; slots already gated are counted, not patched again); process-wide,
-    like the library it patches. None where the loaded ggml-cpu has no llamafile slot to gate, or the gate
-    cannot be compiled or installed (logged once per call, at debug: has_llamafile decides what that means)."""
+    out `struct ggml_tensor` as they read it (`orchestrator_exact_abi`); the others stay row by row in ggml.
+    Idempotent (the library is opened once by the loader; slots already gated are counted, not patched again, and
+    a check asked again answers from its last answer); process-wide, like the library it patches. None where the
+    loaded ggml-cpu has no llamafile slot to gate, or the gate cannot be compiled or installed (logged once per
+    call, at debug: has_llamafile decides what that means)."""
     try:
         library = ctypes.CDLL(str(_gate_library()))
     except (OSError, KernelsUnavailable) as e:
