@@ -39,6 +39,9 @@ same. */
 void exact_use(int mask) { used = mask; }
 
 #if EXACT_X86
+/* Each thread keeps one scratch buffer for the widened rows, (n + 1) * k floats, grown as needed: at most 16 Mi
+floats (64 MiB; e.g. 33 verified rows over 32k tokens of context take 4.3 MiB), past that ggml's kernel. */
+enum { SCRATCH_FLOATS = 16 << 20 };
 static _Thread_local float *scratch;
 static _Thread_local size_t scratch_floats;
 
@@ -135,8 +138,9 @@ static void f16_gemm(int ith, int nth, int64_t m, int64_t n, int64_t k, const ui
     if (i0 >= i1) {
         return;
     }
-    float *wide = scratch_for((size_t)(n + 1) * (size_t)k);
-    if (!wide) { /* no scratch memory: the library's own kernel, row by row (same sums) */
+    const size_t floats = (size_t)(n + 1) * (size_t)k;
+    float *wide = floats <= SCRATCH_FLOATS ? scratch_for(floats) : NULL;
+    if (!wide) { /* too big, or no scratch memory: the library's own kernel, row by row (same sums) */
         for (int64_t i = i0; i < i1; i++) {
             for (int64_t j = 0; j < n; j++) {
                 dot((int)k, C + j * ldc + i, 0, A + i * lda, 0, B + j * ldb, 0, 1);
