@@ -18,7 +18,7 @@ layout's decode steps and verifications agree at every width, as in a ggml-cpu b
 prefill keeps tinyBLAS (`reference_matmuls`).
 
 Row by row is what exactness needs of the sums, not of the work: the gate also computes reference-path F16 x F16
-and Q4_K/Q6_K matmuls of several rows itself (native/exact_matmuls.c), each element summed in the one-row
+and Q4_K/Q5_K/Q6_K matmuls of several rows itself (native/exact_matmuls.c), each element summed in the one-row
 kernel's order but each weight or KV row unpacked once for all rows, where the kernel agreed bit for bit with the
 loaded library's at install. A 16-token verification then costs 0.63-0.72x (qwen3.5-0.8b preset) and 0.89-0.90x
 (Gemma 3 270M) of ggml's row-by-row one (bench/results/2026-12-07/exact-matmuls).
@@ -170,10 +170,11 @@ def gate_tinyblas() -> tuple[str, ...] | None:
 
     The value names the matmuls the gate then computes itself for the reference paths, every element summed as
     the one-row kernel sums it but with each weight or KV row unpacked once for all rows of the ubatch
-    (native/exact_matmuls.c): "F16" (F16 x F16, the default layout's attention; AVX512F), "Q4_K", "Q6_K" (K-quant
-    weights; AVX2). Each is used only where it agreed bit for bit with the loaded library's own kernel at install
-    (`orchestrator_exact_f16`, `orchestrator_exact_kquants`), the K-quant ones also only where the loaded ggml lays
-    out `struct ggml_tensor` as they read it (`orchestrator_exact_abi`); the others stay row by row in ggml.
+    (native/exact_matmuls.c): "F16" (F16 x F16, the default layout's attention; AVX512F), "Q4_K", "Q5_K",
+    "Q6_K" (K-quant weights; AVX2). Each is used only where it agreed bit for bit with the loaded library's own
+    kernel at install (`orchestrator_exact_f16`, `orchestrator_exact_kquants`), the K-quant ones also only where
+    the loaded ggml lays out `struct ggml_tensor` as they read it (`orchestrator_exact_abi`); the others stay row
+    by row in ggml.
     Idempotent (the library is opened once by the loader; slots already gated are counted, not patched again, and
     a check asked again answers from its last answer); process-wide, like the library it patches. None where the
     loaded ggml-cpu has no llamafile slot to gate, or the gate cannot be compiled or installed (logged once per
@@ -194,7 +195,7 @@ def gate_tinyblas() -> tuple[str, ...] | None:
     llama_cpp.llama_backend_init()  # ggml_cpu_init: vec_dot_f16's leftovers convert through a table it fills
     exact_f16, exact_kquants = library.orchestrator_exact_f16, library.orchestrator_exact_kquants
     exact_f16.argtypes, exact_f16.restype = [ctypes.c_void_p], ctypes.c_int
-    exact_kquants.argtypes, exact_kquants.restype = [ctypes.c_void_p] * 4, ctypes.c_int
+    exact_kquants.argtypes, exact_kquants.restype = [ctypes.c_void_p] * 5, ctypes.c_int
     f16 = exact_f16(_address(ggml_cpu, "ggml_vec_dot_f16")) == 1
     try:  # the K-quant matmul reads ggml_tensor fields: only where the loaded ggml lays them out as it expects
         ggml_base = _library("ggml-base")
@@ -204,15 +205,17 @@ def gate_tinyblas() -> tuple[str, ...] | None:
     except KernelsUnavailable:
         pass
     kquants = exact_kquants(*(_address(ggml_cpu, name) for name in (
-        "ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q6_K_q8_K", "quantize_row_q8_K", "ggml_barrier")))
-    # kquants: the copies that agreed, 1/4 Q4_K (AVX2/AVX512), 2/8 Q6_K
-    return tuple(name for name, on in (("F16", f16), ("Q4_K", kquants & 5), ("Q6_K", kquants & 10)) if on)
+        "ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q6_K_q8_K", "ggml_vec_dot_q5_K_q8_K", "quantize_row_q8_K",
+        "ggml_barrier")))
+    # kquants: the copies that agreed, AVX2 1 Q4_K, 2 Q6_K, 4 Q5_K; AVX512 the same times 8
+    return tuple(name for name, on in (("F16", f16), ("Q4_K", kquants & 9), ("Q5_K", kquants & 36),
+                                       ("Q6_K", kquants & 18)) if on)
 
 
 def reference_matmuls() -> str:
     """How ggml-cpu's reference paths compute a matmul of two or more rows: "tinyBLAS" (llamafile's, built in and
     not gated), "vec_dot" (a build without llamafile), "vec_dot, tinyBLAS gated" (`gate_tinyblas`, installed here
-    where it can be), or that followed by ", exact F16 Q4_K Q6_K" naming the matmuls the gate computes itself in
+    where it can be), or that followed by ", exact F16 Q4_K Q5_K Q6_K" naming the matmuls the gate computes itself in
     the one-row kernels' order. Under all but the first every matmul sums each element as the one-row kernels do,
     and the default attention layout (flash attention off over F16), which tinyBLAS makes inexact at every width,
     verifies exactly at widths 2..32 (bench/results/2026-12-07/no-llamafile, and tinyblas-gate for the gate)."""

@@ -33,7 +33,7 @@ static int used = ~0;             /* exact_use's mask */
 
 bool exact_f16_on(void) { return library_dot_f16 != NULL && (used & 1); }
 
-/* Which of the kernels that agreed are used: bit 1 F16, 2 Q4_K, 4 Q6_K (all, unless told otherwise). For
+/* Which of the kernels that agreed are used: bit 1 F16, 2 Q4_K, 4 Q6_K, 8 Q5_K (all, unless told otherwise). For
 measurements that compare them with ggml's row-by-row path in one process (bench/); either way the sums are the
 same. */
 void exact_use(int mask) { used = mask; }
@@ -229,7 +229,7 @@ int exact_f16_check(vec_dot_fn dot) {
 #endif
 }
 
-/* ---- Q4_K and Q6_K weights x Q8_K activations (K-quant models' weight matmuls) ------------------------------- */
+/* ---- Q4_K, Q5_K and Q6_K weights x Q8_K activations (K-quant models' weight matmuls) ------------------------ */
 
 static bool tensor_abi_ok; /* exact_tensor_abi_check agreed: exact_kquant_mul_mat may read ggml_tensor fields */
 
@@ -292,16 +292,16 @@ static barrier_fn library_barrier;
 
 typedef void (*kquant_row_fn)(int, const void *, const block_q8_K *const *, int, float *, size_t);
 
-/* One copy of the row kernels: [0] Q4_K, [1] Q6_K. */
+/* One copy of the row kernels: [0] Q4_K, [1] Q6_K, [2] Q5_K. */
 struct kquant_copy {
-    kquant_row_fn row[2];
+    kquant_row_fn row[3];
 };
 
-static const struct kquant_copy avx2 = {{q4_K_row_avx2, q6_K_row_avx2}};
-static const struct kquant_copy avx512 = {{q4_K_row_avx512, q6_K_row_avx512}};
-static kquant_row_fn used_row[2]; /* per type, the copy that agreed (exact_kquant_check); NULL: row by row */
+static const struct kquant_copy avx2 = {{q4_K_row_avx2, q6_K_row_avx2, q5_K_row_avx2}};
+static const struct kquant_copy avx512 = {{q4_K_row_avx512, q6_K_row_avx512, q5_K_row_avx512}};
+static kquant_row_fn used_row[3]; /* per type, the copy that agreed (exact_kquant_check); NULL: row by row */
 
-/* Weight rows i0..i1-1 of a Q4_K/Q6_K matrix against n Q8_K rows (`q8`, `row` bytes apart), in passes of at most
+/* Weight rows i0..i1-1 of a Q4_K/Q5_K/Q6_K matrix against n Q8_K rows (`q8`, `row` bytes apart), in passes of at most
 COLUMNS rows: dst[j * dst_stride + i] (floats). */
 static void kquant_rows(kquant_row_fn kernel, int nb, const char *w, size_t w_stride, int64_t i0, int64_t i1,
                         const char *q8, size_t row, int64_t n, float *dst, size_t dst_stride) {
@@ -326,10 +326,10 @@ and params, which all threads share), for anything else: ggml then computes it r
 bool exact_kquant_mul_mat(const struct ggml_compute_params_0_3_36 *params, struct ggml_tensor_0_3_36 *dst) {
 #if EXACT_X86
     const struct ggml_tensor_0_3_36 *w = dst->src[0], *a = dst->src[1];
-    if (!w || !a || (w->type != GGML_TYPE_Q4_K && w->type != GGML_TYPE_Q6_K)) {
+    if (!w || !a || (w->type != GGML_TYPE_Q4_K && w->type != GGML_TYPE_Q6_K && w->type != GGML_TYPE_Q5_K)) {
         return false;
     }
-    const int t = w->type == GGML_TYPE_Q4_K ? 0 : 1;
+    const int t = w->type == GGML_TYPE_Q4_K ? 0 : w->type == GGML_TYPE_Q6_K ? 1 : 2;
     const kquant_row_fn kernel = used_row[t];
     if (!kernel || !(used & (2 << t))) {
         return false;
@@ -365,7 +365,9 @@ pseudo-random weight blocks (random quant and scale bytes, F16 scales of moderat
 activations quantized by the library. */
 static int kquant_agrees(int type, kquant_row_fn kernel, vec_dot_fn dot, quantize_row_fn quantize) {
     enum { NB = 14, M = 3, N = 7 };
-    const size_t block = type == GGML_TYPE_Q4_K ? sizeof(block_q4_K) : sizeof(block_q6_K);
+    const size_t block = type == GGML_TYPE_Q4_K   ? sizeof(block_q4_K)
+                         : type == GGML_TYPE_Q5_K ? sizeof(block_q5_K)
+                                                  : sizeof(block_q6_K);
     char *w = malloc(block * NB * M), *q8 = malloc(sizeof(block_q8_K) * NB * N);
     float *f = malloc(sizeof(float) * QK_K * NB), out[M * N], want;
     int agree = w && q8 && f;
@@ -379,6 +381,10 @@ static int kquant_agrees(int type, kquant_row_fn kernel, vec_dot_fn dot, quantiz
         for (int i = 0; i < M * NB; i++) { /* the F16 scales: normal, moderate */
             if (type == GGML_TYPE_Q4_K) {
                 block_q4_K *b = (block_q4_K *)w + i;
+                b->d = random_f16(&state);
+                b->dmin = random_f16(&state);
+            } else if (type == GGML_TYPE_Q5_K) {
+                block_q5_K *b = (block_q5_K *)w + i;
                 b->d = random_f16(&state);
                 b->dmin = random_f16(&state);
             } else {
@@ -406,35 +412,36 @@ static int kquant_agrees(int type, kquant_row_fn kernel, vec_dot_fn dot, quantiz
 }
 #endif
 
-/* Turns exact_kquant_mul_mat on for each of Q4_K and Q6_K whose kernel agrees bit for bit with the library's, once
-exact_tensor_abi_check agreed (`dot_q4_K`, `dot_q6_K`: ggml_vec_dot_q4_K_q8_K, ggml_vec_dot_q6_K_q8_K; `quantize_q8_K`: quantize_row_q8_K;
-`barrier`: ggml_barrier). Both copies are compared where the CPU runs them (AVX2; AVX512F/VL/BW/DQ), and the
-AVX512 one is used where it agrees, else the AVX2 one. Returns the bit set of copies that agreed: 1 Q4_K AVX2,
-2 Q6_K AVX2, 4 Q4_K AVX512, 8 Q6_K AVX512; 0 where none did (not x86, no AVX2/FMA/F16C, a difference). Call it
-before the first reference computation. */
-int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, quantize_row_fn quantize_q8_K, barrier_fn barrier) {
+/* Turns exact_kquant_mul_mat on for each of Q4_K, Q6_K and Q5_K whose kernel agrees bit for bit with the
+library's, once exact_tensor_abi_check agreed (`dot_q4_K`, `dot_q6_K`, `dot_q5_K`: ggml_vec_dot_q{4,6,5}_K_q8_K;
+`quantize_q8_K`: quantize_row_q8_K; `barrier`: ggml_barrier). Both copies are compared where the CPU runs them
+(AVX2; AVX512F/VL/BW/DQ), and the AVX512 one is used where it agrees, else the AVX2 one. Returns the bit set of
+copies that agreed: AVX2 1 Q4_K, 2 Q6_K, 4 Q5_K; AVX512 8 Q4_K, 16 Q6_K, 32 Q5_K; 0 where none did (not x86, no
+AVX2/FMA/F16C, a difference). Call it before the first reference computation. */
+int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, vec_dot_fn dot_q5_K, quantize_row_fn quantize_q8_K,
+                       barrier_fn barrier) {
 #if EXACT_X86
-    if (!tensor_abi_ok || !quantize_q8_K || !barrier || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")
-        || !__builtin_cpu_supports("f16c")) {
+    if (!tensor_abi_ok || !quantize_q8_K || !barrier || !__builtin_cpu_supports("avx2")
+        || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
         return 0;
     }
-    static vec_dot_fn asked[2];
+    static vec_dot_fn asked[3];
     static int answer = -1; /* the last answer, for the same library kernels: asked at every start of a context */
-    if (answer >= 0 && asked[0] == dot_q4_K && asked[1] == dot_q6_K) {
+    if (answer >= 0 && asked[0] == dot_q4_K && asked[1] == dot_q6_K && asked[2] == dot_q5_K) {
         return answer;
     }
     const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
                       && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-    const vec_dot_fn dots[2] = {dot_q4_K, dot_q6_K};
-    const int types[2] = {GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+    const vec_dot_fn dots[3] = {dot_q4_K, dot_q6_K, dot_q5_K};
+    const int types[3] = {GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q5_K};
     int agreed = 0;
-    for (int t = 0; t < 2; t++) {
+    for (int t = 0; t < 3; t++) {
         if (!dots[t]) {
             continue;
         }
         const bool narrow_ok = kquant_agrees(types[t], avx2.row[t], dots[t], quantize_q8_K);
         const bool wide_ok = wide && kquant_agrees(types[t], avx512.row[t], dots[t], quantize_q8_K);
-        agreed |= (narrow_ok ? 1 << t : 0) | (wide_ok ? 4 << t : 0);
+        agreed |= (narrow_ok ? 1 << t : 0) | (wide_ok ? 8 << t : 0);
         if (!used_row[t] && (narrow_ok || wide_ok)) {
             library_quantize_q8_K = quantize_q8_K;
             library_barrier = barrier;
@@ -443,10 +450,11 @@ int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, quantize_row_fn
     }
     asked[0] = dot_q4_K;
     asked[1] = dot_q6_K;
+    asked[2] = dot_q5_K;
     answer = agreed;
     return agreed;
 #else
-    (void)dot_q4_K, (void)dot_q6_K, (void)quantize_q8_K, (void)barrier;
+    (void)dot_q4_K, (void)dot_q6_K, (void)dot_q5_K, (void)quantize_q8_K, (void)barrier;
     return 0;
 #endif
 }

@@ -35,7 +35,8 @@ struct ggml_tensor_0_3_36 {
     char padding[8];
 };
 
-enum { GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_K = 12, GGML_TYPE_Q6_K = 14, GGML_TYPE_BF16 = 30 };
+enum { GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_K = 12, GGML_TYPE_Q5_K = 13, GGML_TYPE_Q6_K = 14,
+       GGML_TYPE_BF16 = 30 };
 
 #define QK_K 256
 
@@ -44,6 +45,13 @@ typedef struct {
     uint8_t scales[12]; /* scales and mins, 6 bits each */
     uint8_t qs[QK_K / 2];
 } block_q4_K;
+
+typedef struct {
+    uint16_t d, dmin;   /* F16 */
+    uint8_t scales[12]; /* scales and mins, 6 bits each */
+    uint8_t qh[QK_K / 8];
+    uint8_t qs[QK_K / 2];
+} block_q5_K;
 
 typedef struct {
     uint8_t ql[QK_K / 2];
@@ -59,6 +67,7 @@ typedef struct {
 } block_q8_K;
 
 _Static_assert(sizeof(block_q4_K) == 144, "block_q4_K");
+_Static_assert(sizeof(block_q5_K) == 176, "block_q5_K");
 _Static_assert(sizeof(block_q6_K) == 210, "block_q6_K");
 _Static_assert(sizeof(block_q8_K) == 292, "block_q8_K");
 
@@ -74,7 +83,8 @@ void exact_f16_gemm(int ith, int nth, int64_t m, int64_t n, int64_t k, const uin
                     const uint16_t *B, int64_t ldb, float *C, int64_t ldc);
 int exact_f16_check(vec_dot_fn dot);
 bool exact_kquant_mul_mat(const struct ggml_compute_params_0_3_36 *params, struct ggml_tensor_0_3_36 *dst);
-int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, quantize_row_fn quantize_q8_K, barrier_fn barrier);
+int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, vec_dot_fn dot_q5_K, quantize_row_fn quantize_q8_K,
+                       barrier_fn barrier);
 int exact_tensor_abi_check(void *init, void *new_tensor_2d, void *mul_mat, void *free_context);
 
 #endif

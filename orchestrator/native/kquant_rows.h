@@ -1,4 +1,4 @@
-/* The Q4_K and Q6_K row kernels of exact_matmuls.c, included there once per instruction set: KQ_TARGET is the
+/* The Q4_K, Q5_K and Q6_K row kernels of exact_matmuls.c, included there once per instruction set: KQ_TARGET is the
 function attribute naming it, KQ(name) the name of this copy's function. The same source compiled for AVX2 or for
 AVX512 (32 vector registers: the unpacked block stays in registers) does the same operations; which copy runs is
 chosen by the CPU, and the one chosen is what exact_kquant_check compares with the library. */
@@ -134,5 +134,74 @@ KQ_TARGET static void KQ(q6_K_row)(int nb, const void *row, const block_q8_K *co
     }
     for (int c = 0; c < cols; c++) {
         out[c * stride] = KQ(hsum_float_8)(acc[c]);
+    }
+}
+
+/* One Q5_K weight row against `cols` Q8_K rows, as ggml_vec_dot_q5_K_q8_K (per block: d and dmin as Q4_K; the
+mins' product summed to one integer and added to a float sum as `summs += dmin * that`; the scaled quant sums,
+the fifth bit from qh, into an 8-lane accumulator by FMA; at the end hsum_float_8 of it plus summs). The block's
+scales, mins and 5-bit quants are unpacked once for all columns. */
+KQ_TARGET static void KQ(q5_K_row)(int nb, const void *row, const block_q8_K *const *y, int cols, float *out,
+                                   size_t stride) {
+    const block_q5_K *x = row;
+    const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
+    const __m128i mzero = _mm_setzero_si128();
+    __m256 acc[COLUMNS];
+    float summs[COLUMNS];
+    for (int c = 0; c < cols; c++) {
+        acc[c] = _mm256_setzero_ps();
+        summs[c] = 0.f;
+    }
+    for (int i = 0; i < nb; i++) {
+        const float xd = _cvtsh_ss(x[i].d), xdmin = _cvtsh_ss(x[i].dmin);
+        uint32_t utmp[4];
+        memcpy(utmp, x[i].scales, 12);
+        utmp[3] = ((utmp[2] >> 4) & 0x0f0f0f0f) | (((utmp[1] >> 6) & 0x03030303) << 4);
+        const uint32_t uaux = utmp[1] & 0x3f3f3f3f;
+        utmp[1] = (utmp[2] & 0x0f0f0f0f) | (((utmp[0] >> 6) & 0x03030303) << 4);
+        utmp[2] = uaux;
+        utmp[0] &= 0x3f3f3f3f;
+        const __m256i mins_and_scales =
+            _mm256_cvtepu8_epi16(_mm_set_epi32((int)utmp[3], (int)utmp[2], (int)utmp[1], (int)utmp[0]));
+        const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].qh);
+        __m256i hmask = mone;
+        __m256i scale_0[4], scale_1[4], q5_0[4], q5_1[4];
+        for (int j = 0; j < 4; j++) {
+            scale_0[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((4 * j + 1) << 8 | (4 * j))));
+            scale_1[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((4 * j + 3) << 8 | (4 * j + 2))));
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * j));
+            const __m256i h0 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), 2 * j), 4);
+            q5_0[j] = _mm256_add_epi8(_mm256_and_si256(bits, m4), h0);
+            hmask = _mm256_slli_epi16(hmask, 1);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), 2 * j + 1), 4);
+            q5_1[j] = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h1);
+            hmask = _mm256_slli_epi16(hmask, 1);
+        }
+        for (int c = 0; c < cols; c++) {
+            const block_q8_K *b = y[c] + i;
+            const float d = b->d * xd;
+            const float dmin = -b->d * xdmin;
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)b->bsums);
+            const __m128i q8s =
+                _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+            const __m128i prod = _mm_madd_epi16(mins, q8s);
+            const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+            summs[c] += dmin * _mm_extract_epi32(hsum, 0);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i q8_0 = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * j));
+                const __m256i q8_1 = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * j + 32));
+                const __m256i p16_0 = _mm256_madd_epi16(scale_0[j], _mm256_maddubs_epi16(q5_0[j], q8_0));
+                const __m256i p16_1 = _mm256_madd_epi16(scale_1[j], _mm256_maddubs_epi16(q5_1[j], q8_1));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
+            }
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
+        }
+    }
+    for (int c = 0; c < cols; c++) {
+        out[c * stride] = KQ(hsum_float_8)(acc[c]) + summs[c];
     }
 }

@@ -14,7 +14,7 @@ BF16, it computes F16 x F16 with exact_matmuls.c's F16 matmul where that agreed 
 Q5_0, Q4_0 ...) sums each row's blocks as `vec_dot` does: kept, verifications stay exact (Gemma 3 270M's Q8_0 and
 Q5_0 weights: widths 2..16, 20..32 in the default layout, bench/results/2026-12-07/tinyblas-gate) and keep its
 speed. ggml-cpu's call to `ggml_compute_forward_mul_mat_tiled`, which declines `use_ref`, goes to `gated_tiled`
-the same way: there exact_matmuls.c's Q4_K/Q6_K matmul takes reference-path K-quant matmuls of 2+ rows where it
+the same way: there exact_matmuls.c's Q4_K/Q5_K/Q6_K matmul takes reference-path K-quant matmuls of 2+ rows where it
 agreed with the library's kernels, which ggml would otherwise compute row by row. So prefill keeps tinyBLAS and the
 tiled kernel, and decode steps and verifications, which the runtime computes with the reference paths
 (orchestrator/kernels.py), sum every element as a one-row step sums it.
@@ -190,16 +190,16 @@ int orchestrator_gate_tinyblas(const char *library_name_part) {
 ggml_vec_dot_f16 (exact_matmuls.c). Returns 1 where it is on, else 0. */
 int orchestrator_exact_f16(void *dot) { return original_sgemm ? exact_f16_check((vec_dot_fn)dot) : 0; }
 
-/* Turns on the exact Q4_K/Q6_K matmuls for reference paths where each agrees bit for bit with the library's
+/* Turns on the exact Q4_K/Q6_K/Q5_K matmuls for reference paths where each agrees bit for bit with the library's
 kernel (exact_matmuls.c: the arguments are ggml-cpu's ggml_vec_dot_q4_K_q8_K, ggml_vec_dot_q6_K_q8_K,
-quantize_row_q8_K and ggml_barrier). Returns a bit set (1 Q4_K, 2 Q6_K); 0 where the tiled kernel's slot was not
-gated or none agrees. */
-int orchestrator_exact_kquants(void *dot_q4_K, void *dot_q6_K, void *quantize_q8_K, void *barrier) {
+ggml_vec_dot_q5_K_q8_K, quantize_row_q8_K and ggml_barrier). Returns exact_kquant_check's bit set of the copies
+that agreed; 0 where the tiled kernel's slot was not gated or none agrees. */
+int orchestrator_exact_kquants(void *dot_q4_K, void *dot_q6_K, void *dot_q5_K, void *quantize_q8_K, void *barrier) {
     if (!original_tiled) {
         return 0;
     }
-    return exact_kquant_check((vec_dot_fn)dot_q4_K, (vec_dot_fn)dot_q6_K, (quantize_row_fn)quantize_q8_K,
-                              (barrier_fn)barrier);
+    return exact_kquant_check((vec_dot_fn)dot_q4_K, (vec_dot_fn)dot_q6_K, (vec_dot_fn)dot_q5_K,
+                              (quantize_row_fn)quantize_q8_K, (barrier_fn)barrier);
 }
 
 /* exact_tensor_abi_check (exact_matmuls.c), with the loaded ggml-base's ggml_init, ggml_new_tensor_2d,
@@ -209,5 +209,5 @@ int orchestrator_exact_abi(void *init, void *new_tensor_2d, void *mul_mat, void 
     return exact_tensor_abi_check(init, new_tensor_2d, mul_mat, free_context);
 }
 
-/* exact_use: which of the agreed exact kernels the reference paths use (bit 1 F16, 2 Q4_K, 4 Q6_K). */
+/* exact_use: which of the agreed exact kernels the reference paths use (bit 1 F16, 2 Q4_K, 4 Q6_K, 8 Q5_K). */
 void orchestrator_exact_use(int mask) { exact_use(mask); }
