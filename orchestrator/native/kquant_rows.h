@@ -12,6 +12,30 @@ KQ_TARGET static inline float KQ(hsum_float_8)(const __m256 x) {
     return _mm_cvtss_f32(res);
 }
 
+/* Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins, unpacked as their vec_dot does: the 8 mins as 16-bit lanes,
+and the 8 scales as 16-bit lanes in both halves of a 256-bit register. */
+KQ_TARGET static inline void KQ(unpack_scales)(const uint8_t *packed, __m128i *mins, __m256i *scales) {
+    uint32_t utmp[4];
+    memcpy(utmp, packed, 12);
+    utmp[3] = ((utmp[2] >> 4) & 0x0f0f0f0f) | (((utmp[1] >> 6) & 0x03030303) << 4);
+    const uint32_t uaux = utmp[1] & 0x3f3f3f3f;
+    utmp[1] = (utmp[2] & 0x0f0f0f0f) | (((utmp[0] >> 6) & 0x03030303) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= 0x3f3f3f3f;
+    const __m256i mins_and_scales =
+        _mm256_cvtepu8_epi16(_mm_set_epi32((int)utmp[3], (int)utmp[2], (int)utmp[1], (int)utmp[0]));
+    *mins = _mm256_extracti128_si256(mins_and_scales, 1);
+    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+    *scales = _mm256_set_m128i(sc128, sc128);
+}
+
+/* The mins times a Q8_K block's sums of 32 quants (its 16 sums of 16, added in pairs): 4 int32 lanes. */
+KQ_TARGET static inline __m128i KQ(mins_product)(__m128i mins, const block_q8_K *b) {
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)b->bsums);
+    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+    return _mm_madd_epi16(mins, q8s);
+}
+
 /* One Q4_K weight row (nb blocks) against `cols` Q8_K rows y[c] (nb blocks each): out[c * stride], each as
 ggml_vec_dot_q4_K_q8_K computes it (per block: d = y.d * x.d and dmin = -y.d * x.dmin in float; the mins' product
 into a 4-lane accumulator and the scaled quant sums into an 8-lane one, by FMA; at the end hsum_float_8 of the one
@@ -28,18 +52,9 @@ KQ_TARGET static void KQ(q4_K_row)(int nb, const void *row, const block_q8_K *co
     }
     for (int i = 0; i < nb; i++) {
         const float xd = _cvtsh_ss(x[i].d), xdmin = _cvtsh_ss(x[i].dmin);
-        uint32_t utmp[4];
-        memcpy(utmp, x[i].scales, 12);
-        utmp[3] = ((utmp[2] >> 4) & 0x0f0f0f0f) | (((utmp[1] >> 6) & 0x03030303) << 4);
-        const uint32_t uaux = utmp[1] & 0x3f3f3f3f;
-        utmp[1] = (utmp[2] & 0x0f0f0f0f) | (((utmp[0] >> 6) & 0x03030303) << 4);
-        utmp[2] = uaux;
-        utmp[0] &= 0x3f3f3f3f;
-        const __m256i mins_and_scales =
-            _mm256_cvtepu8_epi16(_mm_set_epi32((int)utmp[3], (int)utmp[2], (int)utmp[1], (int)utmp[0]));
-        const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        __m128i mins;
+        __m256i scales;
+        KQ(unpack_scales)(x[i].scales, &mins, &scales);
         __m256i scale_l[4], scale_h[4], q4l[4], q4h[4];
         for (int j = 0; j < 4; j++) {
             /* each 16-bit lane takes scale 2j (low half) or 2j + 1 (high half), as get_scale_shuffle_k4 */
@@ -53,10 +68,7 @@ KQ_TARGET static void KQ(q4_K_row)(int nb, const void *row, const block_q8_K *co
             const block_q8_K *b = y[c] + i;
             const float d = b->d * xd;
             const float dmin = -b->d * xdmin;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)b->bsums);
-            const __m128i q8s =
-                _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            const __m128i prod = _mm_madd_epi16(mins, q8s);
+            const __m128i prod = KQ(mins_product)(mins, b);
             acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[c]);
             __m256i sumi = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
@@ -154,18 +166,9 @@ KQ_TARGET static void KQ(q5_K_row)(int nb, const void *row, const block_q8_K *co
     }
     for (int i = 0; i < nb; i++) {
         const float xd = _cvtsh_ss(x[i].d), xdmin = _cvtsh_ss(x[i].dmin);
-        uint32_t utmp[4];
-        memcpy(utmp, x[i].scales, 12);
-        utmp[3] = ((utmp[2] >> 4) & 0x0f0f0f0f) | (((utmp[1] >> 6) & 0x03030303) << 4);
-        const uint32_t uaux = utmp[1] & 0x3f3f3f3f;
-        utmp[1] = (utmp[2] & 0x0f0f0f0f) | (((utmp[0] >> 6) & 0x03030303) << 4);
-        utmp[2] = uaux;
-        utmp[0] &= 0x3f3f3f3f;
-        const __m256i mins_and_scales =
-            _mm256_cvtepu8_epi16(_mm_set_epi32((int)utmp[3], (int)utmp[2], (int)utmp[1], (int)utmp[0]));
-        const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        __m128i mins;
+        __m256i scales;
+        KQ(unpack_scales)(x[i].scales, &mins, &scales);
         const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].qh);
         __m256i hmask = mone;
         __m256i scale_0[4], scale_1[4], q5_0[4], q5_1[4];
@@ -184,10 +187,7 @@ KQ_TARGET static void KQ(q5_K_row)(int nb, const void *row, const block_q8_K *co
             const block_q8_K *b = y[c] + i;
             const float d = b->d * xd;
             const float dmin = -b->d * xdmin;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)b->bsums);
-            const __m128i q8s =
-                _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            const __m128i prod = _mm_madd_epi16(mins, q8s);
+            const __m128i prod = KQ(mins_product)(mins, b);
             const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
             summs[c] += dmin * _mm_extract_epi32(hsum, 0);
             __m256i sumi = _mm256_setzero_si256();
