@@ -36,6 +36,22 @@ KQ_TARGET static inline __m128i KQ(mins_product)(__m128i mins, const block_q8_K 
     return _mm_madd_epi16(mins, q8s);
 }
 
+/* Q4_K's and Q5_K's quant sums for one Q8_K block: for each of the 4 pairs of 32-quant groups (unsigned quants
+`lo[j]`, `hi[j]` against the block's 64 quants from 64 * j), the byte products summed in pairs and scaled by
+`scale_lo[j]`, `scale_hi[j]`, added into 8 int32 lanes as their vec_dot adds them (integer sums: exact). */
+KQ_TARGET static inline __m256i KQ(scaled_sums)(const __m256i *scale_lo, const __m256i *scale_hi, const __m256i *lo,
+                                                const __m256i *hi, const block_q8_K *b) {
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i q8l = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * j));
+        const __m256i q8h = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * j + 32));
+        const __m256i p16l = _mm256_madd_epi16(scale_lo[j], _mm256_maddubs_epi16(lo[j], q8l));
+        const __m256i p16h = _mm256_madd_epi16(scale_hi[j], _mm256_maddubs_epi16(hi[j], q8h));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+    }
+    return sumi;
+}
+
 /* One Q4_K weight row (nb blocks) against `cols` Q8_K rows y[c] (nb blocks each): out[c * stride], each as
 ggml_vec_dot_q4_K_q8_K computes it (per block: d = y.d * x.d and dmin = -y.d * x.dmin in float; the mins' product
 into a 4-lane accumulator and the scaled quant sums into an 8-lane one, by FMA; at the end hsum_float_8 of the one
@@ -70,14 +86,7 @@ KQ_TARGET static void KQ(q4_K_row)(int nb, const void *row, const block_q8_K *co
             const float dmin = -b->d * xdmin;
             const __m128i prod = KQ(mins_product)(mins, b);
             acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[c]);
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                const __m256i q8l = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * j));
-                const __m256i q8h = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * j + 32));
-                const __m256i p16l = _mm256_madd_epi16(scale_l[j], _mm256_maddubs_epi16(q4l[j], q8l));
-                const __m256i p16h = _mm256_madd_epi16(scale_h[j], _mm256_maddubs_epi16(q4h[j], q8h));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
-            }
+            const __m256i sumi = KQ(scaled_sums)(scale_l, scale_h, q4l, q4h, b);
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
         }
     }
@@ -190,14 +199,7 @@ KQ_TARGET static void KQ(q5_K_row)(int nb, const void *row, const block_q8_K *co
             const __m128i prod = KQ(mins_product)(mins, b);
             const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
             summs[c] += dmin * _mm_extract_epi32(hsum, 0);
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                const __m256i q8_0 = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * j));
-                const __m256i q8_1 = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * j + 32));
-                const __m256i p16_0 = _mm256_madd_epi16(scale_0[j], _mm256_maddubs_epi16(q5_0[j], q8_0));
-                const __m256i p16_1 = _mm256_madd_epi16(scale_1[j], _mm256_maddubs_epi16(q5_1[j], q8_1));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
-            }
+            const __m256i sumi = KQ(scaled_sums)(scale_0, scale_1, q5_0, q5_1, b);
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
         }
     }
