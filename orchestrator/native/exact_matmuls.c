@@ -6,8 +6,8 @@ row is unpacked once for all the rows of the ubatch instead of once per row.
 Why it is exact: a one-row kernel's result depends only on the order of its floating-point operations, per output
 element. Each kernel here does, per output element, the same operations in the same order as the one it stands
 for (the x86 code of llama-cpp-python 0.3.36's ggml-cpu: vec.cpp `ggml_vec_dot_f16` in AVX512F/AVX512-FP16
-builds, arch/x86/quants.c `ggml_vec_dot_q4_K_q8_K` and `ggml_vec_dot_q6_K_q8_K` in AVX2 and AVX512 builds); only
-work that does not depend on the row of the ubatch (widening F16, unpacking 4- and 6-bit quants and scales,
+builds, arch/x86/quants.c `ggml_vec_dot_q{4,5,6}_K_q8_K` in AVX2 and AVX512 builds); only work that does not
+depend on the row of the ubatch (widening F16, unpacking 4-, 5- and 6-bit quants and scales,
 integer products whose sums are exact) is shared. None of it is trusted: `exact_f16_check` and `exact_kquant_check`
 compare each kernel bit for bit with the loaded library's own over pseudo-random data, and a kernel that differs
 is never used (the row-by-row path stays). The runtime measures exact verification widths at start on top.
@@ -29,14 +29,14 @@ Compiled for the CPU features each function names (target attributes) and used o
 /* ---- F16 x F16 -> F32 (attention over an F16 KV cache, F16 weights) ---------------------------------------- */
 
 static vec_dot_fn library_dot_f16; /* set once exact_f16_check agreed */
-static int used = ~0;             /* exact_use's mask */
+static int used = ~0;             /* orchestrator_exact_use's mask */
 
 bool exact_f16_on(void) { return library_dot_f16 != NULL && (used & 1); }
 
 /* Which of the kernels that agreed are used: bit 1 F16, 2 Q4_K, 4 Q6_K, 8 Q5_K (all, unless told otherwise). For
-measurements that compare them with ggml's row-by-row path in one process (bench/); either way the sums are the
-same. */
-void exact_use(int mask) { used = mask; }
+measurements that compare them with ggml's row-by-row path in one process (bench/, tests/); either way the sums
+are the same. Exported as it is (ctypes). */
+void orchestrator_exact_use(int mask) { used = mask; }
 
 #if EXACT_X86
 /* Each thread keeps one scratch buffer for the widened rows, (n + 1) * k floats, grown as needed: at most 16 Mi
@@ -231,7 +231,7 @@ int exact_f16_check(vec_dot_fn dot) {
 
 /* ---- Q4_K, Q5_K and Q6_K weights x Q8_K activations (K-quant models' weight matmuls) ------------------------ */
 
-static bool tensor_abi_ok; /* exact_tensor_abi_check agreed: exact_kquant_mul_mat may read ggml_tensor fields */
+static bool tensor_abi_ok; /* orchestrator_exact_abi agreed: exact_kquant_mul_mat may read ggml_tensor fields */
 
 struct ggml_init_params_0_3_36 {
     size_t mem_size;
@@ -244,8 +244,10 @@ reads (type, ne, nb, src, data): builds w (Q4_K 512 x 3), a (F32 512 x 2) and mu
 own ggml_init, ggml_new_tensor_2d, ggml_mul_mat (in a 1 MiB context it allocates, so a wrong offset reads that
 context, never past it) and compares every field with what it must be. 1 where all agree (the K-quant matmul may
 then be turned on), else 0 and it stays off: a ggml of another layout (another llama-cpp-python, or
-LLAMA_CPP_LIB_PATH's) gets ggml's row-by-row path, not a misread tensor. */
-int exact_tensor_abi_check(void *init, void *new_tensor_2d, void *mul_mat, void *free_context) {
+LLAMA_CPP_LIB_PATH's) gets ggml's row-by-row path, not a misread tensor. Exported as it is (ctypes: the
+arguments are the loaded ggml-base's ggml_init, ggml_new_tensor_2d, ggml_mul_mat, ggml_free); call it before
+orchestrator_exact_kquants, which stays off until it agreed. */
+int orchestrator_exact_abi(void *init, void *new_tensor_2d, void *mul_mat, void *free_context) {
     typedef void *(*init_fn)(struct ggml_init_params_0_3_36);
     typedef struct ggml_tensor_0_3_36 *(*new_2d_fn)(void *, int, int64_t, int64_t);
     typedef struct ggml_tensor_0_3_36 *(*mul_mat_fn)(void *, struct ggml_tensor_0_3_36 *, struct ggml_tensor_0_3_36 *);
@@ -272,7 +274,6 @@ int exact_tensor_abi_check(void *init, void *new_tensor_2d, void *mul_mat, void 
     return ok;
 }
 
-
 enum { COLUMNS = 64 }; /* ubatch rows per pass over a weight row: accumulators for each live on the stack */
 
 #if EXACT_X86
@@ -292,13 +293,9 @@ static barrier_fn library_barrier;
 
 typedef void (*kquant_row_fn)(int, const void *, const block_q8_K *const *, int, float *, size_t);
 
-/* One copy of the row kernels: [0] Q4_K, [1] Q6_K, [2] Q5_K. */
-struct kquant_copy {
-    kquant_row_fn row[3];
-};
-
-static const struct kquant_copy avx2 = {{q4_K_row_avx2, q6_K_row_avx2, q5_K_row_avx2}};
-static const struct kquant_copy avx512 = {{q4_K_row_avx512, q6_K_row_avx512, q5_K_row_avx512}};
+/* The two copies of the row kernels, each [0] Q4_K, [1] Q6_K, [2] Q5_K. */
+static const kquant_row_fn avx2[3] = {q4_K_row_avx2, q6_K_row_avx2, q5_K_row_avx2};
+static const kquant_row_fn avx512[3] = {q4_K_row_avx512, q6_K_row_avx512, q5_K_row_avx512};
 static kquant_row_fn used_row[3]; /* per type, the copy that agreed (exact_kquant_check); NULL: row by row */
 
 /* Weight rows i0..i1-1 of a Q4_K/Q5_K/Q6_K matrix against n Q8_K rows (`q8`, `row` bytes apart), in passes of at most
@@ -318,10 +315,10 @@ static void kquant_rows(kquant_row_fn kernel, int nb, const char *w, size_t w_st
 }
 #endif
 
-/* ggml_compute_forward_mul_mat for a Q4_K or Q6_K weight matrix (2-D) times 2+ F32 rows (2-D), under the reference
-paths, where ggml would quantize the rows to Q8_K into its work buffer (split between threads), meet at a barrier
-and compute every element with vec_dot: the same, with the weight rows split between threads and each computed
-against every activation row at once. Returns false, in every thread alike (the decision reads only the tensors
+/* ggml_compute_forward_mul_mat for a Q4_K, Q5_K or Q6_K weight matrix (2-D) times 2+ F32 rows (2-D), under the
+reference paths, where ggml would quantize the rows to Q8_K into its work buffer (split between threads), meet at
+a barrier and compute every element with vec_dot: the same, with the weight rows split between threads and each
+computed against every activation row at once. Returns false, in every thread alike (the decision reads only the tensors
 and params, which all threads share), for anything else: ggml then computes it row by row. */
 bool exact_kquant_mul_mat(const struct ggml_compute_params_0_3_36 *params, struct ggml_tensor_0_3_36 *dst) {
 #if EXACT_X86
@@ -413,7 +410,7 @@ static int kquant_agrees(int type, kquant_row_fn kernel, vec_dot_fn dot, quantiz
 #endif
 
 /* Turns exact_kquant_mul_mat on for each of Q4_K, Q6_K and Q5_K whose kernel agrees bit for bit with the
-library's, once exact_tensor_abi_check agreed (`dot_q4_K`, `dot_q6_K`, `dot_q5_K`: ggml_vec_dot_q{4,6,5}_K_q8_K;
+library's, once orchestrator_exact_abi agreed (`dot_q4_K`, `dot_q6_K`, `dot_q5_K`: ggml_vec_dot_q{4,6,5}_K_q8_K;
 `quantize_q8_K`: quantize_row_q8_K; `barrier`: ggml_barrier). Both copies are compared where the CPU runs them
 (AVX2; AVX512F/VL/BW/DQ), and the AVX512 one is used where it agrees, else the AVX2 one. Returns the bit set of
 copies that agreed: AVX2 1 Q4_K, 2 Q6_K, 4 Q5_K; AVX512 8 Q4_K, 16 Q6_K, 32 Q5_K; 0 where none did (not x86, no
@@ -439,13 +436,13 @@ int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, vec_dot_fn dot_
         if (!dots[t]) {
             continue;
         }
-        const bool narrow_ok = kquant_agrees(types[t], avx2.row[t], dots[t], quantize_q8_K);
-        const bool wide_ok = wide && kquant_agrees(types[t], avx512.row[t], dots[t], quantize_q8_K);
+        const bool narrow_ok = kquant_agrees(types[t], avx2[t], dots[t], quantize_q8_K);
+        const bool wide_ok = wide && kquant_agrees(types[t], avx512[t], dots[t], quantize_q8_K);
         agreed |= (narrow_ok ? 1 << t : 0) | (wide_ok ? 8 << t : 0);
         if (!used_row[t] && (narrow_ok || wide_ok)) {
             library_quantize_q8_K = quantize_q8_K;
             library_barrier = barrier;
-            used_row[t] = wide_ok ? avx512.row[t] : avx2.row[t];
+            used_row[t] = wide_ok ? avx512[t] : avx2[t];
         }
     }
     asked[0] = dot_q4_K;

@@ -78,13 +78,11 @@ typedef void (*barrier_fn)(void *threadpool);
 
 /* exact_matmuls.c */
 bool exact_f16_on(void);
-void exact_use(int mask);
 void exact_f16_gemm(int ith, int nth, int64_t m, int64_t n, int64_t k, const uint16_t *A, int64_t lda,
                     const uint16_t *B, int64_t ldb, float *C, int64_t ldc);
 int exact_f16_check(vec_dot_fn dot);
 bool exact_kquant_mul_mat(const struct ggml_compute_params_0_3_36 *params, struct ggml_tensor_0_3_36 *dst);
 int exact_kquant_check(vec_dot_fn dot_q4_K, vec_dot_fn dot_q6_K, vec_dot_fn dot_q5_K, quantize_row_fn quantize_q8_K,
                        barrier_fn barrier);
-int exact_tensor_abi_check(void *init, void *new_tensor_2d, void *mul_mat, void *free_context);
 
 #endif

@@ -14,9 +14,9 @@ BF16, it computes F16 x F16 with exact_matmuls.c's F16 matmul where that agreed 
 Q5_0, Q4_0 ...) sums each row's blocks as `vec_dot` does: kept, verifications stay exact (Gemma 3 270M's Q8_0 and
 Q5_0 weights: widths 2..16, 20..32 in the default layout, bench/results/2026-12-07/tinyblas-gate) and keep its
 speed. ggml-cpu's call to `ggml_compute_forward_mul_mat_tiled`, which declines `use_ref`, goes to `gated_tiled`
-the same way: there exact_matmuls.c's Q4_K/Q5_K/Q6_K matmul takes reference-path K-quant matmuls of 2+ rows where it
-agreed with the library's kernels, which ggml would otherwise compute row by row. So prefill keeps tinyBLAS and the
-tiled kernel, and decode steps and verifications, which the runtime computes with the reference paths
+the same way: there exact_matmuls.c's Q4_K/Q5_K/Q6_K matmul takes reference-path K-quant matmuls of 2+ rows
+where it agreed with the library's kernels, which ggml would otherwise compute row by row. So prefill keeps
+tinyBLAS and the tiled kernel, and decode steps and verifications, which the runtime computes with the reference paths
 (orchestrator/kernels.py), sum every element as a one-row step sums it.
 
 The layouts read are in ggml_abi.h (llama-cpp-python 0.3.36, the version pyproject.toml pins); the runtime
@@ -31,8 +31,8 @@ build without llamafile, or one that calls it directly), -1 where a slot could n
 first: a second copy of the library (another file name for the same library: pip installs libggml-cpu.so, .so.0
 and .so.0.25.3 as copies, not links) has its own tables, which only the copy llama.cpp initialised
 (ggml_cpu_init) has filled; calling into it computes garbage, so the gate's originals are the first copy's, and
-other copies are left alone. orchestrator_exact_f16, orchestrator_exact_kquants and orchestrator_exact_use (at
-the end) turn exact_matmuls.c's kernels on.
+other copies are left alone. orchestrator_exact_f16 and orchestrator_exact_kquants (at the end) turn
+exact_matmuls.c's kernels on; exact_matmuls.c exports orchestrator_exact_abi and orchestrator_exact_use itself.
 Thread safety: call these before the first computation that uses reference paths; a slot write is one aligned
 pointer store. */
 #define _GNU_SOURCE
@@ -151,6 +151,7 @@ static int patch_object(struct dl_phdr_info *info, size_t size, void *data) {
             for (size_t h = 0; h < sizeof(hooks) / sizeof(hooks[0]); h++) {
                 if (strcmp(strings + symbol->st_name, hooks[h].symbol) == 0) {
                     hook = &hooks[h];
+                    break;
                 }
             }
             if (!hook || symbol->st_shndx == SHN_UNDEF) {
@@ -201,13 +202,3 @@ int orchestrator_exact_kquants(void *dot_q4_K, void *dot_q6_K, void *dot_q5_K, v
     return exact_kquant_check((vec_dot_fn)dot_q4_K, (vec_dot_fn)dot_q6_K, (vec_dot_fn)dot_q5_K,
                               (quantize_row_fn)quantize_q8_K, (barrier_fn)barrier);
 }
-
-/* exact_tensor_abi_check (exact_matmuls.c), with the loaded ggml-base's ggml_init, ggml_new_tensor_2d,
-ggml_mul_mat and ggml_free: 1 where struct ggml_tensor is laid out as ggml_abi.h says. Call it before
-orchestrator_exact_kquants, which stays off until it agreed. */
-int orchestrator_exact_abi(void *init, void *new_tensor_2d, void *mul_mat, void *free_context) {
-    return exact_tensor_abi_check(init, new_tensor_2d, mul_mat, free_context);
-}
-
-/* exact_use: which of the agreed exact kernels the reference paths use (bit 1 F16, 2 Q4_K, 4 Q6_K, 8 Q5_K). */
-void orchestrator_exact_use(int mask) { exact_use(mask); }
